@@ -1,0 +1,1 @@
+"""Reference experiments for jaxcomm."""

@@ -1,0 +1,79 @@
+"""Gradient all-reduce algorithms, selected by name in :func:`allreduce`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomm.collectives import flat as _flat  # noqa: F401  (registers 'flat')
+from jaxcomm.collectives import hierarchical as _hier  # noqa: F401  (registers 'hierarchical')
+from jaxcomm.collectives.base import (
+    ALGORITHMS,
+    OPS,
+    Packing,
+    axes_size,
+    check_algorithm,
+    check_axes,
+    check_float_tree,
+    check_op,
+    register_algorithm,
+)
+from jaxcomm.collectives.flat import flat_allreduce
+from jaxcomm.collectives.hierarchical import hierarchical_allreduce
+
+__all__ = [
+    "ALGORITHMS",
+    "OPS",
+    "allreduce",
+    "flat_allreduce",
+    "hierarchical_allreduce",
+    "register_algorithm",
+]
+
+
+def allreduce(
+    tree: Any,
+    *,
+    axes: tuple[str, ...] = ("inter", "intra"),
+    algorithm: str = "hierarchical",
+    op: str = "mean",
+) -> Any:
+    """All-reduces every leaf of ``tree`` over the data-parallel mesh axes.
+
+    Call it inside ``jax.shard_map`` on the per-device values.
+
+    Args:
+      tree: a pytree of floating-point arrays (f32, bf16, f16, f64; scalars allowed).
+      axes: mesh axis names, outermost first.
+      algorithm: one of ``jaxcomm.collectives.ALGORITHMS`` ('flat', 'hierarchical', and
+        the ones other modules register).
+      op: 'sum' or 'mean'.
+
+    Returns:
+      A pytree of the same structure, shapes and dtypes holding the reduced values.
+
+    Raises:
+      ValueError: unknown ``algorithm`` or ``op`` (the message lists the choices).
+      TypeError: a leaf is not floating point (the message names its path).
+
+    Example:
+      >>> def step(g):
+      ...     return jaxcomm.allreduce(g, algorithm='hierarchical', op='mean')
+      >>> jax.shard_map(step, mesh=mesh, in_specs=P(('inter','intra')), out_specs=P())
+    """
+    fn = ALGORITHMS[check_algorithm(algorithm)]
+    check_op(op)
+    axes = check_axes(axes)
+    check_float_tree(tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    leaves = [jnp.asarray(x) for x in leaves]
+    plan = Packing(leaves)
+    reduced = [fn(buf, axes) for buf in plan.pack(leaves)]
+    if op == "mean":
+        n = axes_size(axes)
+        reduced = [(r / n).astype(r.dtype) for r in reduced]
+    return jax.tree.unflatten(treedef, plan.unpack(reduced))

@@ -1,0 +1,119 @@
+"""Shared pieces of the all-reduce algorithms: validation, packing, the algorithm registry.
+
+An *algorithm* is a function ``fn(x, axes) -> y`` that sums a 1-D array over the named
+mesh axes (called inside ``jax.shard_map``) and returns an array of the same shape. The
+public :func:`jaxcomm.allreduce` validates the pytree, packs its leaves into 1-D buffers,
+calls the algorithm on each and unpacks the results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+AlgorithmFn = Callable[[jax.Array, tuple[str, ...]], jax.Array]
+
+OPS: tuple[str, ...] = ("sum", "mean")
+ALGORITHMS: dict[str, AlgorithmFn] = {}
+
+# Leaves below this many elements are concatenated into one buffer per dtype, so that a
+# model's biases and norm scales cost one collective instead of hundreds (the per-call
+# latency dominates them; see the batching notes in ../shared/REFERENCE.md).
+SMALL_LEAF_ELEMENTS = 1 << 14
+
+
+def register_algorithm(name: str, fn: AlgorithmFn | None = None):
+    """Registers ``fn`` under ``name`` for ``allreduce(..., algorithm=name)``.
+
+    Usable as a decorator: ``@register_algorithm('ring')``.
+    """
+
+    def _register(f: AlgorithmFn) -> AlgorithmFn:
+        ALGORITHMS[name] = f
+        return f
+
+    return _register if fn is None else _register(fn)
+
+
+def check_algorithm(algorithm: str) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"algorithm={algorithm!r} is not known; choose one of {sorted(ALGORITHMS)}."
+        )
+    return algorithm
+
+
+def check_op(op: str) -> str:
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is not supported; choose one of {list(OPS)}.")
+    return op
+
+
+def check_axes(axes: str | Sequence[str]) -> tuple[str, ...]:
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise ValueError(f"axes={axes!r} must be a non-empty tuple of mesh axis names.")
+    return axes
+
+
+def check_float_tree(tree: Any) -> None:
+    """Raises TypeError naming the first leaf that is not a real floating-point array."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"gradient leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}; "
+                "jaxcomm all-reduces real floating-point leaves only (float32, bfloat16, "
+                "float16, float64). Cast it, or keep integer/complex state out of the tree."
+            )
+
+
+def axes_size(axes: tuple[str, ...]) -> int:
+    """Product of the sizes of ``axes`` (inside shard_map)."""
+    return int(np.prod([lax.axis_size(a) for a in axes]))
+
+
+def pad_to_multiple(x: jax.Array, multiple: int) -> tuple[jax.Array, int]:
+    """Pads a 1-D array with zeros to a multiple of ``multiple``; returns (padded, pad)."""
+    pad = (-x.shape[0]) % multiple
+    if pad:
+        x = jnp.concatenate([x, jnp.zeros((pad,), x.dtype)])
+    return x, pad
+
+
+class Packing:
+    """Plan that turns a list of leaves into 1-D buffers (and back).
+
+    Large leaves get a buffer each; leaves under ``small_elements`` elements are
+    concatenated per dtype, in the order given.
+    """
+
+    def __init__(self, leaves: Sequence[jax.Array], small_elements: int = SMALL_LEAF_ELEMENTS):
+        self.shapes = [jnp.shape(x) for x in leaves]
+        self.dtypes = [jnp.result_type(x) for x in leaves]
+        self.groups: list[list[int]] = []
+        small: dict[Any, list[int]] = {}
+        for i, shape in enumerate(self.shapes):
+            if int(np.prod(shape)) < small_elements:
+                small.setdefault(self.dtypes[i], []).append(i)
+            else:
+                self.groups.append([i])
+        self.groups.extend(small.values())
+
+    def pack(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
+        return [jnp.concatenate([jnp.ravel(leaves[i]) for i in g]) for g in self.groups]
+
+    def unpack(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
+        out: list[Any] = [None] * len(self.shapes)
+        for g, buf in zip(self.groups, buffers, strict=True):
+            offset = 0
+            for i in g:
+                size = int(np.prod(self.shapes[i]))
+                out[i] = buf[offset : offset + size].reshape(self.shapes[i])
+                offset += size
+        return out

@@ -1,0 +1,57 @@
+"""Hierarchical all-reduce over nested mesh axes.
+
+References:
+  Jia et al., "Highly Scalable Deep Learning Training System with Mixed-Precision" (2018);
+  Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``; NCCL's tree/ring split inside a node.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax import lax
+
+from jaxcomm.collectives.base import pad_to_multiple, register_algorithm
+
+
+def _all_gather_invariant(x: jax.Array, axis: str) -> jax.Array:
+    # ``to='invarying'`` tells shard_map's replication check that the gathered value is
+    # the same on every device of ``axis`` (it is), so callers may use ``out_specs=P()``.
+    try:
+        return lax.all_gather(x, axis, tiled=True, to="invarying")
+    except (TypeError, ValueError):  # a jax without the ``to=`` keyword values
+        return lax.all_gather(x, axis, tiled=True)
+
+
+@register_algorithm("hierarchical")
+def hierarchical_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Sums a 1-D ``x`` over ``axes``, innermost (fastest) axis first.
+
+    With ``axes=('inter', 'intra')``, ``g`` devices per node and ``m`` nodes:
+
+    1. reduce-scatter over ``'intra'``: each device keeps the sum of 1/g of the buffer
+       (fast links only);
+    2. all-reduce over ``'inter'`` on that 1/g shard (each slow link carries 1/g of the
+       data of a flat ring over all devices' traffic per node);
+    3. all-gather over ``'intra'`` to rebuild the full sum on every device.
+
+    More than two axes recurse: step 2 is itself hierarchical over the outer axes. A
+    buffer whose length does not divide by the inner group sizes is zero-padded.
+
+    Args:
+      x: 1-D per-device array (inside ``jax.shard_map``).
+      axes: mesh axis names, outermost first, e.g. ``('inter', 'intra')``.
+
+    Returns:
+      The sum over all devices of ``axes``, same shape as ``x``.
+    """
+    if len(axes) == 1:
+        return lax.psum(x, axes[0])
+    inner = axes[-1]
+    inner_sizes = int(np.prod([lax.axis_size(a) for a in axes[1:]]))
+    n = x.shape[0]
+    padded, _ = pad_to_multiple(x, inner_sizes)
+    shard = lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
+    shard = hierarchical_allreduce(shard, axes[:-1])
+    full = _all_gather_invariant(shard, inner)
+    return full[:n]

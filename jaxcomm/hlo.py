@@ -1,0 +1,318 @@
+"""Read the collectives of a compiled program from its optimized HLO text.
+
+Bytes on the wire and the communication schedule are properties of what XLA compiled, not
+of the Python that asked for it (XLA combines, splits and reorders collectives), so every
+jaxcomm claim about communication is read from ``jit(f).lower(...).compile().as_text()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+__all__ = [
+    "Collective",
+    "HloModule",
+    "collectives",
+    "compiled_text",
+    "parse_collectives",
+    "parse_replica_groups",
+]
+
+COLLECTIVE_KINDS = (
+    "all-reduce",
+    "reduce-scatter",
+    "all-gather",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+
+_COMP_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+_ARRAY_RE = re.compile(r"([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn)?)?)\[([0-9,]*)\]")
+_CALLS_RE = re.compile(
+    r"(to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled HLO module.
+
+    Attributes:
+      kind: 'all-reduce', 'reduce-scatter', 'all-gather', 'all-to-all',
+        'collective-permute' or 'collective-broadcast' (async ``-start`` ops are reported
+        under their base kind with ``is_async=True``; ``-done`` ops are not listed).
+      name: the HLO instruction name.
+      dtype: element type of the (first) operand, e.g. 'f32', 'bf16', 's8'.
+      operand_elements: elements of the input buffer(s), summed over a combined tuple.
+      result_elements: elements of the output buffer(s).
+      operand_bytes: bytes of the input buffer(s).
+      group_size: devices per replica group (for collective-permute: the number of pairs).
+      replica_groups: the groups as tuples of logical device ids.
+      source_target_pairs: for collective-permute, the (source, target) pairs.
+      axes: the mesh axes the groups span, when a mesh was given and the groups match.
+      computation: the HLO computation holding the instruction.
+      is_async: an async ``-start`` op (GPU).
+      num_buffers: number of arrays combined into this collective.
+    """
+
+    kind: str
+    name: str
+    dtype: str
+    operand_elements: int
+    result_elements: int
+    operand_bytes: float
+    group_size: int
+    replica_groups: tuple[tuple[int, ...], ...]
+    source_target_pairs: tuple[tuple[int, int], ...]
+    axes: tuple[str, ...] | None
+    computation: str
+    is_async: bool
+    num_buffers: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HloModule:
+    """Parsed structure of a compiled module.
+
+    Attributes:
+      text: the HLO text.
+      collectives: the collectives in text order.
+      calls: computation name -> names of computations it calls.
+      branches: branch computation name -> (conditional instruction, branch index).
+      entry: name of the entry computation.
+    """
+
+    text: str
+    collectives: tuple[Collective, ...]
+    calls: Mapping[str, tuple[str, ...]]
+    branches: Mapping[str, tuple[str, int]]
+    entry: str
+
+    def branch_of(self, computation: str) -> tuple[str, int] | None:
+        """The (conditional, branch index) that ``computation`` runs under, if any."""
+        parents: dict[str, str] = {}
+        for caller, callees in self.calls.items():
+            for c in callees:
+                parents.setdefault(c, caller)
+        seen = set()
+        node = computation
+        while node is not None and node not in seen:
+            if node in self.branches:
+                return self.branches[node]
+            seen.add(node)
+            node = parents.get(node)
+        return None
+
+
+def parse_replica_groups(attr: str, num_devices: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """Parses an HLO ``replica_groups`` value: explicit ``{{0,1},{2,3}}`` or iota form
+    ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)``. ``{}`` means one group of all devices."""
+    attr = attr.strip()
+    if attr.startswith("["):
+        m = re.match(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attr)
+        if not m:
+            raise ValueError(f"unrecognised iota replica groups {attr!r}")
+        out_shape = [int(v) for v in m.group(1).split(",")]
+        in_shape = [int(v) for v in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(in_shape))).reshape(in_shape)
+        if m.group(3):
+            ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+        ids = ids.reshape(out_shape[0], -1)
+        return tuple(tuple(int(v) for v in row) for row in ids)
+    groups = re.findall(r"\{([0-9,\s]*)\}", attr)
+    groups = [g for g in groups if g.strip()]
+    if not groups:
+        return (tuple(range(num_devices)),) if num_devices else ()
+    return tuple(tuple(int(v) for v in g.split(",")) for g in groups)
+
+
+def _mesh_axis_partitions(mesh: Mesh) -> dict[frozenset, tuple[str, ...]]:
+    names = tuple(mesh.axis_names)
+    shape = tuple(mesh.devices.shape)
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    out: dict[frozenset, tuple[str, ...]] = {}
+    for r in range(1, len(names) + 1):
+        for subset in itertools.combinations(range(len(names)), r):
+            rest = [i for i in range(len(names)) if i not in subset]
+            size = int(np.prod([shape[i] for i in subset]))
+            moved = ids.transpose(rest + list(subset)).reshape(-1, size)
+            key = frozenset(frozenset(int(v) for v in row) for row in moved)
+            out.setdefault(key, tuple(names[i] for i in subset))
+    return out
+
+
+def _arrays(type_str: str) -> list[tuple[str, int]]:
+    return [
+        (dt, int(np.prod([int(v) for v in dims.split(",")])) if dims else 1)
+        for dt, dims in _ARRAY_RE.findall(type_str)
+    ]
+
+
+def _attr(rest: str, key: str) -> str | None:
+    i = rest.find(key + "=")
+    if i < 0:
+        return None
+    j = i + len(key) + 1
+    if rest[j] == "{":
+        depth = 0
+        for k in range(j, len(rest)):
+            depth += {"{": 1, "}": -1}.get(rest[k], 0)
+            if depth == 0:
+                return rest[j : k + 1]
+    m = re.match(r"[^\s,]+(?:T\([0-9,]+\))?", rest[j:])
+    return m.group(0) if m else None
+
+
+def parse_collectives(text: str, mesh: Mesh | None = None) -> HloModule:
+    """Parses optimized HLO text into an :class:`HloModule`.
+
+    Args:
+      text: ``compiled.as_text()``.
+      mesh: the mesh the program was compiled for; maps replica groups to axis names.
+
+    Returns:
+      The parsed module.
+    """
+    num_devices = int(mesh.devices.size) if mesh is not None else None
+    partitions = _mesh_axis_partitions(mesh) if mesh is not None else {}
+    comps: dict[str, list[str]] = {}
+    branches: dict[str, tuple[str, int]] = {}
+    found: list[Collective] = []
+    current, entry = "", ""
+    for line in text.splitlines():
+        m = _COMP_RE.match(line)
+        if m:
+            current = m.group(2)
+            comps.setdefault(current, [])
+            if m.group(1):
+                entry = current
+            continue
+        im = _INSTR_RE.match(line)
+        if not im:
+            continue
+        name, type_str, opcode, rest = im.groups()
+        comps.setdefault(current, []).extend(c for _, c in _CALLS_RE.findall(rest))
+        bm = _BRANCHES_RE.search(rest)
+        if bm:
+            names = [b.strip().lstrip("%") for b in bm.group(1).split(",") if b.strip()]
+            comps[current].extend(names)
+            branches.update({b: (name, i) for i, b in enumerate(names)})
+        tc = re.search(r"true_computation=%?([\w.\-]+)", rest)
+        fc = re.search(r"false_computation=%?([\w.\-]+)", rest)
+        if tc and fc:
+            branches[tc.group(1)] = (name, 0)
+            branches[fc.group(1)] = (name, 1)
+        base = opcode.removesuffix("-start")
+        if base not in COLLECTIVE_KINDS:
+            continue
+        is_async = opcode.endswith("-start")
+        arrays = _arrays(type_str)
+        if is_async and base in ("all-gather", "collective-permute") and len(arrays) >= 2:
+            arrays = arrays[len(arrays) // 2 :]  # ((operands), (results)) -> results
+        groups_attr = _attr(rest, "replica_groups")
+        groups = parse_replica_groups(groups_attr, num_devices) if groups_attr else ()
+        pairs_attr = _attr(rest, "source_target_pairs")
+        pair_strs = re.findall(r"\{(\d+,\d+)\}", pairs_attr) if pairs_attr else []
+        pairs = tuple(tuple(int(v) for v in p.split(",")) for p in pair_strs)
+        if base == "collective-permute":
+            gsize = len(pairs)
+        else:
+            gsize = len(groups[0]) if groups else (num_devices or 1)
+        result = sum(n for _, n in arrays)
+        operand = {"reduce-scatter": result * gsize, "all-gather": result // max(gsize, 1)}.get(
+            base, result
+        )
+        dtype = arrays[0][0] if arrays else "?"
+        axes = None
+        if groups and partitions:
+            axes = partitions.get(frozenset(frozenset(g) for g in groups))
+        elif pairs and mesh is not None:
+            axes = _permute_axes(pairs, mesh)
+        found.append(
+            Collective(
+                kind=base,
+                name=name,
+                dtype=dtype,
+                operand_elements=operand,
+                result_elements=result,
+                operand_bytes=sum(
+                    _DTYPE_BYTES.get(dt, 4) * (n * operand / max(result, 1)) for dt, n in arrays
+                ),
+                group_size=gsize,
+                replica_groups=groups,
+                source_target_pairs=pairs,
+                axes=axes,
+                computation=current,
+                is_async=is_async,
+                num_buffers=len(arrays),
+            )
+        )
+    return HloModule(
+        text=text,
+        collectives=tuple(found),
+        calls={k: tuple(v) for k, v in comps.items()},
+        branches=branches,
+        entry=entry,
+    )
+
+
+def _permute_axes(pairs: Sequence[tuple[int, int]], mesh: Mesh) -> tuple[str, ...] | None:
+    """Mesh axes along which a collective-permute moves data (coordinates that change)."""
+    coords = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape), -1)
+    changed = set()
+    for s, t in pairs:
+        changed |= {i for i in range(coords.shape[1]) if coords[s, i] != coords[t, i]}
+    return tuple(mesh.axis_names[i] for i in sorted(changed)) or None
+
+
+def compiled_text(
+    fn: Callable, *args: Any, compiler_options: Mapping[str, Any] | None = None, **kwargs: Any
+) -> str:
+    """Compiles ``fn`` for ``args`` (arrays or ``jax.ShapeDtypeStruct``) and returns the
+    optimized HLO text. ``fn`` may be jitted already; otherwise it is wrapped in ``jax.jit``."""
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    lowered = jitted.lower(*args, **kwargs)
+    compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
+    return compiled.as_text()
+
+
+def collectives(
+    fn: Callable,
+    *args: Any,
+    mesh: Mesh | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> HloModule:
+    """Compiles ``fn(*args)`` and lists its collectives.
+
+    Args:
+      fn: a function or jitted function.
+      *args: arrays or ``jax.ShapeDtypeStruct`` (with shardings where the function needs them).
+      mesh: maps replica groups to mesh axis names.
+      compiler_options: XLA options for this compilation.
+
+    Returns:
+      An :class:`HloModule`; ``.collectives`` is the list.
+
+    Example:
+      >>> mod = jaxcomm.hlo.collectives(step, grads, mesh=mesh)
+      >>> [(c.kind, c.axes, c.operand_elements) for c in mod.collectives]
+    """
+    text = compiled_text(fn, *args, compiler_options=compiler_options, **kwargs)
+    return parse_collectives(text, mesh)

@@ -1,0 +1,103 @@
+"""Every all-reduce algorithm equals numpy (and psum) on random pytrees."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm.collectives import ALGORITHMS
+
+AXES = ("inter", "intra")
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
+
+
+def _random_tree(rng, dtype):
+    shapes = {"w": (37, 5), "b": (7,), "s": (), "deep": {"k": (3, 3, 2, 9), "big": (20001,)}}
+    return jax.tree.map(
+        lambda s: rng.normal(size=s).astype(np.float32),
+        shapes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    ), dtype
+
+
+def _per_device(tree, mesh):
+    # Stack 8 different per-device trees along a leading axis, sharded over both axes.
+    return jax.tree.map(
+        lambda *xs: jax.device_put(np.stack(xs), NamedSharding(mesh, P(AXES))), *tree
+    )
+
+
+def _run(mesh, stacked, **kw):
+    def f(t):
+        local = jax.tree.map(lambda x: x[0], t)
+        return jaxcomm.allreduce(local, **kw)
+
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AXES), out_specs=P(), check_vma=False))(
+        stacked
+    )
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_allreduce_matches_numpy(mesh, algorithm, dtype, op):
+    rng = np.random.default_rng(0)
+    trees = [_random_tree(rng, dtype)[0] for _ in range(8)]
+    trees = [jax.tree.map(lambda x: jnp.asarray(x, dtype), t) for t in trees]
+    out = _run(mesh, _per_device(trees, mesh), algorithm=algorithm, op=op)
+    ref = jax.tree.map(lambda *xs: np.sum([np.asarray(x, np.float64) for x in xs], 0), *trees)
+    if op == "mean":
+        ref = jax.tree.map(lambda r: r / 8, ref)
+    for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+        assert o.dtype == dtype and o.shape == r.shape
+        scale = np.abs(r).max() + 1
+        np.testing.assert_allclose(np.asarray(o, np.float64), r, atol=TOL[dtype] * scale * 8)
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_allreduce_equals_psum(mesh, algorithm):
+    rng = np.random.default_rng(1)
+    trees = [{"a": rng.normal(size=(13, 3)).astype(np.float32)} for _ in range(8)]
+    stacked = _per_device(trees, mesh)
+    out = _run(mesh, stacked, algorithm=algorithm, op="sum")
+
+    def ref(t):
+        return jax.lax.psum(jax.tree.map(lambda x: x[0], t), AXES)
+
+    want = jax.jit(jax.shard_map(ref, mesh=mesh, in_specs=P(AXES), out_specs=P()))(stacked)
+    np.testing.assert_allclose(out["a"], want["a"], rtol=1e-6, atol=1e-6)
+
+
+def test_hierarchical_passes_replication_check(mesh):
+    # all_gather(to='invarying') lets users keep shard_map's check_vma=True with out_specs=P().
+    x = jax.device_put(np.ones((8, 10), np.float32), NamedSharding(mesh, P(AXES)))
+    f = jax.shard_map(
+        lambda v: jaxcomm.allreduce(v[0], algorithm="hierarchical", op="sum"),
+        mesh=mesh,
+        in_specs=P(AXES),
+        out_specs=P(),
+    )
+    np.testing.assert_array_equal(jax.jit(f)(x), np.full((10,), 8.0))
+
+
+def test_empty_tree_and_scalars(mesh):
+    assert _run(mesh, {}, algorithm="hierarchical") == {}
+    out = _run(mesh, _per_device([{"s": np.float32(i)} for i in range(8)], mesh), op="sum")
+    assert float(out["s"]) == sum(range(8))
+
+
+@pytest.mark.parametrize("bad", [np.int32, np.complex64, np.bool_])
+def test_non_float_leaf_names_path(mesh, bad):
+    trees = [{"ok": np.zeros(3, np.float32), "bad": {"count": np.zeros(2, bad)}} for _ in range(8)]
+    with pytest.raises(TypeError, match=r"\['bad'\]\['count'\]"):
+        _run(mesh, _per_device(trees, mesh))
+
+
+def test_unknown_algorithm_and_op():
+    with pytest.raises(ValueError, match="choose one of.*hierarchical"):
+        jaxcomm.allreduce({}, algorithm="butterfly")
+    with pytest.raises(ValueError, match=r"choose one of \['sum', 'mean'\]"):
+        jaxcomm.allreduce({}, op="max")
