@@ -147,7 +147,7 @@ def test_flax_nnx_model(mesh, data):
     dp = jaxcomm.data_parallel(loss_fn, tx, mesh)
     state = dp.init(params)
     losses = []
-    for i in range(5):
+    for _ in range(5):
         state, metrics = dp(state, {"x": x[0], "y": y[0]})
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0]
