@@ -1,6 +1,6 @@
 """jaxcomm: less communication and less waiting for data-parallel training on JAX/XLA."""
 
-from jaxcomm import collectives, hlo
+from jaxcomm import collectives, cost, hlo, topology
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.mesh import DATA_AXES, make_mesh
 from jaxcomm.state import PerDevice
@@ -17,10 +17,12 @@ __all__ = [
     "TrainState",
     "allreduce",
     "collectives",
+    "cost",
     "data_parallel",
     "flat_allreduce",
     "hierarchical_allreduce",
     "hlo",
     "make_mesh",
     "sync_gradients",
+    "topology",
 ]
