@@ -12,6 +12,7 @@ import optax
 from jax import lax
 
 from jaxcomm.collectives import allreduce
+from jaxcomm.collectives.auto import check_topology
 from jaxcomm.collectives.base import check_algorithm, check_axes
 from jaxcomm.mesh import DATA_AXES
 
@@ -63,6 +64,7 @@ def sync_gradients(
     *,
     axes: tuple[str, ...] = DATA_AXES,
     algorithm: str = "hierarchical",
+    topology: Any = None,
 ) -> optax.GradientTransformation:
     """Averages gradients over the data-parallel mesh axes.
 
@@ -71,13 +73,17 @@ def sync_gradients(
 
     Args:
       axes: mesh axis names to average over, outermost first.
-      algorithm: all-reduce algorithm, one of ``jaxcomm.collectives.ALGORITHMS``.
+      algorithm: all-reduce algorithm, one of ``jaxcomm.collectives.ALGORITHMS``;
+        'auto' picks one per packed buffer with ``jaxcomm.cost.choose``.
+      topology: the ``jaxcomm.topology.Topology`` that 'auto' plans with; None:
+        ``jaxcomm.topology.detect()`` at trace time.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`SyncGradientsState`.
 
     Raises:
       ValueError: unknown ``algorithm`` or malformed ``axes`` (at construction).
+      TypeError: ``topology`` is not a Topology.
 
     Example:
       >>> tx = optax.chain(jaxcomm.sync_gradients(algorithm='hierarchical'),
@@ -85,6 +91,7 @@ def sync_gradients(
     """
     axes = check_axes(axes)
     check_algorithm(algorithm)
+    check_topology(topology)
 
     def init(params: Any) -> SyncGradientsState:
         del params
@@ -96,7 +103,7 @@ def sync_gradients(
         if calls is not None:
             calls.append(axes)
         _check_bound(axes)
-        reduced = allreduce(grads, axes=axes, algorithm=algorithm, op="mean")
+        reduced = allreduce(grads, axes=axes, algorithm=algorithm, op="mean", topology=topology)
         return reduced, SyncGradientsState(count=state.count + 1)
 
     return optax.GradientTransformation(init, update)
