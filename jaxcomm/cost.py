@@ -120,6 +120,7 @@ class _Step(NamedTuple):
     fraction: float  # bytes sent per pair = fraction * n
     alphas: np.ndarray  # per distinct pair class
     inv_rates: np.ndarray  # seconds per byte for that class
+    count: int = 1  # identical steps in a row (a ring repeats one pattern)
 
 
 class _Plan(NamedTuple):
@@ -165,7 +166,7 @@ def _step(topo, src, dst, fraction) -> _Step:
 
 
 def _ring_steps(topo, ranks: np.ndarray, nxt: np.ndarray, fraction: float, count: int):
-    return (_step(topo, ranks, nxt, fraction),) * count
+    return (_step(topo, ranks, nxt, fraction)._replace(count=count),)
 
 
 def _binomial_pairs(p: int):
@@ -263,7 +264,7 @@ def _steps_time(steps, n: float) -> float:
         if isinstance(s, tuple) and s and s[0] == "min":
             t += min(_steps_time(s[1], n), _steps_time(s[2], n))
         else:
-            t += float(np.max(s.alphas + s.fraction * n * s.inv_rates))
+            t += s.count * float(np.max(s.alphas + s.fraction * n * s.inv_rates))
     return t
 
 
@@ -320,8 +321,8 @@ def predict_allgather(wire_bytes: float, topology: Topology) -> float:
     if p == 1 or wire_bytes == 0:
         return 0.0
     r = np.arange(p)
-    step = _step(topology, r, (r + 1) % p, 1.0)
-    return (p - 1) * _steps_time((step,), wire_bytes)
+    step = _step(topology, r, (r + 1) % p, 1.0)._replace(count=p - 1)
+    return _steps_time((step,), wire_bytes)
 
 
 def choose(

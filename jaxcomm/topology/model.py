@@ -192,6 +192,7 @@ def fat_tree(
     leaves_per_pod: int | None = 4,
     *,
     devices_per_node: int = 8,
+    nics_per_node: int = 1,
     intra_bandwidth: float = 150e9,
     link_bandwidth: float = 12.5e9,
     intra_latency: float = 3e-6,
@@ -207,8 +208,10 @@ def fat_tree(
       nodes_per_leaf: nodes under one leaf switch (shrunk to ``nodes`` when larger).
       leaves_per_pod: leaves per pod; None gives a 2-level tree (leaf + spine).
       devices_per_node: accelerators per node.
+      nics_per_node: network ports per node; the node's devices share them (level-1
+        oversubscription ``devices_per_node / nics_per_node``).
       intra_bandwidth: bytes/s per device inside a node.
-      link_bandwidth: bytes/s per device across the network (its NIC share).
+      link_bandwidth: bytes/s of one NIC (one flow's ceiling).
       intra_latency: seconds per message inside a node.
       base_latency: seconds per network message (software + NIC).
       hop_latency: seconds added per link crossed (same leaf 2, same pod 4, else 6).
@@ -226,6 +229,11 @@ def fat_tree(
       >>> topo.num_devices
       512
     """
+    if not 1 <= nics_per_node <= devices_per_node:
+        raise ValueError(
+            f"fat_tree(nics_per_node={nics_per_node}): must be between 1 and "
+            f"devices_per_node={devices_per_node}."
+        )
     npl = min(nodes_per_leaf, nodes)
     if nodes % npl:
         raise ValueError(
@@ -235,7 +243,13 @@ def fat_tree(
     leaves = nodes // npl
     levels = [
         Level("node", devices_per_node, intra_bandwidth, intra_latency),
-        Level("leaf", npl, link_bandwidth, base_latency + 2 * hop_latency),
+        Level(
+            "leaf",
+            npl,
+            link_bandwidth,
+            base_latency + 2 * hop_latency,
+            devices_per_node / nics_per_node,
+        ),
     ]
     if leaves_per_pod is None:
         levels.append(
@@ -287,6 +301,7 @@ def dgx_h100(nodes: int = 64, *, nodes_per_leaf: int = 32, oversubscription: flo
         nodes_per_leaf,
         None,
         devices_per_node=8,
+        nics_per_node=8,
         intra_bandwidth=370e9,
         link_bandwidth=48e9,
         intra_latency=3e-6,
