@@ -4,8 +4,9 @@ Each algorithm is a sequence of synchronous steps; in a step every participating
 sends ``f * n`` bytes to one partner (a ``ppermute``). A step takes the time of its slowest
 pair: ``alpha_L + f n / rate``, where ``L`` is the lowest common level of the pair
 (its latency and bandwidth apply) and ``rate`` is the pair's share of every uplink it climbs
-(link sharing: a level-(j-1) group has ``devices * bandwidth_j / oversubscription_j`` of
-uplink for all its pairs that leave it in that step). Reduction costs ``gamma`` per byte
+(link sharing: a node has ``g * bandwidth_1 / oversubscription_1`` of uplink, a
+level-(j-1) group ``children * child uplink / oversubscription_j``, shared by all its pairs
+that leave it in that step). Reduction costs ``gamma`` per byte
 added. On a one-level topology (all devices alike) this is exactly the textbook model:
 
 - ring:  ``2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma``
@@ -144,13 +145,16 @@ def _pairs_cost(topo: Topology, src: np.ndarray, dst: np.ndarray) -> tuple[np.nd
     for span in spans[:-1]:
         level += (sa // span) != (sb // span)
     rate = bw[level].astype(float)
+    # Uplink capacity of one level-(j-1) group (bytes/s): a node has g devices' worth of
+    # level-1 links over its oversubscription (shared NICs); a higher group has its
+    # children's uplinks over its own oversubscription (a fat tree's switch tiers).
+    cap = g * topo.levels[1].bandwidth / topo.levels[1].oversubscription if len(bw) > 1 else 0
     for j in range(1, len(topo.levels)):
-        lv = topo.levels[j]
+        if j > 1:
+            cap = topo.levels[j - 1].size * cap / topo.levels[j].oversubscription
         crossing = level >= j
         if not crossing.any():
             break
-        group_devices = g * spans[j - 1]
-        cap = group_devices * lv.bandwidth / lv.oversubscription
         for side in (sa, sb):  # uplink out of the source group, downlink into the target's
             grp = side // spans[j - 1]
             flows = np.bincount(grp[crossing], minlength=int(grp.max()) + 1)

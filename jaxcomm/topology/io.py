@@ -63,7 +63,8 @@ def _level(d: Any, i: int) -> Level:
     unknown = set(d) - set(_LEVEL_FIELDS)
     if unknown:
         raise TopologyFileError(
-            f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_LEVEL_FIELDS)}."
+            f"{where}: unknown key(s) {sorted(unknown)}; "
+            f"expected keys among {sorted(_LEVEL_FIELDS)}."
         )
     for key in ("name", "size", "bandwidth_GBps", "latency_us"):
         if key not in d:
@@ -105,7 +106,9 @@ def from_dict(d: Mapping[str, Any]) -> Topology:
     allowed = {"name", "levels", "gamma_s_per_byte", "placement"}
     unknown = set(d) - allowed
     if unknown:
-        raise TopologyFileError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}.")
+        raise TopologyFileError(
+            f"unknown key(s) {sorted(unknown)}; expected keys among {sorted(allowed)}."
+        )
     levels = d.get("levels")
     if not isinstance(levels, Sequence) or isinstance(levels, str) or not levels:
         raise TopologyFileError(
@@ -126,7 +129,7 @@ def from_dict(d: Mapping[str, Any]) -> Topology:
     try:
         return Topology(lv, gamma=gamma, placement=placement, name=str(d.get("name", "custom")))
     except ValueError as e:
-        raise TopologyFileError(f"placement: {e}") from e
+        raise TopologyFileError(str(e)) from e
 
 
 def to_dict(topology: Topology) -> dict[str, Any]:

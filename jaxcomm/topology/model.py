@@ -10,8 +10,9 @@ Units are SI: bytes per second, seconds. Bandwidth is *per device*: what one dev
 push across that level when every device of its group does the same (a DGX-H100 has one
 400 Gb/s NIC per GPU, so its level-1 bandwidth is ~48 GB/s, the NDR busbw of
 nccl-tests). ``oversubscription`` of a level is the down:up capacity ratio of the
-switches below it: traffic leaving a level-(i-1) group to cross level i shares
-``devices(group) * bandwidth_i / oversubscription_i``.
+links that climb into it: a node's uplink is ``devices * bandwidth_1 /
+oversubscription_1`` (8 GPUs sharing one NIC: oversubscription 8), and a level-(i-1)
+group's uplink is its children's uplinks summed over ``oversubscription_i``.
 
 Nodes are numbered by process (logical node ``k`` = process ``k``); ``placement[k]`` is
 the physical slot the scheduler gave it (slots are numbered leaf-contiguous). The default
@@ -92,7 +93,7 @@ class Topology:
             pl = tuple(int(v) for v in self.placement)
             if sorted(pl) != list(range(self.num_nodes)):
                 raise ValueError(
-                    f"Topology placement must be a permutation of range({self.num_nodes}) "
+                    f"placement: expected a permutation of range({self.num_nodes}) "
                     f"(one physical slot per node); got {list(pl)[:8]}..."
                 )
             object.__setattr__(self, "placement", pl)
