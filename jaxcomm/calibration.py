@@ -35,6 +35,7 @@ from jaxcomm.topology.model import Topology
 
 __all__ = [
     "AxisFit",
+    "measure",
     "Calibration",
     "CalibrationError",
     "apply",
@@ -215,3 +216,93 @@ def prediction_errors(calibration: Calibration) -> list[dict[str, Any]]:
             }
         )
     return sorted(rows, key=lambda r: (r["axis"], r["bytes"]))
+
+
+def measure(
+    mesh: Any,
+    *,
+    sizes: tuple[int, ...] = tuple(1 << k for k in range(12, 25, 3)),
+    repeats: int = 5,
+) -> dict[str, Any]:
+    """Times ``psum`` of f32 buffers over each mesh axis and returns the file format above.
+
+    Each point is the median of ``repeats`` runs after one warm-up, on the devices this
+    process sees. A sweep with more sizes and collectives belongs to the benchmark tools;
+    this is enough to fit alpha and beta per axis.
+
+    Args:
+      mesh: the ``('inter', 'intra')`` mesh (``jaxcomm.make_mesh``).
+      sizes: bytes per device.
+      repeats: timed runs per point.
+
+    Returns:
+      ``{axis: {"group_size": p}, ..., "points": [...]}`` (alpha/beta are fitted on load).
+    """
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    names = tuple(mesh.axis_names)
+    out: dict[str, Any] = {}
+    points = []
+    for axis in names:
+        p = int(mesh.shape[axis])
+        if p < 2:
+            continue
+        out[axis] = {"group_size": p}
+        for nbytes in sizes:
+            n = max(1, nbytes // 4)
+            x = jax.device_put(
+                jnp.ones((mesh.devices.size, n), jnp.float32), NamedSharding(mesh, P(names))
+            )
+            f = jax.jit(
+                jax.shard_map(
+                    lambda v, a=axis: lax.psum(v, a), mesh=mesh, in_specs=P(names),
+                    out_specs=P(names), check_vma=False,
+                )
+            )  # fmt: skip
+            f(x).block_until_ready()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                f(x).block_until_ready()
+                times.append(time.perf_counter() - t0)
+            points.append({"axis": axis, "bytes": n * 4, "time_s": float(np.median(times)),
+                           "group_size": p, "collective": "all-reduce"})  # fmt: skip
+    out["points"] = points
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxcomm.calibration --intra 4 --out cal.json``: measure and fit."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m jaxcomm.calibration", description=main.__doc__)
+    ap.add_argument("--intra", type=int, default=None, help="devices per node (make_mesh)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", required=True, help="calibration JSON to write")
+    args = ap.parse_args(argv)
+    from jaxcomm.mesh import make_mesh
+
+    doc = measure(make_mesh(args.intra), repeats=args.repeats)
+    fitted = from_dict(doc)
+    for name, fit in fitted.axes.items():
+        doc[name].update(alpha_s=fit.alpha, beta_s_per_byte=fit.beta)
+        gbps = 1 / max(fit.beta, 1e-30) / 1e9
+        print(f"{name}: alpha {fit.alpha * 1e6:.1f} us, 1/beta {gbps:.2f} GB/s")
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    for r in prediction_errors(fitted):
+        print(
+            f"{r['axis']:<6} {r['bytes']:>10} B measured {r['measured_s'] * 1e3:8.3f} ms "
+            f"model {r['predicted_s'] * 1e3:8.3f} ms error {r['error'] * 100:+6.1f}%"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

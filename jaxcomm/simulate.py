@@ -35,7 +35,16 @@ from jaxcomm import cost
 from jaxcomm.topology import Topology, aware_order, dgx_h100, fat_tree, load, ring_hops
 from jaxcomm.topology.placement import random_order
 
-__all__ = ["ROWS", "Workload", "format_tables", "main", "simulate", "step_time", "workload"]
+__all__ = [
+    "ROWS",
+    "Workload",
+    "busbw_table",
+    "format_tables",
+    "main",
+    "simulate",
+    "step_time",
+    "workload",
+]
 
 # Seconds per step of compute on one H100 (bf16, batch 128 per device) assumed when no
 # --compute-ms is given: ~3,000 img/s for ResNet-50 and FLOP-proportional for the others
@@ -256,6 +265,27 @@ def simulate(
     return out
 
 
+BUSBW_SIZES = tuple(1 << k for k in range(10, 33, 2))  # 1 KiB .. 4 GiB
+
+
+def busbw_table(topology: Topology, sizes: Sequence[int] = BUSBW_SIZES) -> dict[str, Any]:
+    """Predicted nccl-tests bus bandwidth (bytes/s) per algorithm and all-reduce size."""
+    p = topology.num_devices
+    return {
+        a: {str(n): cost.busbw(n, p, cost.predict(a, n, topology)) for n in sizes}
+        for a in cost.ALGORITHMS
+    }
+
+
+def format_busbw(name: str, table: dict[str, Any]) -> str:
+    sizes = list(next(iter(table.values())))
+    lines = [f"predicted all-reduce bus bandwidth (GB/s), {name}",
+             f"{'bytes':>11} " + " ".join(f"{a:>16}" for a in table)]  # fmt: skip
+    for n in sizes:
+        lines.append(f"{n:>11} " + " ".join(f"{table[a][n] / 1e9:16.1f}" for a in table))
+    return "\n".join(lines)
+
+
 def format_tables(result: dict[str, Any]) -> str:
     """The two tables (all-reduce per algorithm; stacked rows) as text."""
     wl = result["workload"]
@@ -388,6 +418,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="JSON of measured alpha/beta per mesh axis and/or raw points",
     )
+    p.add_argument(
+        "--busbw",
+        action="store_true",
+        help="also print predicted nccl-tests bus bandwidth per message size",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG here")
     args = p.parse_args(argv)  # fmt: skip
@@ -411,6 +446,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     result["command"] = "python -m jaxcomm.simulate " + " ".join(argv or sys.argv[1:])
     print(format_tables(result))
+    if args.busbw:
+        make = _topology_for(args)
+        result["busbw"] = {}
+        for n in nodes:
+            topo = make(n)
+            result["busbw"][str(n)] = busbw_table(topo)
+            print()
+            print(format_busbw(topo.describe(), result["busbw"][str(n)]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
