@@ -32,7 +32,8 @@ References:
 Example:
   >>> topo = jaxcomm.topology.dgx_h100(64)
   >>> jaxcomm.cost.predict('hierarchical', 100e6, topo)   # seconds
-  >>> jaxcomm.cost.choose(4096, topo)                      # 'halving_doubling'
+  >>> jaxcomm.cost.choose(4096, topo)
+  'halving_doubling'
 """
 
 from __future__ import annotations
@@ -348,8 +349,9 @@ def choose(
       An algorithm name.
 
     Example:
-      >>> choose(1 << 10, fat_tree(64)), choose(1 << 28, fat_tree(64))
-      ('halving_doubling', 'hierarchical')
+      >>> topo = fat_tree(64)
+      >>> choose(1 << 10, topo, candidates=('ring', 'tree')), choose(1 << 30, topo)
+      ('tree', 'ring')
     """
     cands = CANDIDATES if candidates is None else tuple(candidates)
     bad = [c for c in cands if c not in ALGORITHMS]
