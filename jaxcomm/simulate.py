@@ -330,7 +330,10 @@ def format_tables(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: str) -> None:
     """Writes a PNG: all-reduce time per algorithm and step time per row vs nodes."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -86,6 +86,8 @@ def test_with_nodes_keeps_figures():
     assert (small.num_nodes, small.devices_per_node) == (8, 4)
     assert small.levels[-1].oversubscription == 2
     assert small.levels[1].bandwidth == topo.levels[1].bandwidth
+    # One NIC per node: 8 devices shared it 8:1, 4 devices share it 4:1.
+    assert (topo.levels[1].oversubscription, small.levels[1].oversubscription) == (8, 4)
 
 
 def test_json_round_trip(tmp_path):
