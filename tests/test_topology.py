@@ -142,3 +142,6 @@ def test_detect_and_file_override(tmp_path, monkeypatch):
     monkeypatch.setenv(T.ENV_VAR, str(path))
     assert T.detect().num_nodes == 2 and T.detect().devices_per_node == 4
     assert T.detect(env={}).num_nodes == 1  # explicit env without the variable
+    monkeypatch.setenv(T.ENV_VAR, str(tmp_path / "missing.json"))
+    with pytest.raises(T.TopologyFileError, match="JAXCOMM_TOPO_FILE.*missing.json.*cannot read"):
+        T.detect()
