@@ -30,7 +30,7 @@ from typing import Any
 
 from jaxcomm import calibration as cal
 from jaxcomm import cost
-from jaxcomm.schedule import DEFAULT_COMPUTE_S, Workload, step_time, workload
+from jaxcomm.step_model import DEFAULT_COMPUTE_S, Workload, step_time, workload
 from jaxcomm.topology import Topology, aware_order, dgx_h100, fat_tree, load, ring_hops
 from jaxcomm.topology.placement import random_order
 
