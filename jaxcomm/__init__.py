@@ -2,6 +2,7 @@
 
 from jaxcomm import collectives, hlo
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
+from jaxcomm.distributed import init_distributed
 from jaxcomm.mesh import DATA_AXES, make_mesh
 from jaxcomm.state import PerDevice
 from jaxcomm.sync import SyncGradientsState, sync_gradients
@@ -21,6 +22,7 @@ __all__ = [
     "flat_allreduce",
     "hierarchical_allreduce",
     "hlo",
+    "init_distributed",
     "make_mesh",
     "sync_gradients",
 ]
