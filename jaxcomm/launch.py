@@ -1,4 +1,4 @@
-"""``python -m jaxcomm.launch --nprocs N --local-devices D -- cmd ...``: a process group on one machine.
+"""``python -m jaxcomm.launch --nprocs N --local-devices D -- cmd ...``: processes on one host.
 
 Starts ``N`` copies of ``cmd`` with ``JAXCOMM_COORDINATOR`` (loopback, a free port),
 ``JAXCOMM_NUM_PROCESSES``, ``JAXCOMM_PROCESS_ID`` and ``JAXCOMM_LOCAL_DEVICES`` set; the
