@@ -58,7 +58,8 @@ def mpi_allreduce(tree: Any, *, op: str = "mean", comm: Any = None) -> Any:
       comm: an mpi4py communicator, default ``MPI.COMM_WORLD``.
 
     Returns:
-      The reduced tree (same structure, shapes and dtypes).
+      The reduced tree (same structure, shapes and dtypes). MPI has no 16-bit float type, so
+      float16/bfloat16 leaves are sent and summed as float32.
 
     Example:
       >>> g = jax.jit(lambda t: mpi_allreduce(t, op='mean'))(grads)   # under mpirun
@@ -71,8 +72,11 @@ def mpi_allreduce(tree: Any, *, op: str = "mean", comm: Any = None) -> Any:
 
     def reduce(x):
         x = jnp.asarray(x)
-        y = mpi4jax.allreduce(x, op=mpi.SUM, comm=comm)
-        return (y / size).astype(x.dtype) if op == "mean" else y
+        # MPI has no 16-bit float type (mpi4jax: "Unknown MPI type for dtype float16"):
+        # half-precision leaves travel and are summed as f32, twice their bytes.
+        wire = jnp.float32 if x.dtype.itemsize < 4 else x.dtype
+        y = mpi4jax.allreduce(x.astype(wire), op=mpi.SUM, comm=comm)
+        return (y / size if op == "mean" else y).astype(x.dtype)
 
     return jax.tree.map(reduce, tree)
 
