@@ -138,23 +138,28 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
             results[name] = {"time_s": t, "rel_error": err}
         _, run = step_of(optax.identity(), require_sync=False)
         results["compute only (no collective)"] = {"time_s": _median_time(run, reps)}
-        # Stage probes: psum over one axis on the same buffer.
+        # Probes on the same buffer: psum over one axis alone (their bus bandwidths give the
+        # intra:inter ratio), and the three stages of the hierarchical all-reduce.
+        g, m = mesh.shape["intra"], mesh.shape["inter"]
         x1 = jax.make_array_from_process_local_data(sharding, local.reshape(ldev, -1))
-        for axis in ("intra", "inter"):
-            f = jax.jit(
-                jax.shard_map(
-                    lambda v, axis=axis: lax.psum(v, axis),
-                    mesh=mesh,
-                    in_specs=P(axes),
-                    out_specs=P(axes),
-                )
-            )
-            p = mesh.shape[axis]
-            t = _median_time(lambda f=f, x1=x1: f(x1), reps)
-            results[f"psum over {axis} only"] = {
-                "time_s": t,
-                "busbw_GBps": 2 * (p - 1) / p * nbytes / t / 1e9,
-            }
+        xs = jax.make_array_from_process_local_data(
+            sharding, local.reshape(ldev, -1)[:, : x1.shape[1] // g]
+        )
+        probes = {  # name -> (fn, input, bytes moved per rank by the nccl-tests convention)
+            "psum over intra only": (lambda v: lax.psum(v, "intra"), x1, 2 * (g - 1) / g),
+            "psum over inter only": (lambda v: lax.psum(v, "inter"), x1, 2 * (m - 1) / m),
+            "  stage 1: reduce-scatter intra": (
+                lambda v: lax.psum_scatter(v, "intra", scatter_dimension=1, tiled=True), x1,
+                (g - 1) / g),
+            "  stage 2: psum inter on S/g": (lambda v: lax.psum(v, "inter"), xs,
+                2 * (m - 1) / m / g),
+            "  stage 3: all-gather intra": (
+                lambda v: lax.all_gather(v, "intra", axis=1, tiled=True), xs, (g - 1) / g),
+        }  # fmt: skip
+        for name, (fn, arg, factor) in probes.items():
+            f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
+            t = _median_time(lambda f=f, arg=arg: f(arg), reps)
+            results[name] = {"time_s": t, "busbw_GBps": factor * nbytes / t / 1e9}
         rows_out.append({"bytes": nbytes, "results": results})
     return rows_out
 
@@ -252,13 +257,23 @@ def _table(run: dict[str, Any]) -> list[str]:
         intra = res["psum over intra only"]["busbw_GBps"]
         inter = res["psum over inter only"]["busbw_GBps"]
         busbw = 2 * (p - 1) / p * nbytes / flat
+        g, m = run["devices_per_node"], run["nodes"]
+        # Bytes per link direction: a node-contiguous ring crosses each node boundary once
+        # per direction with 2(p-1)/p S; the hierarchical inter stage sends 2(m-1)/m S/g per
+        # device, g devices per node.
+        res["flat psum"]["link_bound_s"] = 2 * (p - 1) / p * nbytes / link
+        if "time_s" in res.get("hierarchical", {}):
+            res["hierarchical"]["link_bound_s"] = 2 * (m - 1) / m * nbytes / link
         lines.append(
             f"\nlink {run['link_bps'] / 1e6:.0f} Mbit/s, {nbytes >> 20} MiB f32, "
             f"{run['nodes']} nodes x {run['devices_per_node']} devices: flat busbw "
             f"{busbw / 1e6:.1f} MB/s = {busbw / link:.2f} of the link; intra:inter bus "
-            f"bandwidth {intra * 1e3:.0f}:{inter * 1e3:.0f} MB/s = {intra / inter:.1f}x"
+            f"bandwidth per rank {intra * 1e3:.0f}:{inter * 1e3:.0f} MB/s = "
+            f"{intra / inter:.1f}x (inter psum uses {g * inter * 1e9 / link:.2f} of the link)"
         )
-        lines.append(f"  {'method':32s} {'time ms':>9s} {'vs flat':>8s} {'rel err':>9s}")
+        lines.append(
+            f"  {'method':32s} {'time ms':>9s} {'vs flat':>8s} {'rel err':>9s} {'bound ms':>9s}"
+        )
         for name, r in res.items():
             if "missing" in r:
                 lines.append(f"  {name:32s} {'missing: ' + r['missing']}")
@@ -268,8 +283,10 @@ def _table(run: dict[str, Any]) -> list[str]:
                 lines.append(f"  {name:32s} {r['time_s'] * 1e3:9.1f}   busbw {bw:.0f} MB/s")
                 continue
             err = f"{r['rel_error']:.1e}" if "rel_error" in r else ""
+            bound = f"{r['link_bound_s'] * 1e3:.1f}" if "link_bound_s" in r else ""
             lines.append(
                 f"  {name:32s} {r['time_s'] * 1e3:9.1f} {flat / r['time_s']:7.2f}x {err:>9s}"
+                f" {bound:>9s}"
             )
     return lines
 
