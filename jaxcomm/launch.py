@@ -147,11 +147,9 @@ def run_group(
 
 def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     argv = list(argv)
-    if "--" not in argv:
-        raise SystemExit("usage: python -m jaxcomm.launch [options] -- command [args...]")
-    split = argv.index("--")
     parser = argparse.ArgumentParser(
         prog="python -m jaxcomm.launch",
+        usage="%(prog)s --nprocs N [--local-devices D] [options] -- command [args...]",
         description="Start N jax.distributed processes on this machine (coordinator on "
         "loopback); the command calls jaxcomm.init_distributed().",
     )
@@ -161,6 +159,11 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--port", type=int, default=0, help="coordinator port (default: free)")
     parser.add_argument("--timeout", type=float, default=None, help="end all after N seconds")
+    if "--" not in argv:
+        if {"-h", "--help"} & set(argv):
+            parser.parse_args(["--help"])
+        parser.error("give the command after --")
+    split = argv.index("--")
     args = parser.parse_args(argv[:split])
     cmd = argv[split + 1 :]
     if not cmd:

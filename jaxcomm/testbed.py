@@ -251,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--burst", default="128kb", help="tbf burst (default 128kb)")
     parser.add_argument("--timeout", type=float, default=None, help="end all after N seconds")
     if "--" not in argv:
+        if {"-h", "--help"} & set(argv):
+            parser.parse_args(["--help"])
         parser.print_usage(sys.stderr)
         print("error: give the command after --", file=sys.stderr)
         return 2
