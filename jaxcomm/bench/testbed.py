@@ -38,6 +38,28 @@ COMPRESSORS = {  # row name -> (factory name in jaxcomm.compression, args)
 COLS = 1024  # gradient shape (rows, 1024): a matrix, so PowerSGD has something to factor
 
 
+_AR_SLICE = "bench_hierarchical_psum_slice"
+
+
+def _hierarchical_psum_slice(x, axes):
+    """Hierarchical variant measured beside the library's: stage 1 is an intra *all-reduce*
+    plus a slice instead of a reduce-scatter. On multi-process gloo a reduce-scatter of a
+    large buffer costs more than an all-reduce of it (../shared/REFERENCE.md), and a
+    reduce-scatter followed by another collective sometimes returned a wrong tail here
+    (docs/benchmarks.md), so this probe shows what cheaper, safe intra stages give."""
+    from jax import lax
+
+    from jaxcomm.collectives.base import pad_to_multiple
+
+    inner, outer = axes[-1], axes[:-1]
+    g = lax.axis_size(inner)
+    padded, _ = pad_to_multiple(x, g)
+    m = padded.shape[0] // g
+    shard = lax.dynamic_slice_in_dim(lax.psum(padded, inner), lax.axis_index(inner) * m, m)
+    shard = lax.psum(shard, outer)
+    return lax.all_gather(shard, inner, tiled=True)[: x.shape[0]]
+
+
 def _median_time(fn, reps: int) -> float:
     import jax
 
@@ -81,6 +103,7 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
 
     import jaxcomm
 
+    jaxcomm.collectives.register_algorithm(_AR_SLICE, _hierarchical_psum_slice)
     mesh = jaxcomm.make_mesh()
     axes = ("inter", "intra")
     n_dev = mesh.devices.size
@@ -117,6 +140,9 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
         methods: dict[str, Any] = {
             "flat psum": optax.chain(jaxcomm.sync_gradients(algorithm="flat")),
             "hierarchical": optax.chain(jaxcomm.sync_gradients(algorithm="hierarchical")),
+            "hierarchical, intra psum+slice": optax.chain(
+                jaxcomm.sync_gradients(algorithm=_AR_SLICE)
+            ),
         }
         for name in COMPRESSORS:
             comp = _compressor(name)
@@ -262,8 +288,9 @@ def _table(run: dict[str, Any]) -> list[str]:
         # per direction with 2(p-1)/p S; the hierarchical inter stage sends 2(m-1)/m S/g per
         # device, g devices per node.
         res["flat psum"]["link_bound_s"] = 2 * (p - 1) / p * nbytes / link
-        if "time_s" in res.get("hierarchical", {}):
-            res["hierarchical"]["link_bound_s"] = 2 * (m - 1) / m * nbytes / link
+        for name in ("hierarchical", "hierarchical, intra psum+slice"):
+            if "time_s" in res.get(name, {}):
+                res[name]["link_bound_s"] = 2 * (m - 1) / m * nbytes / link
         lines.append(
             f"\nlink {run['link_bps'] / 1e6:.0f} Mbit/s, {nbytes >> 20} MiB f32, "
             f"{run['nodes']} nodes x {run['devices_per_node']} devices: flat busbw "
