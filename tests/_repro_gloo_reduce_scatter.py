@@ -7,6 +7,8 @@ psum over 'inter' sometimes returns a wrong tail on the intra-index-0 device.
 Seen with jax/jaxlib 0.10.2 on a 2-core machine: 2-16 of 60 device results wrong per 15 runs of
 16 MiB (a tail of 1.7K-18K elements of the first shard); psum+slice instead of the
 reduce-scatter, the reduce-scatter alone, and the psum alone were right every time.
+Known upstream: jax-ml/jax#40830 (gloo's ReduceScatterHalvingDoubling sends from the caller's
+buffer, which the other ranks overwrite; chunks of 256 KiB were not affected).
 """
 
 import os
