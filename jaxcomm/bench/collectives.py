@@ -11,7 +11,7 @@ It also fits ``t = alpha + beta * S`` to a psum over each mesh axis alone (least
 ``alpha >= 0``) and writes it with ``--fit`` as
 ``{"<axis>": {"alpha_s": .., "beta_s_per_byte": ..}, "points": [{"axis", "bytes", "time_s"}]}``,
 the calibration input of the cost model. alpha and beta describe the whole collective over
-that axis (not one hop).
+that axis (not one hop); the fit weights residuals by ``1/t``.
 
 Data are small integers, so f32/f64 sums are exact and the check is equality; bf16/f16
 rows use the tolerance of their mantissa.
@@ -71,13 +71,17 @@ def _local_data(n: int, devices: range, dtype) -> Any:
 
 
 def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares ``t = alpha + beta * bytes`` with ``alpha, beta >= 0``."""
+    """Least-squares ``t = alpha + beta * bytes`` with ``alpha, beta >= 0``.
+
+    Residuals are weighted by ``1 / t`` (relative error), so that the small sizes, which
+    carry the latency, are not drowned by the large ones of a log-spaced sweep.
+    """
     import numpy as np
 
     b = np.array([p[0] for p in points], float)
     t = np.array([p[1] for p in points], float)
     if len(points) >= 2:
-        beta, alpha = np.polyfit(b, t, 1)
+        beta, alpha = np.polyfit(b, t, 1, w=1.0 / np.maximum(t, 1e-12))
         if alpha >= 0 and beta >= 0:
             return float(alpha), float(beta)
         if beta < 0:  # flat in size: pure latency
