@@ -80,7 +80,18 @@ def available() -> tuple[bool, str]:
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if r.returncode != 0:
         return False, f"'ip netns add' failed: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    try:
+        checks = [  # entering a namespace, and the tbf qdisc, as the testbed uses them
+            ["ip", "netns", "exec", probe, "true"],
+            ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+             "rate", "1gbit", "burst", "128kb", "latency", "10ms"],
+        ]  # fmt: skip
+        for cmd in checks:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                return False, f"`{' '.join(cmd[4:]) or 'ip netns exec'}` failed: {r.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return True, ""
 
 
