@@ -42,13 +42,24 @@ def reduce_fn(alg):
 
 
 got = {}
-for alg in ("flat", "hierarchical"):
+for alg in ("flat", "hierarchical", "ring", "tree", "halving_doubling"):
     out = reduce_fn(alg)(x)
     got[alg] = np.stack([np.asarray(s.data)[0] for s in out.addressable_shards])
     np.testing.assert_allclose(
         got[alg], np.broadcast_to(want, got[alg].shape), rtol=1e-5, atol=1e-5
     )
 np.testing.assert_allclose(got["flat"], got["hierarchical"], rtol=1e-5, atol=1e-5)
+
+# Regression for jax-ml/jax#40830 (gloo reduce-scatter returns a wrong tail for chunks above
+# 256 KiB): hierarchical on 16 MiB per device must be right on every device, every time.
+big_rows = [np.random.default_rng(200 + r).standard_normal(1 << 22, dtype=np.float32)
+            for r in range(nproc * ldev)]  # fmt: skip
+big = jax.make_array_from_process_local_data(spec, np.stack(big_rows[me * ldev : (me + 1) * ldev]))
+big_want = np.sum(big_rows, axis=0)
+hier = reduce_fn("hierarchical")
+for _ in range(5):
+    for shard in hier(big).addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data)[0], big_want, rtol=1e-4, atol=1e-4)
 print(f"CHECK_OK process={me} mesh={dict(mesh.shape)}", flush=True)
 
 sig = os.environ.get("JC_TEST_PEER_SIGNAL")
