@@ -50,7 +50,6 @@ from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
     Compressor,
     ReduceContext,
-    as_f32,
     axes_size,
     check_range,
     device_key,
@@ -98,8 +97,8 @@ def _level_fn(name: str, block: int):
         return [sum_over(c, ctx.axes, ctx.algorithm) / n for c in cs], list(cs)
 
     def bf16(cs, ctx):
-        out = [bf16_mean(c, ctx.axes, ctx.algorithm, "auto") for c in cs]
-        return out, [as_f32(c.astype(jnp.bfloat16)) for c in cs]
+        pairs = [bf16_mean(c, ctx.axes, ctx.algorithm, "auto") for c in cs]
+        return [m for m, _ in pairs], [s for _, s in pairs]
 
     def quant(bits):
         def f(cs, ctx):

@@ -49,34 +49,47 @@ __all__ = ["VIAS", "Fp16State", "bf16", "bf16_exchange_mean", "bf16_mean", "fp16
 VIAS = ("auto", "allreduce", "all_to_all")
 
 
-def bf16_exchange_mean(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+def bf16_exchange_mean(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
     """Mean of a 1-D ``x`` over ``axes``; bf16 on the wire in an all-to-all + all-gather.
 
     1. pad to ``p`` chunks, cast to bf16 and bitcast to uint16 (no backend can promote
        raw words); 2. all-to-all: device ``i`` gets chunk ``i`` of everyone; 3. sum in
     f32, divide by ``p``, cast to bf16; 4. all-gather the mean chunks.
+
+    Returns:
+      ``(mean, sent)`` as in ``quantize.two_phase_mean``: ``mean_devices(sent) == mean``.
     """
     p = axes_size(axes)
     n = x.shape[0]
     m = -(-n // p)
-    words = lax.bitcast_convert_type(
-        jnp.pad(as_f32(x), (0, p * m - n)).astype(jnp.bfloat16), jnp.uint16
-    ).reshape(p, m)
-    words = lax.all_to_all(words, axes, 0, 0, tiled=True)
+    lo = jnp.pad(as_f32(x), (0, p * m - n)).astype(jnp.bfloat16).reshape(p, m)
+    words = lax.all_to_all(lax.bitcast_convert_type(lo, jnp.uint16), axes, 0, 0, tiled=True)
     chunk = as_f32(lax.bitcast_convert_type(words, jnp.bfloat16)).sum(0) / p
-    words = lax.bitcast_convert_type(chunk.astype(jnp.bfloat16), jnp.uint16)
-    full = lax.all_gather(words, axes, tiled=True)
-    return as_f32(lax.bitcast_convert_type(full, jnp.bfloat16))[:n]
+    chunk_lo = chunk.astype(jnp.bfloat16)
+    full = lax.all_gather(lax.bitcast_convert_type(chunk_lo, jnp.uint16), axes, tiled=True)
+    i = lax.axis_index(axes)
+    sent = as_f32(lo)
+    sent = lax.dynamic_update_slice(sent, (sent[i] + p * (as_f32(chunk_lo) - chunk))[None], (i, 0))
+    return as_f32(lax.bitcast_convert_type(full, jnp.bfloat16))[:n], sent.reshape(-1)[:n]
 
 
-def bf16_mean(x: jax.Array, axes: tuple[str, ...], algorithm: str, via: str) -> jax.Array:
-    """Mean over ``axes`` with bf16 on the wire (see the module docstring for ``via``)."""
+def bf16_mean(
+    x: jax.Array, axes: tuple[str, ...], algorithm: str, via: str
+) -> tuple[jax.Array, jax.Array]:
+    """Mean over ``axes`` with bf16 on the wire (see the module docstring for ``via``).
+
+    Returns:
+      ``(mean, sent)``; with ``via='allreduce'`` the bf16 sum's own rounding is not in
+      ``sent`` (the backend sums in bf16), so error feedback is then approximate.
+    """
     if via == "auto":
         via = "all_to_all" if jax.default_backend() == "cpu" else "allreduce"
     if via == "all_to_all":
-        return bf16_exchange_mean(jnp.ravel(x), axes).reshape(jnp.shape(x))
-    s = sum_over(jnp.asarray(x).astype(jnp.bfloat16), axes, algorithm)
-    return as_f32(s) / axes_size(axes)
+        mean, sent = bf16_exchange_mean(jnp.ravel(x), axes)
+        return mean.reshape(jnp.shape(x)), sent.reshape(jnp.shape(x))
+    lo = jnp.asarray(x).astype(jnp.bfloat16)
+    s = sum_over(lo, axes, algorithm)
+    return as_f32(s) / axes_size(axes), as_f32(lo)
 
 
 def bf16(*, via: str = "auto") -> Compressor:
@@ -103,7 +116,7 @@ def bf16(*, via: str = "auto") -> Compressor:
         return ()
 
     def reduce(xs, state, ctx: ReduceContext):
-        out = [bf16_mean(x, ctx.axes, ctx.algorithm, via).astype(jnp.result_type(x)) for x in xs]
+        out = [bf16_mean(x, ctx.axes, ctx.algorithm, via)[0].astype(jnp.result_type(x)) for x in xs]
         return out, state
 
     return Compressor("bf16", init, reduce, wire_fraction=0.5)

@@ -17,8 +17,9 @@ compressed all-reduce, Tang et al. 2021). On ``p`` devices and a buffer of ``N``
 Bytes per device (nccl-tests bus factors): ``2 (p-1)/p N (b/8 + 4/block)`` against
 ``2 (p-1)/p 4N`` for an f32 all-reduce, i.e. 0.254 (int8, block 256) and 0.129 (int4).
 
-Optional error feedback stores what step 2 lost on this device (per device, in the
-optimizer state); the re-quantization error of step 5 is unbiased and not fed back.
+Optional error feedback stores what this device's quantizations lost (per device, in the
+optimizer state): the phase-1 error of its buffer and ``p`` times the phase-5 error of the
+chunk it owns, so that transmitted + residual is exactly the true gradient.
 """
 
 from __future__ import annotations
@@ -120,8 +121,10 @@ def two_phase_mean(
       key: per-device PRNG key for stochastic rounding, or None.
 
     Returns:
-      ``(mean, local)``: the mean (same on all devices, shape of ``x``) and this device's
-      dequantized phase-1 payload (what it actually sent, for error feedback).
+      ``(mean, sent)``: the mean (same on all devices, shape of ``x``) and what this
+      device effectively contributed (its dequantized phase-1 payload plus ``p`` times
+      the re-quantization error of the chunk it owns), so that the mean of ``sent`` over
+      devices equals ``mean``: error feedback on ``x - sent`` loses nothing.
     """
     p = axes_size(axes)
     n = x.shape[0]
@@ -131,7 +134,7 @@ def two_phase_mean(
     if key is not None:
         k1, k2 = jax.random.split(key)
     q, s = quantize(padded, bits, block, k1)
-    local = dequantize(q, s, bits, block).reshape(-1)[:n]
+    local = dequantize(q, s, bits, block)  # (p, m): what this device sends in phase 1
     # Phase 1: chunk i of every device goes to device i; values and scales travel as one
     # byte buffer, so each phase is a single collective.
     recv = lax.all_to_all(_to_bytes(q, s), axes, 0, 0, tiled=True)
@@ -139,9 +142,17 @@ def two_phase_mean(
     shard = jnp.sum(dequantize(q, s, bits, block), axis=0) / p  # f32 (m,)
     # Phase 2: re-quantize the mean chunk, gather all chunks.
     q2, s2 = quantize(shard[None], bits, block, k2)
+    # This device owns chunk i; its re-quantization error enters its own "sent" record
+    # (times p, since the result is a mean), so that mean_devices(sent) == result exactly
+    # and error feedback conserves the gradient through both phases (1-bit Adam's
+    # worker + server error, folded into one residual).
+    err2 = dequantize(q2, s2, bits, block)[0] - shard
+    i = lax.axis_index(axes)
+    local = lax.dynamic_update_slice(local, (local[i] + p * err2)[None], (i, 0))
     gathered = lax.all_gather(_to_bytes(q2, s2), axes, axis=0, tiled=True)  # (p, bytes)
     q2, s2 = _from_bytes(gathered, q2.shape[1], bits)
     mean = dequantize(q2, s2, bits, block).reshape(-1)[:n]
+    local = local.reshape(-1)[:n]
     return mean, local
 
 
