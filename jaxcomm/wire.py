@@ -102,9 +102,15 @@ def summarize(mod: hlo.HloModule) -> dict:
     total, by_kind, by_axis = _node_totals(root)
     branches: dict[str, dict[int, float]] = {}
 
+    all_indices: dict[str, set[int]] = defaultdict(set)
+    for cond, idx in mod.branches.values():
+        all_indices[cond].add(idx)
+
     def walk(node):
         for cond, bs in node["conds"].items():
-            branches[cond] = {i: _node_totals(b)[0] for i, b in sorted(bs.items())}
+            # branches without collectives count 0 (they still matter for the maximum)
+            indices = sorted(all_indices.get(cond, set()) | set(bs))
+            branches[cond] = {i: (_node_totals(bs[i])[0] if i in bs else 0.0) for i in indices}
             for b in bs.values():
                 walk(b)
 
