@@ -32,7 +32,12 @@ import optax
 from jax import lax
 
 from jaxcomm.collectives import allreduce
-from jaxcomm.collectives.base import check_algorithm, check_axes, pad_to_multiple
+from jaxcomm.collectives.base import (
+    check_algorithm,
+    check_axes,
+    check_float_tree,
+    pad_to_multiple,
+)
 from jaxcomm.compression.base import Compressor, ReduceContext
 from jaxcomm.mesh import DATA_AXES
 
@@ -279,6 +284,7 @@ def sync_gradients(
             reduced = allreduce(grads, axes=axes, algorithm=algorithm, op="mean")
             return reduced, SyncGradientsState(count=state.count + 1)
 
+        check_float_tree(grads)
         plan = plan_for(grads)
         leaves = [jnp.asarray(x) for x in jax.tree.leaves(grads)]
         out: list = [None] * len(leaves)

@@ -120,7 +120,7 @@ _ASYNC_HLO = """HloModule m, num_partitions=4
 %b1 (p: f32[1024]) -> f32[1024] {
   %p = f32[1024]{0} parameter(0)
   %sl = f32[256]{0} slice(%p), slice={[0:256]}
-  %ags = (f32[256]{0}, bf16[1024]{0}) all-gather-start(%sl), replica_groups={{0,1,2,3}}, dimensions={0}
+  %ags = (f32[256]{0}, f32[1024]{0}) all-gather-start(%sl), replica_groups={{0,1,2,3}}
   ROOT %agd = f32[1024]{0} all-gather-done(%ags)
 }
 
@@ -144,9 +144,7 @@ def test_async_ops_and_branches_from_text():
         ("all-reduce", ()),
     ]
     assert wb["unconditional"] == pytest.approx(2 * 1 / 2 * S)
-    # branch 1 gathers a bf16[1024]: 3/4 * 2 KiB
-    assert wb["branches"] == {
-        "c": {0: pytest.approx(2 * 3 / 4 * S), 1: pytest.approx(3 / 4 * 2048)}
-    }
+    # branch 1 gathers an f32[1024] from 4 devices: 3/4 * S
+    assert wb["branches"] == {"c": {0: pytest.approx(2 * 3 / 4 * S), 1: pytest.approx(3 / 4 * S)}}
     assert wb["total"] == pytest.approx(2 * 1 / 2 * S + 2 * 3 / 4 * S)
     assert np.isclose(sum(wb["by_kind"].values()), wb["total"])
