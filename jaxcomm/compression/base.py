@@ -73,9 +73,9 @@ class Compressor(NamedTuple):
       supports: ``supports(shape) -> bool``; leaves it refuses stay uncompressed.
       finite: optional ``finite(state) -> bool scalar``, False when the last ``reduce``
         overflowed (fp16); ``sync_gradients`` then zeroes the whole step's update.
-      wire_fraction: nominal bytes on the wire relative to an f32 all-reduce of the same
-        buffer (documentation and the adaptive ladder; measured values come from
-        ``jaxcomm.wire_bytes``).
+      wire_fraction: nominal payload this device contributes, relative to the f32 buffer
+        (0.5 for bf16, 2 x ratio for top-k's index + value pairs, NaN where it depends on
+        shapes); documentation only -- measured bytes come from ``jaxcomm.wire_bytes``.
     """
 
     name: str

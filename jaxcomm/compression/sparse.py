@@ -91,6 +91,10 @@ def topk(
 ) -> Compressor:
     """Top-k sparsification: all-gather of (index, value) pairs, then scatter-add.
 
+    ``sync_gradients`` hands it one flat buffer per dtype (all compressed leaves
+    concatenated), so the selection is global across layers; leaves that must keep their
+    own share can be kept out with ``min_size`` / ``compress_leaf``.
+
     Args:
       ratio: fraction of entries sent per buffer, in (0, 1].
       error_feedback: keep the unsent part per device and add it next step (recommended:
