@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from typing import Any
@@ -44,6 +45,7 @@ def configs() -> dict[str, dict]:
         "int8, inter stage only": {"compression": C.int8(), "compress_stage": "inter"},
         "int4": {"compression": C.int4()},
         "topk(0.01)+EF": {"compression": C.topk(0.01)},
+        "topk(0.01)+EF, min_size=4096": {"compression": C.topk(0.01), "min_size": 4096},
         "random_k(0.01)+EF": {"compression": C.random_k(0.01)},
         "powersgd(rank=4)": {"compression": C.powersgd(rank=4)},
         "adaptive (start bf16)": {"compression": C.adaptive()},
@@ -159,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--models", default="resnet50,resnet152", help="comma-separated ResNets")
     p.add_argument("--digits-steps", type=int, default=300, help="0 skips the digits runs")
-    p.add_argument("--only", default="", help="comma-separated row names (default: all)")
-    p.add_argument("--json", default="compression_bench.json", help="output JSON path")
+    p.add_argument("--only", default="", help="row names separated by ';' (default: all)")
+    p.add_argument("--json", default="runs/compression_bench.json", help="output JSON path")
     args = p.parse_args(argv)
     if jax.device_count() < 8:
         from jaxcomm.bench.digits import reexec_with_fake_devices
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = jaxcomm.make_mesh(intra=4)
     rows = configs()
     if args.only:
-        keep = [s.strip() for s in args.only.split(",")]
+        keep = [s.strip() for s in args.only.split(";")]
         rows = {k: v for k, v in rows.items() if k in keep or k.startswith("none")}
     models = [m for m in args.models.split(",") if m]
     trees = {m: gradient_shapes(m) for m in models}
@@ -221,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print("| " + " | ".join(cells) + " |")
     for m in models:
         print(f"{m}: uncompressed bytes per device per step {base[m]['total'] / 2**20:.1f} MiB")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2, default=float)
     print(f"wrote {args.json}")
