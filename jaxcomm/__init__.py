@@ -1,6 +1,6 @@
 """jaxcomm: less communication and less waiting for data-parallel training on JAX/XLA."""
 
-from jaxcomm import collectives, cost, hlo, topology
+from jaxcomm import collectives, compression, cost, hlo, topology
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.distributed import init_distributed
 from jaxcomm.mesh import DATA_AXES, make_mesh
@@ -8,6 +8,7 @@ from jaxcomm.profiler import CommProfiler
 from jaxcomm.state import PerDevice
 from jaxcomm.sync import SyncGradientsState, sync_gradients
 from jaxcomm.train import DataParallel, TrainState, data_parallel
+from jaxcomm.wire import wire_bytes
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "TrainState",
     "allreduce",
     "collectives",
+    "compression",
     "cost",
     "data_parallel",
     "flat_allreduce",
@@ -29,4 +31,5 @@ __all__ = [
     "make_mesh",
     "sync_gradients",
     "topology",
+    "wire_bytes",
 ]

@@ -220,7 +220,14 @@ class DataParallel:
         """Runs one step; returns ``(new_state, metrics)`` with metrics averaged over devices."""
         if self._compiled_step is None:
             self._compiled_step = self.step_fn(state)
-        return self._compiled_step(state, self.shard_batch(batch))
+        out = self._compiled_step(state, self.shard_batch(batch))
+        if jax.default_backend() == "cpu":
+            # XLA:CPU: several queued executions of a program with collectives can deadlock
+            # the in-process rendezvous (seen on 2-core machines with 8 fake devices: a
+            # 40 s termination abort), so CPU runs keep one step in flight. GPU and TPU
+            # keep asynchronous dispatch.
+            jax.block_until_ready(out)
+        return out
 
     def lower(self, state: TrainState, batch: Any):
         """``jax.stages.Lowered`` of the step, for HLO inspection (``jaxcomm.hlo``)."""

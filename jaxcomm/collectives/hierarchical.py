@@ -14,7 +14,7 @@ from jax import lax
 from jaxcomm.collectives.base import pad_to_multiple, reduce_scatter, register_algorithm
 
 
-def _all_gather_invariant(x: jax.Array, axis: str) -> jax.Array:
+def all_gather_invariant(x: jax.Array, axis: str) -> jax.Array:
     # ``to='invarying'`` tells shard_map's replication check that the gathered value is
     # the same on every device of ``axis`` (it is), so callers may use ``out_specs=P()``.
     try:
@@ -54,5 +54,5 @@ def hierarchical_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     padded, _ = pad_to_multiple(x, inner_sizes)
     shard = reduce_scatter(padded, inner)
     shard = hierarchical_allreduce(shard, axes[:-1])
-    full = _all_gather_invariant(shard, inner)
+    full = all_gather_invariant(shard, inner)
     return full[:n]
