@@ -1,6 +1,6 @@
 """jaxcomm: less communication and less waiting for data-parallel training on JAX/XLA."""
 
-from jaxcomm import collectives, hlo
+from jaxcomm import buckets, collectives, hlo, schedule, xla
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.mesh import DATA_AXES, make_mesh
 from jaxcomm.state import PerDevice
@@ -16,11 +16,14 @@ __all__ = [
     "SyncGradientsState",
     "TrainState",
     "allreduce",
+    "buckets",
     "collectives",
     "data_parallel",
     "flat_allreduce",
     "hierarchical_allreduce",
     "hlo",
     "make_mesh",
+    "schedule",
     "sync_gradients",
+    "xla",
 ]

@@ -11,11 +11,18 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomm.buckets import AutoBuckets, check_bucket_bytes, plan_buckets
 from jaxcomm.collectives import allreduce
-from jaxcomm.collectives.base import check_algorithm, check_axes
+from jaxcomm.collectives.base import axes_size, check_algorithm, check_axes, check_float_tree
 from jaxcomm.mesh import DATA_AXES
 
-__all__ = ["SyncGradientsState", "sync_gradients", "sync_probe"]
+__all__ = [
+    "SyncGradientsState",
+    "pre_reduced",
+    "reducer_probe",
+    "sync_gradients",
+    "sync_probe",
+]
 
 
 class SyncGradientsState(NamedTuple):
@@ -36,6 +43,17 @@ _SYNC_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 )
 
 
+# Set by the microbatch loop of ``data_parallel``: gradients that reach sync_gradients were
+# already reduced (one microbatch at a time, overlapped with the next one's compute).
+_PRE_REDUCED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxcomm_pre_reduced", default=False
+)
+# Trace-time record of the gradient reducers of sync_gradients (for the microbatch loop).
+_REDUCERS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jaxcomm_reducers", default=None
+)
+
+
 @contextlib.contextmanager
 def sync_probe():
     """Context manager yielding a list that gets one entry per traced ``sync_gradients``."""
@@ -45,6 +63,28 @@ def sync_probe():
         yield calls
     finally:
         _SYNC_CALLS.reset(token)
+
+
+@contextlib.contextmanager
+def reducer_probe():
+    """Yields a list that gets the ``grads -> reduced grads`` function of each traced
+    ``sync_gradients`` (used by ``data_parallel(..., microbatches=N)``)."""
+    found: list = []
+    token = _REDUCERS.set(found)
+    try:
+        yield found
+    finally:
+        _REDUCERS.reset(token)
+
+
+@contextlib.contextmanager
+def pre_reduced():
+    """Inside: ``sync_gradients`` passes gradients through (they were reduced already)."""
+    token = _PRE_REDUCED.set(True)
+    try:
+        yield
+    finally:
+        _PRE_REDUCED.reset(token)
 
 
 def _check_bound(axes: tuple[str, ...]) -> None:
@@ -63,6 +103,7 @@ def sync_gradients(
     *,
     axes: tuple[str, ...] = DATA_AXES,
     algorithm: str = "hierarchical",
+    bucket_bytes: tuple[int, int] | str | AutoBuckets | None = None,
 ) -> optax.GradientTransformation:
     """Averages gradients over the data-parallel mesh axes.
 
@@ -72,12 +113,19 @@ def sync_gradients(
     Args:
       axes: mesh axis names to average over, outermost first.
       algorithm: all-reduce algorithm, one of ``jaxcomm.collectives.ALGORITHMS``.
+      bucket_bytes: ``None``: leaves are packed as in :func:`jaxcomm.allreduce` (large
+        leaves alone, small ones concatenated per dtype). ``(min_bytes, max_bytes)``: the
+        leaves of each dtype, in reverse parameter order, are cut into 1-D buckets, the
+        first of ``min_bytes``, the others of ``max_bytes`` (``jaxcomm.buckets``), one
+        collective per bucket. ``'auto'`` or a ``jaxcomm.buckets.AutoBuckets``: bucket
+        sizes chosen at trace time to minimise predicted exposed communication.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`SyncGradientsState`.
 
     Raises:
-      ValueError: unknown ``algorithm`` or malformed ``axes`` (at construction).
+      ValueError: unknown ``algorithm``, malformed ``axes`` or ``bucket_bytes`` (at
+        construction).
 
     Example:
       >>> tx = optax.chain(jaxcomm.sync_gradients(algorithm='hierarchical'),
@@ -85,6 +133,24 @@ def sync_gradients(
     """
     axes = check_axes(axes)
     check_algorithm(algorithm)
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
+
+    def reduce(grads: Any) -> Any:
+        if bucket_bytes is None:
+            return allreduce(grads, axes=axes, algorithm=algorithm, op="mean")
+        # leaves -> buckets -> one all-reduce per bucket -> leaves
+        check_float_tree(grads)
+        leaves, treedef = jax.tree.flatten(grads)
+        if not leaves:
+            return grads
+        bounds = bucket_bytes
+        if isinstance(bounds, AutoBuckets):
+            bounds = bounds.choose(leaves, axes_size(axes))
+        plan = plan_buckets(leaves, min_bytes=bounds[0], max_bytes=bounds[1])
+        reduced = [
+            allreduce(b, axes=axes, algorithm=algorithm, op="mean") for b in plan.pack(leaves)
+        ]
+        return jax.tree.unflatten(treedef, plan.unpack(reduced))
 
     def init(params: Any) -> SyncGradientsState:
         del params
@@ -96,7 +162,10 @@ def sync_gradients(
         if calls is not None:
             calls.append(axes)
         _check_bound(axes)
-        reduced = allreduce(grads, axes=axes, algorithm=algorithm, op="mean")
+        reducers = _REDUCERS.get()
+        if reducers is not None:
+            reducers.append(reduce)
+        reduced = grads if _PRE_REDUCED.get() else reduce(grads)
         return reduced, SyncGradientsState(count=state.count + 1)
 
     return optax.GradientTransformation(init, update)
