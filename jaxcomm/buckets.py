@@ -258,7 +258,10 @@ def exposed_seconds(
     Returns:
       Seconds of communication not hidden behind the backward pass.
     """
-    sizes = [int(np.prod(shape)) * dt.itemsize for shape, dt in zip(plan.shapes, plan.dtypes)]
+    sizes = [
+        int(np.prod(shape)) * dt.itemsize
+        for shape, dt in zip(plan.shapes, plan.dtypes, strict=True)
+    ]
     total = sum(sizes) or 1
     after = np.concatenate([np.cumsum(sizes[::-1])[::-1][1:], [0]])  # bytes of leaves > i
     frac = ready_fraction or (lambda f: f)

@@ -175,7 +175,8 @@ def _attr(rest: str, key: str) -> str | None:
             depth += {"{": 1, "}": -1}.get(rest[k], 0)
             if depth == 0:
                 return rest[j : k + 1]
-    m = re.match(r"[^\s,]+(?:T\([0-9,]+\))?", rest[j:])
+    # iota replica groups ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)`` contain commas
+    m = re.match(r"\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|[^\s,]+", rest[j:])
     return m.group(0) if m else None
 
 

@@ -52,9 +52,7 @@ def test_pack_unpack_roundtrip():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize(
-    "bad", [(0, 10), (10, 5), (1.5, 10), "big", (True, 10), 7, (1, 2, 3)]
-)
+@pytest.mark.parametrize("bad", [(0, 10), (10, 5), (1.5, 10), "big", (True, 10), 7, (1, 2, 3)])
 def test_bad_bucket_bytes(bad):
     with pytest.raises(ValueError, match="bucket_bytes"):
         jaxcomm.sync_gradients(bucket_bytes=bad)

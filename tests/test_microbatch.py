@@ -38,9 +38,7 @@ def batches():
     return [{"x": x[i], "y": y[i]} for i in range(3)]
 
 
-@pytest.mark.parametrize(
-    "algorithm,bucket_bytes", [("hierarchical", None), ("flat", (256, 512))]
-)
+@pytest.mark.parametrize("algorithm,bucket_bytes", [("hierarchical", None), ("flat", (256, 512))])
 def test_microbatched_step_equals_plain_step(mesh, batches, algorithm, bucket_bytes):
     params = _init(jax.random.key(0))
     runs = {}
