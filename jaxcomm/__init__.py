@@ -1,6 +1,6 @@
 """jaxcomm: less communication and less waiting for data-parallel training on JAX/XLA."""
 
-from jaxcomm import buckets, collectives, hlo, schedule, xla
+from jaxcomm import buckets, collectives, cost, hlo, schedule, topology, xla
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.mesh import DATA_AXES, make_mesh
 from jaxcomm.state import PerDevice
@@ -18,6 +18,7 @@ __all__ = [
     "allreduce",
     "buckets",
     "collectives",
+    "cost",
     "data_parallel",
     "flat_allreduce",
     "hierarchical_allreduce",
@@ -25,5 +26,6 @@ __all__ = [
     "make_mesh",
     "schedule",
     "sync_gradients",
+    "topology",
     "xla",
 ]

@@ -187,8 +187,9 @@ class AutoBuckets(NamedTuple):
 
     Attributes:
       comm_seconds: ``nbytes -> seconds`` of one all-reduce of a bucket on this mesh, e.g.
-        ``lambda n: jaxcomm.cost.predict('hierarchical', n, topology)``. ``None`` uses
-        :func:`default_comm_seconds` (an alpha-beta ring model) with the mesh size.
+        ``lambda n: jaxcomm.cost.predict('hierarchical', n, topology)``. ``None``: inside
+        ``sync_gradients``, ``jaxcomm.cost.predict`` of its algorithm on its topology
+        (given, or ``jaxcomm.topology.detect()``) fitted to the mesh.
       backward_seconds: duration of the backward pass. Gradients are taken to become ready
         at a uniform rate per byte in reverse parameter order (the usual first-order
         profile); pass ``ready_fraction`` to describe another profile. ``None``: the
@@ -206,10 +207,20 @@ class AutoBuckets(NamedTuple):
     min_bytes: int = MiB
     candidates: tuple[int, ...] = tuple(1 << k for k in range(18, 29))  # 256 KiB .. 256 MiB
 
-    def choose(self, leaves: Sequence[Any], num_devices: int) -> tuple[int, int]:
+    def choose(
+        self, leaves: Sequence[Any], default_comm: Callable[[int], float] | None = None
+    ) -> tuple[int, int]:
         """Returns the ``(min_bytes, max_bytes)`` with the least predicted exposed time
-        (ties go to larger buckets: fewer collectives)."""
-        comm = self.comm_seconds or (lambda n: default_comm_seconds(n, num_devices))
+        (ties go to larger buckets: fewer collectives).
+
+        Args:
+          leaves: gradient leaves (arrays or ShapeDtypeStructs) in parameter order.
+          default_comm: ``nbytes -> seconds`` used when ``comm_seconds`` is None
+            (``sync_gradients`` passes ``jaxcomm.cost.predict`` for its algorithm).
+        """
+        comm = self.comm_seconds or default_comm
+        if comm is None:
+            raise ValueError("AutoBuckets needs comm_seconds (nbytes -> seconds) to choose.")
         total = sum(int(np.prod(jnp.shape(x))) * jnp.dtype(jnp.result_type(x)).itemsize
                     for x in leaves)  # fmt: skip
         backward = self.backward_seconds if self.backward_seconds is not None else comm(total)
@@ -221,19 +232,6 @@ class AutoBuckets(NamedTuple):
             if best is None or t <= best[0] * (1 + 1e-9):
                 best = (t, (lo, cap))
         return best[1]
-
-
-def default_comm_seconds(
-    nbytes: int, p: int, *, alpha: float = 25e-6, bandwidth: float = 12.5e9
-) -> float:
-    """Ring all-reduce time ``2(p-1) alpha + 2(p-1)/p n / B`` (Thakur et al. 2005).
-
-    Defaults: 25 us per step, 12.5 GB/s (a 100 Gbit/s link). Used by :class:`AutoBuckets`
-    when no ``comm_seconds`` is given; pass ``jaxcomm.cost`` predictions for a real topology.
-    """
-    if p <= 1:
-        return 0.0
-    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / bandwidth
 
 
 def exposed_seconds(

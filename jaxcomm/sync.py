@@ -8,13 +8,17 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from jaxcomm.buckets import AutoBuckets, check_bucket_bytes, plan_buckets
 from jaxcomm.collectives import allreduce
-from jaxcomm.collectives.base import axes_size, check_algorithm, check_axes, check_float_tree
-from jaxcomm.mesh import DATA_AXES
+from jaxcomm import cost
+from jaxcomm.collectives.auto import check_topology, fit_to_mesh
+from jaxcomm.collectives.base import check_algorithm, check_axes, check_float_tree
+from jaxcomm.mesh import DATA_AXES, INTRA
+from jaxcomm.topology import detect
 
 __all__ = [
     "SyncGradientsState",
@@ -99,10 +103,22 @@ def _check_bound(axes: tuple[str, ...]) -> None:
             ) from e
 
 
+def _predicted_seconds(algorithm: str, axes: tuple[str, ...], topology: Any):
+    """``nbytes -> seconds`` of one all-reduce over ``axes`` from ``jaxcomm.cost`` (inside
+    shard_map): the topology (given, or detected) fitted to the mesh as 'auto' does."""
+    topo = topology or detect()
+    sizes = [int(lax.axis_size(a)) for a in axes]
+    g = sizes[-1] if axes[-1] == INTRA else 1
+    topo = fit_to_mesh(topo, int(np.prod(sizes)) // g, g)
+    name = algorithm if algorithm in cost.ALGORITHMS else "auto"
+    return lambda nbytes: cost.predict(name, nbytes, topo)
+
+
 def sync_gradients(
     *,
     axes: tuple[str, ...] = DATA_AXES,
     algorithm: str = "hierarchical",
+    topology: Any = None,
     bucket_bytes: tuple[int, int] | str | AutoBuckets | None = None,
 ) -> optax.GradientTransformation:
     """Averages gradients over the data-parallel mesh axes.
@@ -112,13 +128,17 @@ def sync_gradients(
 
     Args:
       axes: mesh axis names to average over, outermost first.
-      algorithm: all-reduce algorithm, one of ``jaxcomm.collectives.ALGORITHMS``.
+      algorithm: all-reduce algorithm, one of ``jaxcomm.collectives.ALGORITHMS``;
+        'auto' picks one per packed buffer with ``jaxcomm.cost.choose``.
+      topology: the ``jaxcomm.topology.Topology`` that 'auto' plans with; None:
+        ``jaxcomm.topology.detect()`` at trace time.
       bucket_bytes: ``None``: leaves are packed as in :func:`jaxcomm.allreduce` (large
         leaves alone, small ones concatenated per dtype). ``(min_bytes, max_bytes)``: the
         leaves of each dtype, in reverse parameter order, are cut into 1-D buckets, the
         first of ``min_bytes``, the others of ``max_bytes`` (``jaxcomm.buckets``), one
         collective per bucket. ``'auto'`` or a ``jaxcomm.buckets.AutoBuckets``: bucket
-        sizes chosen at trace time to minimise predicted exposed communication.
+        sizes chosen at trace time to minimise predicted exposed communication
+        (``jaxcomm.cost.predict`` of ``algorithm`` on ``topology``).
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`SyncGradientsState`.
@@ -126,6 +146,7 @@ def sync_gradients(
     Raises:
       ValueError: unknown ``algorithm``, malformed ``axes`` or ``bucket_bytes`` (at
         construction).
+      TypeError: ``topology`` is not a Topology.
 
     Example:
       >>> tx = optax.chain(jaxcomm.sync_gradients(algorithm='hierarchical'),
@@ -133,11 +154,12 @@ def sync_gradients(
     """
     axes = check_axes(axes)
     check_algorithm(algorithm)
+    check_topology(topology)
     bucket_bytes = check_bucket_bytes(bucket_bytes)
 
     def reduce(grads: Any) -> Any:
         if bucket_bytes is None:
-            return allreduce(grads, axes=axes, algorithm=algorithm, op="mean")
+            return allreduce(grads, axes=axes, algorithm=algorithm, op="mean", topology=topology)
         # leaves -> buckets -> one all-reduce per bucket -> leaves
         check_float_tree(grads)
         leaves, treedef = jax.tree.flatten(grads)
@@ -145,10 +167,11 @@ def sync_gradients(
             return grads
         bounds = bucket_bytes
         if isinstance(bounds, AutoBuckets):
-            bounds = bounds.choose(leaves, axes_size(axes))
+            bounds = bounds.choose(leaves, _predicted_seconds(algorithm, axes, topology))
         plan = plan_buckets(leaves, min_bytes=bounds[0], max_bytes=bounds[1])
         reduced = [
-            allreduce(b, axes=axes, algorithm=algorithm, op="mean") for b in plan.pack(leaves)
+            allreduce(b, axes=axes, algorithm=algorithm, op="mean", topology=topology)
+            for b in plan.pack(leaves)
         ]
         return jax.tree.unflatten(treedef, plan.unpack(reduced))
 

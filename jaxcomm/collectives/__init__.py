@@ -7,8 +7,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxcomm.collectives import auto as _auto  # noqa: F401  (registers 'auto')
 from jaxcomm.collectives import flat as _flat  # noqa: F401  (registers 'flat')
+from jaxcomm.collectives import halving_doubling as _hd  # noqa: F401  (registers 'halving_doubling')
 from jaxcomm.collectives import hierarchical as _hier  # noqa: F401  (registers 'hierarchical')
+from jaxcomm.collectives import ring as _ring  # noqa: F401  (registers 'ring')
+from jaxcomm.collectives import tree as _tree  # noqa: F401  (registers 'tree')
 from jaxcomm.collectives.base import (
     ALGORITHMS,
     OPS,
@@ -21,15 +25,21 @@ from jaxcomm.collectives.base import (
     register_algorithm,
 )
 from jaxcomm.collectives.flat import flat_allreduce
+from jaxcomm.collectives.halving_doubling import halving_doubling_allreduce
 from jaxcomm.collectives.hierarchical import hierarchical_allreduce
+from jaxcomm.collectives.ring import ring_allreduce
+from jaxcomm.collectives.tree import tree_allreduce
 
 __all__ = [
     "ALGORITHMS",
     "OPS",
     "allreduce",
     "flat_allreduce",
+    "halving_doubling_allreduce",
     "hierarchical_allreduce",
     "register_algorithm",
+    "ring_allreduce",
+    "tree_allreduce",
 ]
 
 
@@ -39,6 +49,7 @@ def allreduce(
     axes: tuple[str, ...] = ("inter", "intra"),
     algorithm: str = "hierarchical",
     op: str = "mean",
+    topology: Any = None,
 ) -> Any:
     """All-reduces every leaf of ``tree`` over the data-parallel mesh axes.
 
@@ -50,13 +61,19 @@ def allreduce(
       algorithm: one of ``jaxcomm.collectives.ALGORITHMS`` ('flat', 'hierarchical', and
         the ones other modules register).
       op: 'sum' or 'mean'.
+      topology: a ``jaxcomm.topology.Topology`` that ``algorithm='auto'`` plans with
+        (``jaxcomm.cost.choose`` per packed buffer); None: ``jaxcomm.topology.detect()``.
+        Other algorithms ignore it. 'ring', 'tree', 'halving_doubling' (and 'auto' when it
+        picks one of them) return values shard_map types as varying: use
+        ``check_vma=False`` in your ``shard_map``.
 
     Returns:
       A pytree of the same structure, shapes and dtypes holding the reduced values.
 
     Raises:
       ValueError: unknown ``algorithm`` or ``op`` (the message lists the choices).
-      TypeError: a leaf is not floating point (the message names its path).
+      TypeError: a leaf is not floating point (the message names its path), or
+        ``topology`` is not a Topology.
 
     Example:
       >>> def step(g):
@@ -67,12 +84,14 @@ def allreduce(
     check_op(op)
     axes = check_axes(axes)
     check_float_tree(tree)
+    _auto.check_topology(topology)
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
     leaves = [jnp.asarray(x) for x in leaves]
     plan = Packing(leaves)
-    reduced = [fn(buf, axes) for buf in plan.pack(leaves)]
+    with _auto.use_topology(topology):
+        reduced = [fn(buf, axes) for buf in plan.pack(leaves)]
     if op == "mean":
         n = axes_size(axes)
         reduced = [(r / n).astype(r.dtype) for r in reduced]

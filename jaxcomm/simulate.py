@@ -1,0 +1,466 @@
+"""Scale simulator: step time of data-parallel training on clusters we do not have.
+
+``python -m jaxcomm.simulate --model resnet152 --topology fat_tree --nodes 16,64,256,1024``
+prints the all-reduce time per algorithm and the step time, speedup and communication
+fraction with the optimisations stacked as rows:
+
+====================  =====================================================================
+baseline              flat ``psum`` (NCCL's ring/tree), one collective per gradient tensor,
+                      after the backward pass, f32, nodes in scheduler (random) order
++hierarchical         intra-node reduce-scatter / inter-node all-reduce / all-gather
++overlap              each collective starts when its gradients are ready in the backward pass
++compression          bf16 on the wire (``--compression-ratio``, default 2)
++topology             ranks placed leaf/pod-contiguously and the algorithm per collective
+                      chosen by ``jaxcomm.cost.choose``
++batching             gradients fused into ``--bucket-mb`` buckets (default 25 MiB, DDP)
+====================  =====================================================================
+
+Every collective costs ``--launch-us`` plus ``jaxcomm.cost.predict``. See
+``docs/simulator.md`` for the assumptions and the comparison with public figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxcomm import calibration as cal
+from jaxcomm import cost
+from jaxcomm.topology import Topology, aware_order, dgx_h100, fat_tree, load, ring_hops
+from jaxcomm.topology.placement import random_order
+
+__all__ = [
+    "ROWS",
+    "Workload",
+    "busbw_table",
+    "format_tables",
+    "main",
+    "simulate",
+    "step_time",
+    "workload",
+]
+
+# Seconds per step of compute on one H100 (bf16, batch 128 per device) assumed when no
+# --compute-ms is given: ~3,000 img/s for ResNet-50 and FLOP-proportional for the others
+# (4.1 / 7.8 / 11.5 GFLOPs per image).
+DEFAULT_COMPUTE_S = {"resnet50": 0.045, "resnet101": 0.08, "resnet152": 0.12}
+DEFAULT_NODES = (16, 32, 64, 128, 256, 512, 1024)
+
+ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("baseline", dict(algorithm="flat", overlap=False, compress=False, aware=False, batch=False)),
+    ("+hierarchical", dict(algorithm="hierarchical", overlap=False, compress=False, aware=False,
+                           batch=False)),
+    ("+overlap", dict(algorithm="hierarchical", overlap=True, compress=False, aware=False,
+                      batch=False)),
+    ("+compression", dict(algorithm="hierarchical", overlap=True, compress=True, aware=False,
+                          batch=False)),
+    ("+topology", dict(algorithm="auto", overlap=True, compress=True, aware=True, batch=False)),
+    ("+batching", dict(algorithm="auto", overlap=True, compress=True, aware=True, batch=True)),
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Gradient tensors in forward order, their share of backward compute, step compute.
+
+    Attributes:
+      name: label.
+      leaf_bytes: bytes of each gradient tensor (f32), forward order.
+      leaf_weight: share of backward compute ending at each tensor (0 for a norm's scale
+        and bias, ready together with their convolution).
+      compute_s: forward + backward seconds per step.
+      backward_fraction: the backward pass's share of ``compute_s``.
+    """
+
+    name: str
+    leaf_bytes: tuple[int, ...]
+    leaf_weight: tuple[float, ...]
+    compute_s: float
+    backward_fraction: float = 2.0 / 3.0
+
+    @property
+    def total_bytes(self) -> int:
+        return int(sum(self.leaf_bytes))
+
+    def ready_times(self) -> np.ndarray:
+        """When each tensor's gradient is ready (seconds from step start), forward order.
+
+        The backward pass walks the tensors in reverse, spending time in proportion to
+        ``leaf_weight`` (equal per convolution / dense layer)."""
+        w = np.asarray(self.leaf_weight, float)
+        done = np.cumsum(w[::-1])[::-1] / max(w.sum(), 1e-30)
+        fwd = (1 - self.backward_fraction) * self.compute_s
+        return fwd + self.backward_fraction * self.compute_s * done
+
+
+def _forward_key(path: str) -> int:
+    return 0 if "stem" in path else (2 if "head" in path else 1)
+
+
+def workload(model: str | int, compute_s: float | None = None) -> Workload:
+    """A :class:`Workload` for a ResNet name or a gradient size in bytes.
+
+    Args:
+      model: 'resnet50', 'resnet101', 'resnet152' (shapes from
+        ``jaxcomm.models.gradient_shapes``, i.e. ``jax.eval_shape``), or an int byte count
+        (then one tensor per 25 MB, equal compute each).
+      compute_s: seconds of compute per step; default ``DEFAULT_COMPUTE_S`` (ResNets) or
+        required for a byte count.
+
+    Returns:
+      The workload.
+    """
+    if isinstance(model, (int, np.integer)):
+        if compute_s is None:
+            raise ValueError("workload(bytes): pass compute_s (--compute-ms), e.g. 0.1.")
+        n = max(1, int(model) // 25_000_000)
+        sizes = [int(model) // n] * n
+        sizes[-1] += int(model) - sum(sizes)
+        return Workload(f"{int(model)} bytes", tuple(sizes), (1.0,) * n, float(compute_s))
+    import jax
+
+    from jaxcomm.models import gradient_shapes
+
+    if compute_s is None and model not in DEFAULT_COMPUTE_S:
+        raise ValueError(
+            f"no default compute time for {model!r}: pass --compute-ms, or choose one of "
+            f"{sorted(DEFAULT_COMPUTE_S)}."
+        )
+    flat = jax.tree_util.tree_flatten_with_path(gradient_shapes(model))[0]
+    items = sorted(
+        ((jax.tree_util.keystr(p), x) for p, x in flat), key=lambda kv: _forward_key(kv[0])
+    )  # stable: blocks keep their order; stem first, head last
+    sizes = tuple(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for _, x in items)
+    weights = tuple(1.0 if len(x.shape) >= 2 else 0.0 for _, x in items)
+    return Workload(model, sizes, weights, float(compute_s or DEFAULT_COMPUTE_S[model]))
+
+
+def _buckets(wl: Workload, bucket_bytes: int | None) -> list[tuple[int, float]]:
+    """(bytes, ready time) per collective, in the order they are issued."""
+    ready = wl.ready_times()
+    order = np.argsort(-np.arange(len(ready)), kind="stable")  # reverse forward order
+    if not bucket_bytes:
+        return [(wl.leaf_bytes[i], float(ready[i])) for i in order]
+    out, size, last = [], 0, 0.0
+    for i in order:
+        size += wl.leaf_bytes[i]
+        last = max(last, float(ready[i]))
+        if size >= bucket_bytes:
+            out.append((size, last))
+            size = 0
+    if size:
+        out.append((size, last))
+    return out
+
+
+def step_time(
+    wl: Workload,
+    topology: Topology,
+    *,
+    algorithm: str,
+    overlap: bool,
+    compression_ratio: float = 1.0,
+    bucket_bytes: int | None = None,
+    launch_s: float = 10e-6,
+) -> dict[str, Any]:
+    """Step time of one configuration.
+
+    Collectives run one at a time in issue order on one communication stream; with
+    ``overlap`` each starts at ``max(ready, previous end)``, without it after the backward
+    pass. The step ends when compute and the last collective have both finished.
+
+    Returns:
+      ``{step_s, comm_s, exposed_s, comm_fraction, collectives, algorithms}``.
+    """
+    memo: dict[int, tuple[str, float]] = {}
+    t_end, comm, used = 0.0, 0.0, {}
+    for nbytes, ready in _buckets(wl, bucket_bytes):
+        if nbytes not in memo:
+            alg = algorithm
+            if alg == "auto":
+                alg = cost.choose(nbytes, topology, compression_ratio=compression_ratio)
+            t = launch_s + cost.predict(alg, nbytes, topology, compression_ratio=compression_ratio)
+            memo[nbytes] = (alg, t)
+        alg, t = memo[nbytes]
+        used[alg] = used.get(alg, 0) + 1
+        start = max(ready if overlap else wl.compute_s, t_end)
+        t_end = start + t
+        comm += t
+    step = max(wl.compute_s, t_end)
+    exposed = step - wl.compute_s
+    return {
+        "step_s": step,
+        "comm_s": comm,
+        "exposed_s": exposed,
+        "comm_fraction": exposed / step,
+        "collectives": sum(used.values()),
+        "algorithms": used,
+    }
+
+
+def simulate(
+    wl: Workload,
+    topology_for: Callable[[int], Topology],
+    nodes: Sequence[int] = DEFAULT_NODES,
+    *,
+    compression_ratio: float = 2.0,
+    bucket_bytes: int = 25 * 2**20,
+    launch_s: float = 10e-6,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Runs every row of :data:`ROWS` and every algorithm for each node count.
+
+    Args:
+      wl: the workload.
+      topology_for: node count -> topology (aware placement; rows without '+topology' use
+        a random placement drawn with ``seed``).
+      nodes: node counts.
+      compression_ratio: wire ratio of '+compression'.
+      bucket_bytes: bucket size of '+batching'.
+      launch_s: fixed cost per collective call.
+      seed: placement seed.
+
+    Returns:
+      A JSON-ready dict (see ``--json``).
+    """
+    out: dict[str, Any] = {"workload": {"name": wl.name, "bytes": wl.total_bytes,
+                                        "tensors": len(wl.leaf_bytes),
+                                        "compute_s": wl.compute_s},
+                           "compression_ratio": compression_ratio, "bucket_bytes": bucket_bytes,
+                           "launch_s": launch_s, "nodes": {}}  # fmt: skip
+    for n in nodes:
+        aware = topology_for(n)
+        rand = aware.with_placement(random_order(aware, seed))
+        ar = {a: cost.predict(a, wl.total_bytes, aware) for a in cost.ALGORITHMS}
+        rows, base = [], None
+        for name, cfg in ROWS:
+            r = step_time(
+                wl,
+                aware if cfg["aware"] else rand,
+                algorithm=cfg["algorithm"],
+                overlap=cfg["overlap"],
+                compression_ratio=compression_ratio if cfg["compress"] else 1.0,
+                bucket_bytes=bucket_bytes if cfg["batch"] else None,
+                launch_s=launch_s,
+            )
+            base = base or r["step_s"]
+            rows.append({"row": name, **r, "speedup": base / r["step_s"],
+                         "efficiency": wl.compute_s / r["step_s"]})  # fmt: skip
+        out["nodes"][str(n)] = {
+            "topology": aware.describe(),
+            "devices": aware.num_devices,
+            "ring_hops": {
+                "random": ring_hops(aware, random_order(aware, seed)),
+                "aware": ring_hops(aware, aware_order(aware)),
+            },  # fmt: skip
+            "allreduce_s": ar,
+            "rows": rows,
+        }
+    return out
+
+
+BUSBW_SIZES = tuple(1 << k for k in range(10, 33, 2))  # 1 KiB .. 4 GiB
+
+
+def busbw_table(topology: Topology, sizes: Sequence[int] = BUSBW_SIZES) -> dict[str, Any]:
+    """Predicted nccl-tests bus bandwidth (bytes/s) per algorithm and all-reduce size."""
+    p = topology.num_devices
+    return {
+        a: {str(n): cost.busbw(n, p, cost.predict(a, n, topology)) for n in sizes}
+        for a in cost.ALGORITHMS
+    }
+
+
+def format_busbw(name: str, table: dict[str, Any]) -> str:
+    sizes = list(next(iter(table.values())))
+    lines = [f"predicted all-reduce bus bandwidth (GB/s), {name}",
+             f"{'bytes':>11} " + " ".join(f"{a:>16}" for a in table)]  # fmt: skip
+    for n in sizes:
+        lines.append(f"{n:>11} " + " ".join(f"{table[a][n] / 1e9:16.1f}" for a in table))
+    return "\n".join(lines)
+
+
+def format_tables(result: dict[str, Any]) -> str:
+    """The two tables (all-reduce per algorithm; stacked rows) as text."""
+    wl = result["workload"]
+    lines = [
+        f"workload {wl['name']}: {wl['bytes'] / 1e6:.1f} MB of gradients in {wl['tensors']} "
+        f"tensors, compute {wl['compute_s'] * 1e3:.0f} ms/step",
+        "",
+        "all-reduce of the whole gradient (ms), aware placement",
+        f"{'nodes':>6} {'devices':>7} " + " ".join(f"{a:>16}" for a in cost.ALGORITHMS)
+        + f" {'hops rand/aware':>16}",
+    ]  # fmt: skip
+    for n, r in result["nodes"].items():
+        hops = f"{r['ring_hops']['random']:.2f}/{r['ring_hops']['aware']:.2f}"
+        lines.append(
+            f"{n:>6} {r['devices']:>7} "
+            + " ".join(f"{r['allreduce_s'][a] * 1e3:16.2f}" for a in cost.ALGORITHMS)
+            + f" {hops:>16}"
+        )
+    lines += ["", "step time with optimisations stacked"]
+    lines.append(f"{'nodes':>6} {'row':<14} {'step ms':>9} {'speedup':>8} {'comm %':>7} "
+                 f"{'eff %':>6} {'calls':>6}  algorithms")  # fmt: skip
+    for n, r in result["nodes"].items():
+        for row in r["rows"]:
+            algs = ",".join(f"{k}:{v}" for k, v in sorted(row["algorithms"].items()))
+            lines.append(
+                f"{n:>6} {row['row']:<14} {row['step_s'] * 1e3:9.1f} {row['speedup']:7.2f}x "
+                f"{row['comm_fraction'] * 100:6.1f}% {row['efficiency'] * 100:5.1f}% "
+                f"{row['collectives']:>6}  {algs}"
+            )
+    if "calibration" in result:
+        lines += ["", "calibration: prediction error per message size"]
+        lines.append(f"{'axis':<8} {'collective':<18} {'p':>3} {'bytes':>11} {'measured ms':>12} "
+                     f"{'model ms':>10} {'error':>7}")  # fmt: skip
+        for e in result["calibration"]["errors"]:
+            lines.append(
+                f"{e['axis']:<8} {e['collective']:<18} {e['group_size'] or '-':>3} "
+                f"{e['bytes']:>11} {e['measured_s'] * 1e3:12.3f} {e['predicted_s'] * 1e3:10.3f} "
+                f"{e['error'] * 100:6.1f}%"
+            )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Writes a PNG: all-reduce time per algorithm and step time per row vs nodes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nodes = [int(n) for n in result["nodes"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for a in cost.ALGORITHMS:
+        ax1.plot(nodes, [r["allreduce_s"][a] * 1e3 for r in result["nodes"].values()], "o-",
+                 label=a)  # fmt: skip
+    ax1.set(xscale="log", yscale="log", xlabel="nodes", ylabel="all-reduce (ms)",
+            title=f"{result['workload']['name']}: one all-reduce of all gradients")  # fmt: skip
+    for i, (name, _) in enumerate(ROWS):
+        ax2.plot(nodes, [r["rows"][i]["step_s"] * 1e3 for r in result["nodes"].values()], "o-",
+                 label=name)  # fmt: skip
+    ax2.set(xscale="log", xlabel="nodes", ylabel="step time (ms)", title="optimisations stacked")
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _topology_for(args) -> Callable[[int], Topology]:
+    if args.topology == "fat_tree":
+
+        def make(n: int) -> Topology:  # noqa: E306
+            return fat_tree(n, args.nodes_per_leaf, args.leaves_per_pod,
+                            nics_per_node=args.nics_per_node,
+                            link_bandwidth=args.link_gbps * 1e9 / 8,
+                            oversubscription=args.oversubscription or 2.0)  # fmt: skip
+    elif args.topology == "dgx_h100":
+
+        def make(n: int) -> Topology:  # noqa: E306
+            return dgx_h100(n, oversubscription=args.oversubscription or 1.0)
+    else:
+        base = load(args.topology)
+
+        def make(n: int) -> Topology:
+            return base if n == base.num_nodes else base.with_nodes(n)
+
+    if args.calibration:
+        calib = cal.load(args.calibration)
+        return lambda n: cal.apply(make(n), calib)
+    return make
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxcomm.simulate", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--model",
+        default="resnet152",
+        help="resnet50 | resnet101 | resnet152, or a gradient size in bytes",
+    )
+    p.add_argument(
+        "--topology", default="fat_tree", help="fat_tree | dgx_h100 | path to a topology JSON file"
+    )
+    p.add_argument(
+        "--nodes", default=",".join(map(str, DEFAULT_NODES)), help="comma-separated node counts"
+    )
+    p.add_argument("--nodes-per-leaf", type=int, default=16)
+    p.add_argument("--leaves-per-pod", type=int, default=8)
+    p.add_argument("--nics-per-node", type=int, default=1, help="fat_tree: NICs per node")
+    p.add_argument("--link-gbps", type=float, default=100.0, help="fat_tree: Gb/s per NIC")
+    p.add_argument(
+        "--oversubscription",
+        type=float,
+        default=None,
+        help="down:up ratio of the tiers above the leaf (default fat_tree 2, dgx_h100 1)",
+    )
+    p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=None,
+        help="compute per step; default per model (see DEFAULT_COMPUTE_S)",
+    )
+    p.add_argument("--compression-ratio", type=float, default=2.0)
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="MiB per bucket (+batching)")
+    p.add_argument("--launch-us", type=float, default=10.0, help="fixed cost per collective")
+    p.add_argument("--seed", type=int, default=0, help="random placement seed")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="JSON of measured alpha/beta per mesh axis and/or raw points",
+    )
+    p.add_argument(
+        "--busbw",
+        action="store_true",
+        help="also print predicted nccl-tests bus bandwidth per message size",
+    )
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a PNG here")
+    args = p.parse_args(argv)  # fmt: skip
+    try:
+        nodes = [int(v) for v in args.nodes.split(",") if v]
+        model = int(args.model) if args.model.isdigit() else args.model
+        compute = None if args.compute_ms is None else args.compute_ms / 1e3
+        wl = workload(model, compute)
+        result = simulate(wl, _topology_for(args), nodes,
+                          compression_ratio=args.compression_ratio,
+                          bucket_bytes=int(args.bucket_mb * 2**20),
+                          launch_s=args.launch_us * 1e-6, seed=args.seed)  # fmt: skip
+        if args.calibration:
+            calib = cal.load(args.calibration)
+            result["calibration"] = {
+                "axes": {k: dataclasses.asdict(v) for k, v in calib.axes.items()},
+                "errors": cal.prediction_errors(calib),
+            }
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result["command"] = "python -m jaxcomm.simulate " + " ".join(argv or sys.argv[1:])
+    print(format_tables(result))
+    if args.busbw:
+        make = _topology_for(args)
+        result["busbw"] = {}
+        for n in nodes:
+            topo = make(n)
+            result["busbw"][str(n)] = busbw_table(topo)
+            print()
+            print(format_busbw(topo.describe(), result["busbw"][str(n)]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

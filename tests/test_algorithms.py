@@ -1,0 +1,157 @@
+"""Ring, tree and halving-doubling equal psum, compile to the expected collective-permutes,
+and 'auto' runs what the cost model picks. (tests/test_allreduce.py also runs every
+registered algorithm on pytrees in f32/bf16/f16.)"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm import cost
+from jaxcomm import topology as T
+from jaxcomm.collectives import ALGORITHMS
+from jaxcomm.collectives.auto import fit_to_mesh
+
+AX = ("inter", "intra")
+
+
+@pytest.fixture(scope="module")
+def mesh6():
+    """2 x 3 mesh over 6 of the 8 fake devices: p = 6 is not a power of two."""
+    return jaxcomm.make_mesh(intra=3, devices=jax.devices()[:6])
+
+
+@pytest.fixture(scope="module")
+def line6():
+    """1 x 6 mesh: one node of 6 devices."""
+    return jaxcomm.make_mesh(intra=6, devices=jax.devices()[:6])
+
+
+def expected_permutes(algorithm: str, p: int) -> int:
+    if algorithm == "ring":
+        return 2 * (p - 1)
+    if algorithm == "tree":
+        return 2 * math.ceil(math.log2(p))
+    q = 1 << (p.bit_length() - 1)
+    return 2 * int(math.log2(q)) + (2 if q != p else 0)
+
+
+def _compile(mesh, fn, x):
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AX), out_specs=P(AX), check_vma=False))
+    compiled = f.lower(x).compile()
+    return compiled, jaxcomm.hlo.parse_collectives(compiled.as_text(), mesh)
+
+
+def _reference(x: np.ndarray, mesh, axes) -> np.ndarray:
+    """numpy sum of the per-device rows over the devices that share the non-reduced axes."""
+    shape = mesh.devices.shape
+    v = x.reshape(*shape, -1).astype(np.float64)
+    for i, name in enumerate(mesh.axis_names):
+        if name in axes:
+            v = np.broadcast_to(v.sum(axis=i, keepdims=True), v.shape)
+    return v.reshape(x.shape)
+
+
+CASES = [("mesh", AX), ("mesh", ("intra",)), ("mesh6", AX)]
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling"])
+@pytest.mark.parametrize("mesh_name, axes", CASES)
+def test_equals_psum_and_permute_count(request, algorithm, mesh_name, axes):
+    mesh = request.getfixturevalue(mesh_name)
+    nd = mesh.devices.size
+    p = int(np.prod([mesh.shape[a] for a in axes]))
+    x = np.random.default_rng(p).normal(size=(nd, 13)).astype(np.float32)  # 13: not / p
+    xs = jax.device_put(x, NamedSharding(mesh, P(AX)))
+    compiled, mod = _compile(mesh, lambda v: ALGORITHMS[algorithm](v[0], axes)[None], xs)
+    np.testing.assert_allclose(np.asarray(compiled(xs)), _reference(x, mesh, axes), atol=1e-5)
+    kinds = [c.kind for c in mod.collectives]
+    assert set(kinds) == {"collective-permute"}
+    assert len(kinds) == expected_permutes(algorithm, p)
+
+
+def test_ring_moves_to_next_rank_only(mesh):
+    xs = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P(AX)))
+    _, mod = _compile(mesh, lambda v: ALGORITHMS["ring"](v[0], AX)[None], xs)
+    for c in mod.collectives:
+        assert sorted(c.source_target_pairs) == [(i, (i + 1) % 8) for i in range(8)]
+
+
+def test_halving_doubling_big_exchanges_stay_in_node(mesh):
+    # Distance doubling: partners rank^1, rank^2 share a node ('intra'); only rank^4 crosses
+    # ('inter'), once in the reduce-scatter and once in the all-gather, with n/8 elements.
+    xs = jax.device_put(np.ones((8, 64), np.float32), NamedSharding(mesh, P(AX)))
+    _, mod = _compile(mesh, lambda v: ALGORITHMS["halving_doubling"](v[0], AX)[None], xs)
+    by_axes = sorted((c.axes, c.result_elements) for c in mod.collectives)
+    assert by_axes == sorted([(("intra",), 32), (("intra",), 16), (("inter",), 8)] * 2)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling"])
+def test_non_power_of_two_pytree_bf16(mesh6, algorithm):
+    rng = np.random.default_rng(2)
+    trees = [{"s": np.float32(rng.normal()), "v": rng.normal(size=(5, 3))} for _ in range(6)]
+    trees = [jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), t) for t in trees]
+    stacked = jax.tree.map(
+        lambda *xs: jax.device_put(jnp.stack(xs), NamedSharding(mesh6, P(AX))), *trees
+    )
+
+    def f(t):
+        local = jax.tree.map(lambda a: a[0], t)
+        return jaxcomm.allreduce(local, algorithm=algorithm, op="mean")
+
+    out = jax.jit(jax.shard_map(f, mesh=mesh6, in_specs=P(AX), out_specs=P(), check_vma=False))(
+        stacked
+    )
+    for key in ("s", "v"):
+        ref = np.mean([np.asarray(t[key], np.float64) for t in trees], axis=0)
+        assert out[key].dtype == jnp.bfloat16 and out[key].shape == ref.shape
+        np.testing.assert_allclose(np.asarray(out[key], np.float64), ref, atol=0.05)
+
+
+def test_auto_runs_what_the_cost_model_picks(line6):
+    # One node of 6 devices (p not a power of two): a latency-optimal algorithm for a
+    # scalar, the ring for 4 MB (halving-doubling pays two extra full-size steps).
+    topo = T.cpu_local(1, 8)
+    fitted = fit_to_mesh(topo, 1, 6)
+    small, large = cost.choose(4, fitted), cost.choose(4 << 20, fitted)
+    assert small in ("halving_doubling", "tree") and large in ("ring", "hierarchical")
+    for n, name in ((1, small), (1 << 20, large)):
+        xs = jax.device_put(np.ones((6, n), np.float32), NamedSharding(line6, P(AX)))
+        compiled, mod = _compile(
+            line6, lambda v: jaxcomm.allreduce(v[0], op="sum", algorithm="auto",
+                                               topology=topo)[None], xs
+        )  # fmt: skip
+        if name == "hierarchical":
+            assert {c.kind for c in mod.collectives} == {"reduce-scatter", "all-gather"}
+        else:
+            assert len(mod.collectives) == expected_permutes(name, 6)
+        np.testing.assert_allclose(np.asarray(compiled(xs)), 6.0)
+
+
+def test_sync_gradients_auto_with_topology(mesh):
+    tx = jaxcomm.sync_gradients(
+        algorithm="auto", topology=T.fat_tree(2, 2, None, devices_per_node=4)
+    )
+    g = np.random.default_rng(3).normal(size=(8, 11)).astype(np.float32)
+    gs = jax.device_put(g, NamedSharding(mesh, P(AX)))
+
+    def step(v):
+        upd, _ = tx.update({"w": v[0]}, tx.init(None))
+        return upd["w"][None]
+
+    out = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(AX), out_specs=P(AX), check_vma=False))(
+        gs
+    )
+    np.testing.assert_allclose(np.asarray(out), np.broadcast_to(g.mean(0), g.shape), atol=1e-6)
+
+
+def test_bad_topology_argument():
+    with pytest.raises(TypeError, match="jaxcomm.topology.Topology"):
+        jaxcomm.sync_gradients(algorithm="auto", topology="dgx")
+    with pytest.raises(TypeError, match="jaxcomm.topology.Topology"):
+        jaxcomm.allreduce({"a": jnp.ones(2)}, algorithm="auto", topology={"levels": []})
