@@ -12,9 +12,9 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxcomm import cost
 from jaxcomm.buckets import AutoBuckets, check_bucket_bytes, plan_buckets
 from jaxcomm.collectives import allreduce
-from jaxcomm import cost
 from jaxcomm.collectives.auto import check_topology, fit_to_mesh
 from jaxcomm.collectives.base import check_algorithm, check_axes, check_float_tree
 from jaxcomm.mesh import DATA_AXES, INTRA
