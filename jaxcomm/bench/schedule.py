@@ -110,7 +110,7 @@ def _model(args):
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
 
     def loss(p, s, batch):
-        m = nnx.merge(graphdef, p, s)
+        m = nnx.merge(graphdef, p, s, copy=True)  # fresh Variables at this trace level
         logits = m(batch["x"])
         nll = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], 1))
         return nll, (nnx.state(m, nnx.BatchStat), {})
