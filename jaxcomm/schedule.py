@@ -64,6 +64,9 @@ class Scheduled:
       ops_between: compute operations scheduled between start and done (None if sync).
       opcodes_between: those operations' opcodes, in order.
       sync_marked: XLA marked the pair ``is_sync`` (it will run synchronously).
+      compute_after: compute operations scheduled after the done (or the synchronous op) in
+        the same computation: with synchronous collectives (CPU), a gradient collective
+        with compute after it was issued before the backward pass finished (interleaved).
     """
 
     collective: Collective
@@ -74,6 +77,7 @@ class Scheduled:
     ops_between: int | None
     opcodes_between: tuple[str, ...]
     sync_marked: bool
+    compute_after: int = 0
 
     @property
     def overlapped(self) -> bool:
@@ -93,25 +97,31 @@ class ScheduleReport:
     collectives: tuple[Scheduled, ...]
 
     def by_kind_axes(self) -> dict[tuple[str, tuple[str, ...] | None], dict[str, Any]]:
-        """``(kind, axes) -> {'count', 'bytes', 'async', 'overlapped', 'ops_between'}``."""
+        """``(kind, axes) -> {'count', 'bytes', 'async', 'overlapped', 'ops_between',
+        'interleaved'}`` (interleaved: collectives with compute scheduled after them)."""
         out: dict[tuple[str, tuple[str, ...] | None], dict[str, Any]] = {}
         for s in self.collectives:
             key = (s.collective.kind, s.collective.axes)
             row = out.setdefault(
-                key, {"count": 0, "bytes": 0.0, "async": 0, "overlapped": 0, "ops_between": 0}
-            )
+                key,
+                {
+                    "count": 0, "bytes": 0.0, "async": 0, "overlapped": 0, "ops_between": 0,
+                    "interleaved": 0,
+                },
+            )  # fmt: skip
             row["count"] += 1
             row["bytes"] += s.collective.operand_bytes
             row["async"] += int(s.is_async)
             row["overlapped"] += int(s.overlapped)
             row["ops_between"] += s.ops_between or 0
+            row["interleaved"] += int(s.compute_after > 0)
         return out
 
     def format(self) -> str:
         """A text table: one row per collective, then a summary by kind and mesh axes."""
         lines = [
             f"{'#':>3} {'kind':<18} {'axes':<16} {'dtype':<5} {'bytes':>12} {'bufs':>4} "
-            f"{'async':<5} {'ops between':>11}  computation"
+            f"{'async':<5} {'ops between':>11} {'ops after':>9}  computation"
         ]
         for i, s in enumerate(self.collectives):
             c = s.collective
@@ -121,17 +131,18 @@ class ScheduleReport:
             lines.append(
                 f"{i:>3} {c.kind:<18} {_axes(c.axes):<16} {c.dtype:<5} "
                 f"{int(c.operand_bytes):>12} {c.num_buffers:>4} {'yes' if s.is_async else 'no':<5} "
-                f"{between:>11}  {s.computation}"
+                f"{between:>11} {s.compute_after:>9}  {s.computation}"
             )
         lines.append("")
         lines.append(
             f"{'kind':<18} {'axes':<16} {'count':>5} {'bytes':>12} {'async':>5} "
-            f"{'overlapped':>10} {'ops between':>11}"
+            f"{'overlapped':>10} {'ops between':>11} {'interleaved':>11}"
         )
         for (kind, axes), r in self.by_kind_axes().items():
             lines.append(
                 f"{kind:<18} {_axes(axes):<16} {r['count']:>5} {int(r['bytes']):>12} "
-                f"{r['async']:>5} {r['overlapped']:>10} {r['ops_between']:>11}"
+                f"{r['async']:>5} {r['overlapped']:>10} {r['ops_between']:>11} "
+                f"{r['interleaved']:>11}"
             )
         if self.collectives and not any(s.is_async for s in self.collectives):
             lines.append("(all collectives synchronous: no start/done pairs, no overlap)")
@@ -148,6 +159,7 @@ class ScheduleReport:
                 "buffers": s.collective.num_buffers,
                 "async": s.is_async,
                 "ops_between": s.ops_between,
+                "compute_after": s.compute_after,
                 "sync_marked": s.sync_marked,
                 "computation": s.computation,
                 "name": s.collective.name,
@@ -234,9 +246,12 @@ def parse_schedule(text: str, mesh: Mesh | None = None) -> ScheduleReport:
                         op for _, op, _ in instrs[pos + 1 : done_pos] if op not in NON_COMPUTE
                     )
                     between = len(opcodes)
+            end = index[done] if done is not None else pos
+            after = sum(op not in NON_COMPUTE for _, op, _ in instrs[end + 1 :])
             out.append(
                 Scheduled(
                     collective=coll,
+                    compute_after=after,
                     computation=comp,
                     position=pos,
                     is_async=is_async,

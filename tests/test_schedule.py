@@ -52,14 +52,14 @@ def test_report_on_known_gpu_program(mesh):
     rep = parse_schedule(GPU_HLO, mesh=mesh)
     rows = [
         (s.collective.kind, s.collective.axes, s.collective.operand_bytes, s.is_async,
-         s.ops_between, s.sync_marked)
+         s.ops_between, s.sync_marked, s.compute_after)
         for s in rep.collectives
     ]  # fmt: skip
     assert rows == [
-        ("all-reduce", ("inter",), 4096, True, 3, False),
-        ("reduce-scatter", ("intra",), 4096, True, 0, False),
-        ("all-gather", AXES, 1024, False, None, False),
-        ("all-reduce", AXES, 1024, True, 1, True),
+        ("all-reduce", ("inter",), 4096, True, 3, False, 1),
+        ("reduce-scatter", ("intra",), 4096, True, 0, False, 1),
+        ("all-gather", AXES, 1024, False, None, False, 1),
+        ("all-reduce", AXES, 1024, True, 1, True, 0),
     ]
     first = rep.collectives[0]
     assert first.done == "all-reduce-done"
@@ -67,7 +67,8 @@ def test_report_on_known_gpu_program(mesh):
     assert [s.overlapped for s in rep.collectives] == [True, False, False, False]
     summary = rep.by_kind_axes()
     assert summary[("all-reduce", ("inter",))] == {
-        "count": 1, "bytes": 4096, "async": 1, "overlapped": 1, "ops_between": 3
+        "count": 1, "bytes": 4096, "async": 1, "overlapped": 1, "ops_between": 3,
+        "interleaved": 1,
     }  # fmt: skip
     text = rep.format()
     assert "reduce-scatter" in text and "(sync)" in text
