@@ -22,6 +22,7 @@ __all__ = [
     "HloModule",
     "collectives",
     "compiled_text",
+    "instructions",
     "parse_collectives",
     "parse_replica_groups",
 ]
@@ -271,6 +272,24 @@ def parse_collectives(text: str, mesh: Mesh | None = None) -> HloModule:
         branches=branches,
         entry=entry,
     )
+
+
+def instructions(text: str) -> dict[str, list[tuple[str, str, str]]]:
+    """Computation name -> its instructions ``(name, opcode, rest of line)`` in text order
+    (for a scheduled module, ``is_scheduled=true``, that is execution order)."""
+    comps: dict[str, list[tuple[str, str, str]]] = {}
+    current = ""
+    for line in text.splitlines():
+        m = _COMP_RE.match(line)
+        if m:
+            current = m.group(2)
+            comps.setdefault(current, [])
+            continue
+        im = _INSTR_RE.match(line)
+        if im:
+            name, _, opcode, rest = im.groups()
+            comps.setdefault(current, []).append((name, opcode, rest))
+    return comps
 
 
 def _permute_axes(pairs: Sequence[tuple[int, int]], mesh: Mesh) -> tuple[str, ...] | None:

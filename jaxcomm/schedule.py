@@ -27,12 +27,11 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxcomm.hlo import (
-    _COMP_RE,
-    _INSTR_RE,
     COLLECTIVE_KINDS,
     Collective,
     HloModule,
     compiled_text,
+    instructions,
     parse_collectives,
 )
 
@@ -200,19 +199,7 @@ def parse_schedule(text: str, mesh: Mesh | None = None) -> ScheduleReport:
     module = parse_collectives(text, mesh)
     by_name = {(c.computation, c.name): c for c in module.collectives}
     wrapped = {c.computation: c for c in module.collectives}  # async-start's computation
-    # computation -> [(name, opcode, rest)] in schedule order
-    comps: dict[str, list[tuple[str, str, str]]] = {}
-    current = ""
-    for line in text.splitlines():
-        m = _COMP_RE.match(line)
-        if m:
-            current = m.group(2)
-            comps.setdefault(current, [])
-            continue
-        im = _INSTR_RE.match(line)
-        if im:
-            name, _, opcode, rest = im.groups()
-            comps.setdefault(current, []).append((name, opcode, rest))
+    comps = instructions(text)  # computation -> [(name, opcode, rest)] in schedule order
     wrapper_comps = set()
     for instrs in comps.values():
         for _, opcode, rest in instrs:

@@ -93,3 +93,20 @@ def test_indivisible_batch(mesh, batches):
     state = dp.init(_init(jax.random.key(0)))
     with pytest.raises(ValueError, match="does not divide by 3"):
         dp(state, batches[0])  # 8 examples per device
+
+
+def test_readme_overlap_section_runs(capsys):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    blocks = [
+        re.search(rf"## {title}.*?```python\n(.*?)```", text, re.S).group(1)
+        for title in ("Quick start", "Overlap and batching")
+    ]
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert int(namespace["state"].step) == 1
+    out = capsys.readouterr().out
+    assert "all collectives synchronous" in out and "reduce-scatter" in out
