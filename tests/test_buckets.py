@@ -155,3 +155,18 @@ def test_auto_in_sync_gradients(mesh, grads):
     np.testing.assert_allclose(
         np.asarray(out["w0"]), np.asarray(grads["w0"]).mean(0), rtol=1e-5, atol=1e-5
     )
+
+
+def test_auto_uses_the_cost_model_of_its_topology(mesh, grads):
+    from jaxcomm import cost, topology
+
+    topo = topology.dgx_h100(2, nodes_per_leaf=2)  # 2 nodes x 8 GPUs; fitted to 2 x 4
+    fitted = jaxcomm.collectives.auto.fit_to_mesh(topo, 2, 4)
+    leaves = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in jax.tree.leaves(grads)]
+    auto = AutoBuckets(backward_seconds=1e-4, min_bytes=1024, candidates=(2048, 8192, 32768))
+    lo, hi = auto.choose(leaves, lambda n: cost.predict("flat", n, fitted))
+    expected = plan_buckets(leaves, min_bytes=lo, max_bytes=hi)
+    tx = jaxcomm.sync_gradients(algorithm="flat", topology=topo, bucket_bytes=auto)
+    mod = jaxcomm.hlo.collectives(_sync_fn(mesh, tx), grads, mesh=mesh)
+    sizes = sorted(c.operand_elements for c in mod.collectives if c.kind == "all-reduce")
+    assert sizes == sorted(b.elements for b in expected.buckets)
