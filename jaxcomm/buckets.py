@@ -98,6 +98,9 @@ class BucketPlan:
                 offset += e - s
         out = []
         for i, shape in enumerate(self.shapes):
+            if not parts[i]:  # an empty leaf is in no bucket
+                out.append(jnp.zeros(shape, self.dtypes[i]))
+                continue
             ps = [p for _, p in sorted(parts[i], key=lambda t: t[0])]
             flat = ps[0] if len(ps) == 1 else jnp.concatenate(ps)
             out.append(flat.reshape(shape).astype(self.dtypes[i]))

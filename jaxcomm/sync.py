@@ -151,6 +151,7 @@ def sync_gradients(
     Example:
       >>> tx = optax.chain(jaxcomm.sync_gradients(algorithm='hierarchical'),
       ...                  optax.adamw(1e-3))
+      >>> bucketed = jaxcomm.sync_gradients(bucket_bytes=(1 << 20, 25 << 20))  # DDP-like
     """
     axes = check_axes(axes)
     check_algorithm(algorithm)

@@ -143,7 +143,8 @@ def check_options(options: Mapping[str, Any]) -> dict[str, Any]:
         if "No such compile option" in err:
             hint = REMOVED_FLAGS.get(name)
             fix = (
-                f"it was removed or renamed in XLA; use {hint} instead"
+                f"this XLA version does not have it (removed, renamed, or newer); use {hint} "
+                "instead"
                 if hint
                 else "check the spelling against XLA's flag list (xla/debug_options_flags.cc)"
             )

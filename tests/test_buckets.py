@@ -42,7 +42,8 @@ def test_boundaries_order_and_dtypes():
 
 def test_pack_unpack_roundtrip():
     rng = np.random.default_rng(0)
-    leaves = [jnp.asarray(rng.normal(size=s.shape), s.dtype) for s in _shapes()]
+    shapes = [*_shapes(), jax.ShapeDtypeStruct((0, 3), jnp.float32)]  # and an empty leaf
+    leaves = [jnp.asarray(rng.normal(size=s.shape), s.dtype) for s in shapes]
     plan = plan_buckets(leaves, min_bytes=1000, max_bytes=4000)
     bufs = plan.pack(leaves)
     assert all(b.ndim == 1 for b in bufs)
