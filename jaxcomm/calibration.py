@@ -170,6 +170,8 @@ def load(path: str | os.PathLike) -> Calibration:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise CalibrationError(f"{path}: not valid JSON ({e}).") from e
+    except OSError as e:
+        raise CalibrationError(f"{path}: cannot read the calibration file ({e}).") from e
     try:
         return from_dict(data)
     except CalibrationError as e:

@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -76,10 +77,22 @@ def test_equals_psum_and_permute_count(request, algorithm, mesh_name, axes):
 
 
 def test_ring_moves_to_next_rank_only(mesh):
-    xs = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P(AX)))
+    # 20 elements -> padded to 24, chunks of 3 elements: each step moves one chunk.
+    xs = jax.device_put(np.ones((8, 20), np.float32), NamedSharding(mesh, P(AX)))
     _, mod = _compile(mesh, lambda v: ALGORITHMS["ring"](v[0], AX)[None], xs)
     for c in mod.collectives:
         assert sorted(c.source_target_pairs) == [(i, (i + 1) % 8) for i in range(8)]
+        assert c.result_elements == 3 and c.dtype == "f32"
+
+
+def test_tree_sends_whole_buffer_along_binomial_edges(mesh):
+    xs = jax.device_put(np.ones((8, 20), np.float32), NamedSharding(mesh, P(AX)))
+    _, mod = _compile(mesh, lambda v: ALGORITHMS["tree"](v[0], AX)[None], xs)
+    pairs = sorted(tuple(sorted(c.source_target_pairs)) for c in mod.collectives)
+    reduce = [((1, 0), (3, 2), (5, 4), (7, 6)), ((2, 0), (6, 4)), ((4, 0),)]
+    bcast = [tuple(sorted((t, s) for s, t in step)) for step in reduce]
+    assert pairs == sorted(reduce + bcast)
+    assert all(c.result_elements == 20 for c in mod.collectives)
 
 
 def test_halving_doubling_big_exchanges_stay_in_node(mesh):
@@ -155,3 +168,25 @@ def test_bad_topology_argument():
         jaxcomm.sync_gradients(algorithm="auto", topology="dgx")
     with pytest.raises(TypeError, match="jaxcomm.topology.Topology"):
         jaxcomm.allreduce({"a": jnp.ones(2)}, algorithm="auto", topology={"levels": []})
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "auto"])
+def test_data_parallel_step_matches_flat(mesh, algorithm):
+    # The train step runs with check_vma=False, so ppermute-built results pass through it.
+    rng = np.random.default_rng(4)
+    params = {"w": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32), "b": jnp.zeros(3)}
+    batch = {"x": rng.normal(size=(16, 6)).astype(np.float32),
+             "y": rng.normal(size=(16, 3)).astype(np.float32)}  # fmt: skip
+
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+    out = {}
+    for alg in ("flat", algorithm):
+        tx = optax.chain(jaxcomm.sync_gradients(algorithm=alg), optax.sgd(0.1))
+        dp = jaxcomm.data_parallel(loss, tx, mesh)
+        state, _ = dp(dp.init(params), batch)
+        out[alg] = state.params
+    for k in params:
+        np.testing.assert_allclose(out[algorithm][k], out["flat"][k], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(out["flat"]["w"], params["w"])  # the step did update

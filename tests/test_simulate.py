@@ -149,3 +149,12 @@ def test_calibration_given_values_report_error(tmp_path, capsys):
 def test_calibration_errors_name_field(doc, field):
     with pytest.raises(cal.CalibrationError, match=field):
         cal.from_dict(doc)
+
+
+def test_measure_writes_loadable_points(mesh):
+    doc = cal.measure(mesh, sizes=(4096, 65536), repeats=1)
+    assert doc["inter"]["group_size"] == 2 and doc["intra"]["group_size"] == 4
+    assert len(doc["points"]) == 4 and all(p["time_s"] > 0 for p in doc["points"])
+    fitted = cal.from_dict(json.loads(json.dumps(doc)))
+    assert {"inter", "intra"} <= set(fitted.axes) and fitted.axes["intra"].fitted
+    assert len(cal.prediction_errors(fitted)) == 4

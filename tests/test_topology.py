@@ -86,6 +86,8 @@ def test_with_nodes_keeps_figures():
     assert (small.num_nodes, small.devices_per_node) == (8, 4)
     assert small.levels[-1].oversubscription == 2
     assert small.levels[1].bandwidth == topo.levels[1].bandwidth
+    # One NIC per node: 8 devices shared it 8:1, 4 devices share it 4:1.
+    assert (topo.levels[1].oversubscription, small.levels[1].oversubscription) == (8, 4)
 
 
 def test_json_round_trip(tmp_path):
@@ -140,3 +142,6 @@ def test_detect_and_file_override(tmp_path, monkeypatch):
     monkeypatch.setenv(T.ENV_VAR, str(path))
     assert T.detect().num_nodes == 2 and T.detect().devices_per_node == 4
     assert T.detect(env={}).num_nodes == 1  # explicit env without the variable
+    monkeypatch.setenv(T.ENV_VAR, str(tmp_path / "missing.json"))
+    with pytest.raises(T.TopologyFileError, match="JAXCOMM_TOPO_FILE.*missing.json.*cannot read"):
+        T.detect()

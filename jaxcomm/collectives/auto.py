@@ -24,7 +24,7 @@ from jax import lax
 from jaxcomm import cost
 from jaxcomm.collectives.base import ALGORITHMS, register_algorithm
 from jaxcomm.mesh import INTRA
-from jaxcomm.topology import Level, Topology, detect
+from jaxcomm.topology import Topology, detect
 
 __all__ = ["auto_allreduce", "check_topology", "resolve", "use_topology"]
 
@@ -61,8 +61,12 @@ def fit_to_mesh(topology: Topology, nodes: int, devices_per_node: int) -> Topolo
         return topology.with_nodes(nodes, devices_per_node)
     except ValueError:  # does not fill whole leaves: put all nodes under one switch
         node = dataclasses.replace(topology.levels[0], size=devices_per_node)
-        net = topology.levels[1] if len(topology.levels) > 1 else Level("leaf", 1, 1.0, 0.0)
-        levels = (node, dataclasses.replace(net, size=nodes))
+        if len(topology.levels) > 1:
+            net = topology.levels[1]
+            over = max(1.0, net.oversubscription * devices_per_node / topology.devices_per_node)
+        else:  # a one-level description says nothing about the network: reuse the node's
+            net, over = topology.levels[0], 1.0
+        levels = (node, dataclasses.replace(net, name="leaf", size=nodes, oversubscription=over))
         return dataclasses.replace(topology, levels=levels, placement=None)
 
 

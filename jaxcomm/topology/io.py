@@ -165,6 +165,8 @@ def load(path: str | os.PathLike) -> Topology:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise TopologyFileError(f"{path}: not valid JSON ({e}).") from e
+    except OSError as e:
+        raise TopologyFileError(f"{path}: cannot read the topology file ({e}).") from e
     try:
         return from_dict(data)
     except TopologyFileError as e:
@@ -204,7 +206,10 @@ def detect(devices: Sequence[Any] | None = None, *, env: Mapping[str, str] | Non
     env = os.environ if env is None else env
     path = env.get(ENV_VAR)
     if path:
-        return load(path)
+        try:
+            return load(path)
+        except TopologyFileError as e:
+            raise TopologyFileError(f"{ENV_VAR}: {e}") from e
     if devices is None:
         import jax
 

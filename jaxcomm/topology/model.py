@@ -158,7 +158,11 @@ class Topology:
         """A cluster of the same kind with ``nodes`` nodes (inner levels filled first).
 
         Used to fit a topology to a mesh: ``with_nodes(inter, intra)``. A level that does
-        not fit is shrunk; the outermost level takes what is left (rounded up).
+        not fit is shrunk; the outermost level takes what is left. The node keeps its NICs
+        (level-1 oversubscription scales with the devices sharing them).
+
+        Raises:
+          ValueError: ``nodes`` does not fill whole groups of the inner levels.
         """
         g = self.devices_per_node if devices_per_node is None else int(devices_per_node)
         levels = [dataclasses.replace(self.levels[0], size=g)]
@@ -169,6 +173,10 @@ class Topology:
             left = math.ceil(left / size)
         if len(self.levels) > 1:
             levels.append(dataclasses.replace(self.levels[-1], size=left))
+            # Keep the node's uplink (its NICs) when the device count changes: devices
+            # sharing the NICs change the level-1 oversubscription in proportion.
+            over = max(1.0, self.levels[1].oversubscription * g / self.devices_per_node)
+            levels[1] = dataclasses.replace(levels[1], oversubscription=over)
         topo = dataclasses.replace(self, levels=tuple(levels), placement=None)
         if topo.num_nodes != nodes:
             raise ValueError(
