@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: run test lint install clean
+.PHONY: run test lint install install-mpi clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,12 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The optional MPI backend (needs Debian's openmpi-bin libopenmpi-dev). nvcc without CUDA
+# headers makes mpi4jax try its CUDA bridge and fail; empty CUDA_ROOT/CUDA_PATH builds the
+# CPU bridge only (../shared/REFERENCE.md).
+install-mpi: $(STAMP)
+	d=$$(mktemp -d) && CUDA_ROOT=$$d CUDA_PATH=$$d $(PY) -m pip install --quiet -e '.[dev,mpi]'
 
 run: $(STAMP)
 	$(PY) -m experiments.resnet152 $(ARGS)

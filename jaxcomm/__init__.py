@@ -2,7 +2,9 @@
 
 from jaxcomm import buckets, collectives, cost, hlo, schedule, topology, xla
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
+from jaxcomm.distributed import init_distributed
 from jaxcomm.mesh import DATA_AXES, make_mesh
+from jaxcomm.profiler import CommProfiler
 from jaxcomm.state import PerDevice
 from jaxcomm.sync import SyncGradientsState, sync_gradients
 from jaxcomm.train import DataParallel, TrainState, data_parallel
@@ -10,6 +12,7 @@ from jaxcomm.train import DataParallel, TrainState, data_parallel
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommProfiler",
     "DATA_AXES",
     "DataParallel",
     "PerDevice",
@@ -23,6 +26,7 @@ __all__ = [
     "flat_allreduce",
     "hierarchical_allreduce",
     "hlo",
+    "init_distributed",
     "make_mesh",
     "schedule",
     "sync_gradients",

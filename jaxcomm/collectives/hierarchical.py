@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from jaxcomm.collectives.base import pad_to_multiple, register_algorithm
+from jaxcomm.collectives.base import pad_to_multiple, reduce_scatter, register_algorithm
 
 
 def _all_gather_invariant(x: jax.Array, axis: str) -> jax.Array:
@@ -36,7 +36,8 @@ def hierarchical_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     3. all-gather over ``'intra'`` to rebuild the full sum on every device.
 
     More than two axes recurse: step 2 is itself hierarchical over the outer axes. A
-    buffer whose length does not divide by the inner group sizes is zero-padded.
+    buffer whose length does not divide by the inner group sizes is zero-padded. On CPU
+    with several processes (gloo), step 1 is a psum plus a slice (jax-ml/jax#40830).
 
     Args:
       x: 1-D per-device array (inside ``jax.shard_map``).
@@ -51,7 +52,7 @@ def hierarchical_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     inner_sizes = int(np.prod([lax.axis_size(a) for a in axes[1:]]))
     n = x.shape[0]
     padded, _ = pad_to_multiple(x, inner_sizes)
-    shard = lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
+    shard = reduce_scatter(padded, inner)
     shard = hierarchical_allreduce(shard, axes[:-1])
     full = _all_gather_invariant(shard, inner)
     return full[:n]

@@ -1,0 +1,142 @@
+"""``init_distributed``: start ``jax.distributed`` from the jaxcomm launcher's environment.
+
+``python -m jaxcomm.launch`` and ``python -m jaxcomm.testbed`` give every process four
+variables; :func:`init_distributed` reads them. Without them (a SLURM or Open MPI job),
+it calls ``jax.distributed.initialize()`` and lets JAX detect the cluster.
+
+A hung CPU collective waits ``xla_cpu_collective_timeout_seconds`` (1800 s by default,
+see ../shared/REFERENCE.md) before it fails. jaxcomm sets it low, and the coordinator's
+heartbeat timeout too, so that a dead peer becomes an error within a minute, not a hang.
+Known exception (jax-ml/jax#40831, jaxlib 0.10-0.12): a CPU reduce-scatter ignores the flag and
+fails after 30 s, so processes that reach one more than 30 s apart (a long compile on one of
+them) fail there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+ENV_COORDINATOR = "JAXCOMM_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXCOMM_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXCOMM_PROCESS_ID"
+ENV_LOCAL_DEVICES = "JAXCOMM_LOCAL_DEVICES"
+ENV_VARS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DEVICES)
+
+# XLA:CPU's own flag (present in jaxlib 0.10.2: it is in libjax_common's DebugOptions).
+TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
+
+__all__ = ["ENV_VARS", "init_distributed", "launcher_env", "set_collective_timeout"]
+
+
+def set_collective_timeout(seconds: int) -> None:
+    """Sets XLA:CPU's collective timeout through ``XLA_FLAGS`` (before JAX starts its backend).
+
+    Args:
+      seconds: how long a collective may wait for its peers before it fails.
+
+    XLA reads the flag when the CPU backend starts, so call this before any JAX computation.
+
+    Raises:
+      RuntimeError: ``jax.distributed`` is already initialised (the flag would be ignored).
+    """
+    if seconds < 1:
+        raise ValueError(f"collective timeout {seconds} s must be >= 1.")
+    _check_backend_not_started("set_collective_timeout")
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = re.sub(rf"--{TIMEOUT_FLAG}=\S+", "", flags)
+    os.environ["XLA_FLAGS"] = f"{flags} --{TIMEOUT_FLAG}={int(seconds)}".strip()
+
+
+def _check_backend_not_started(what: str) -> None:
+    import jax
+
+    if jax.distributed.is_initialized():
+        raise RuntimeError(
+            f"{what} must run before jax.distributed.initialize() and any JAX computation: "
+            "XLA reads its flags when the backend starts. Call jaxcomm.init_distributed() "
+            "first thing in the script."
+        )
+
+
+def launcher_env() -> dict[str, str] | None:
+    """The four ``JAXCOMM_*`` variables if all are set, else ``None``.
+
+    Raises:
+      ValueError: only some of them are set, or a number does not parse.
+    """
+    present = {k: os.environ[k] for k in ENV_VARS if os.environ.get(k)}
+    if not present:
+        return None
+    missing = [k for k in ENV_VARS if k not in present]
+    if missing:
+        raise ValueError(
+            f"jaxcomm.init_distributed: {missing} are not set but {sorted(present)} are. "
+            "Set all four (python -m jaxcomm.launch does) or none (SLURM / Open MPI auto-detect)."
+        )
+    for k in (ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DEVICES):
+        if not present[k].isdigit():
+            raise ValueError(f"{k}={present[k]!r} must be a non-negative integer.")
+    return present
+
+
+def init_distributed(
+    *,
+    collective_timeout_s: int = 30,
+    heartbeat_timeout_s: int = 20,
+    initialization_timeout_s: int = 120,
+    **initialize_kwargs: Any,
+) -> dict[str, int]:
+    """Starts ``jax.distributed`` for this process; call it before any other JAX call.
+
+    1. Sets XLA:CPU's collective timeout low (``collective_timeout_s``).
+    2. With ``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES``, ``JAXCOMM_PROCESS_ID`` and
+       ``JAXCOMM_LOCAL_DEVICES`` set (by ``python -m jaxcomm.launch`` or
+       ``python -m jaxcomm.testbed``): gives this process that many CPU devices
+       (``jax_num_cpu_devices``) and initialises with those values.
+    3. Otherwise calls ``jax.distributed.initialize()`` with no address, so JAX detects SLURM,
+       Open MPI (``mpirun``) or a TPU pod by itself.
+
+    Args:
+      collective_timeout_s: XLA:CPU collective timeout; a dead peer fails a collective after it.
+      heartbeat_timeout_s: the coordinator declares a silent process dead after it.
+      initialization_timeout_s: how long to wait for all processes to connect.
+      **initialize_kwargs: passed on to ``jax.distributed.initialize``.
+
+    Returns:
+      ``{'process_id': .., 'num_processes': .., 'local_devices': ..}``.
+
+    Raises:
+      ValueError: the ``JAXCOMM_*`` variables are incomplete or malformed.
+      RuntimeError: JAX already started its backend.
+
+    Example:
+      >>> import jaxcomm
+      >>> info = jaxcomm.init_distributed()      # first thing in the script
+      >>> mesh = jaxcomm.make_mesh()             # ('inter','intra') = (processes, devices)
+    """
+    import jax
+
+    set_collective_timeout(collective_timeout_s)
+    env = launcher_env()
+    kwargs: dict[str, Any] = dict(
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+        initialization_timeout=initialization_timeout_s,
+    )
+    kwargs.update(initialize_kwargs)
+    if env is not None:
+        jax.config.update("jax_num_cpu_devices", int(env[ENV_LOCAL_DEVICES]))
+        jax.distributed.initialize(
+            coordinator_address=env[ENV_COORDINATOR],
+            num_processes=int(env[ENV_NUM_PROCESSES]),
+            process_id=int(env[ENV_PROCESS_ID]),
+            **kwargs,
+        )
+    else:
+        jax.distributed.initialize(**kwargs)
+    return {
+        "process_id": jax.process_index(),
+        "num_processes": jax.process_count(),
+        "local_devices": jax.local_device_count(),
+    }

@@ -1,0 +1,187 @@
+"""``python -m jaxcomm.launch --nprocs N --local-devices D -- cmd ...``: processes on one host.
+
+Starts ``N`` copies of ``cmd`` with ``JAXCOMM_COORDINATOR`` (loopback, a free port),
+``JAXCOMM_NUM_PROCESSES``, ``JAXCOMM_PROCESS_ID`` and ``JAXCOMM_LOCAL_DEVICES`` set; the
+command calls :func:`jaxcomm.init_distributed`. Output is forwarded line by line with a
+``[rank]`` prefix. When one process exits with an error, the others are ended (their whole
+process groups), and the launcher returns the first failing exit code.
+
+Example:
+  python -m jaxcomm.launch --nprocs 2 --local-devices 2 -- python -m jaxcomm.bench collectives
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from jaxcomm.distributed import (
+    ENV_COORDINATOR,
+    ENV_LOCAL_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+__all__ = ["free_port", "main", "rank_env", "run_group"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(coordinator: str, nprocs: int, rank: int, local_devices: int) -> dict[str, str]:
+    """The ``JAXCOMM_*`` variables for one process."""
+    return {
+        ENV_COORDINATOR: coordinator,
+        ENV_NUM_PROCESSES: str(nprocs),
+        ENV_PROCESS_ID: str(rank),
+        ENV_LOCAL_DEVICES: str(local_devices),
+    }
+
+
+def _forward(stream, prefix: str, out, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            out.write(f"{prefix}{line}\n")
+            out.flush()
+    stream.close()
+
+
+def _end_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group of ``proc``, then SIGKILL after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_group(
+    commands: Sequence[Sequence[str]],
+    envs: Sequence[Mapping[str, str]],
+    *,
+    prefixes: Sequence[str] | None = None,
+    timeout_s: float | None = None,
+    grace_s: float = 3.0,
+    out=None,
+) -> int:
+    """Runs one command per rank, forwards their output, ends the group on the first failure.
+
+    Args:
+      commands: the argv of each process.
+      envs: extra environment variables of each process (added to ``os.environ``).
+      prefixes: output prefix per process, default ``[rank] ``.
+      timeout_s: end all processes after this many seconds (exit code 124).
+      grace_s: seconds between SIGTERM and SIGKILL when ending a group.
+      out: where to write (default ``sys.stdout``).
+
+    Returns:
+      0 when every process exited 0; else the first non-zero exit code seen (a process
+      killed by signal ``s`` counts as ``128 + s``).
+    """
+    out = sys.stdout if out is None else out
+    prefixes = prefixes or [f"[{i}] " for i in range(len(commands))]
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    threads: list[threading.Thread] = []
+    first_error = 0
+    try:
+        for cmd, extra, prefix in zip(commands, envs, prefixes, strict=True):
+            p = subprocess.Popen(
+                list(cmd),
+                env={**os.environ, **extra},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: we can end it and its children
+            )
+            procs.append(p)
+            t = threading.Thread(target=_forward, args=(p.stdout, prefix, out, lock), daemon=True)
+            t.start()
+            threads.append(t)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        running = set(range(len(procs)))
+        while running:
+            for i in sorted(running):
+                rc = procs[i].poll()
+                if rc is None:
+                    continue
+                running.discard(i)
+                if rc != 0 and first_error == 0:
+                    first_error = 128 - rc if rc < 0 else rc
+                    with lock:
+                        out.write(f"[launch] process {i} exited with {rc}; ending the others\n")
+                        out.flush()
+            if first_error:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                with lock:
+                    out.write(f"[launch] timeout after {timeout_s} s; ending all processes\n")
+                first_error = 124
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            _end_group(p, grace_s)
+        for t in threads:
+            t.join(timeout=5)
+    return first_error
+
+
+def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxcomm.launch",
+        usage="%(prog)s --nprocs N [--local-devices D] [options] -- command [args...]",
+        description="Start N jax.distributed processes on this machine (coordinator on "
+        "loopback); the command calls jaxcomm.init_distributed().",
+    )
+    parser.add_argument("--nprocs", type=int, required=True, help="number of processes")
+    parser.add_argument(
+        "--local-devices", type=int, default=1, help="CPU devices per process (default 1)"
+    )
+    parser.add_argument("--port", type=int, default=0, help="coordinator port (default: free)")
+    parser.add_argument("--timeout", type=float, default=None, help="end all after N seconds")
+    if "--" not in argv:
+        if {"-h", "--help"} & set(argv):
+            parser.parse_args(["--help"])
+        parser.error("give the command after --")
+    split = argv.index("--")
+    args = parser.parse_args(argv[:split])
+    cmd = argv[split + 1 :]
+    if not cmd:
+        parser.error("no command after --")
+    if args.nprocs < 1 or args.local_devices < 1:
+        parser.error(
+            f"--nprocs {args.nprocs} and --local-devices {args.local_devices} must be >= 1"
+        )
+    return args, cmd
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, cmd = _parse(sys.argv[1:] if argv is None else argv)
+    port = args.port or free_port()
+    coordinator = f"127.0.0.1:{port}"
+    envs = [rank_env(coordinator, args.nprocs, r, args.local_devices) for r in range(args.nprocs)]
+    return run_group([cmd] * args.nprocs, envs, timeout_s=args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""``CommProfiler``: where a training step's time goes (bandwidth, latency, exposed communication).
+
+Method (every number traceable to a measurement or to the compiled program):
+
+1. ``attach(step, *args)`` compiles the step and reads its collectives from the optimized HLO
+   (:func:`jaxcomm.hlo.collectives`): ``comm_bytes`` is the sum of their operand bytes per
+   device, ``bus_bytes`` the bytes each rank moves by the nccl-tests convention (all-reduce
+   ``2(g-1)/g * S``, reduce-scatter / all-gather / all-to-all ``(g-1)/g * S`` with ``S`` the
+   full buffer, collective-permute ``S``).
+2. It times a *compute-only twin* of the step: the same program with the collectives removed.
+   For a :class:`jaxcomm.DataParallel` step, :meth:`attach_data_parallel` builds it by tracing
+   the step with every registered all-reduce algorithm replaced by the identity (the
+   scalar metric ``pmean`` stays); any other step may pass ``compute_only=`` itself.
+3. ``record_step()`` times each real step (wall clock, blocking on the outputs).
+4. ``comm_time = step_time - compute_time`` (the time communication adds to the step, i.e.
+   the exposed part); ``exposed_comm_fraction = comm_time / step_time``;
+   ``bandwidth = bus_bytes / comm_time`` (GB/s, bus-bandwidth convention);
+   ``latency = comm_time / number of collectives`` (ms). Without a twin, ``comm_time`` is
+   the whole step (a lower bound on bandwidth) and the exposed fraction is ``None``.
+
+Overlapped communication (GPU, async collectives) is hidden by design: bandwidth computed from
+exposed time is then an upper bound, and the fraction is what overlap did not hide.
+
+References:
+  NVIDIA nccl-tests, doc/PERFORMANCE.md (algbw/busbw).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxcomm import hlo
+from jaxcomm.collectives.base import ALGORITHMS
+
+__all__ = ["CommProfiler", "bus_bytes", "compute_only_step"]
+
+
+def bus_bytes(c: hlo.Collective) -> float:
+    """Bytes one rank moves for collective ``c`` (nccl-tests bus-bandwidth convention)."""
+    g = max(int(c.group_size), 1)
+    if c.kind == "all-reduce":
+        return c.operand_bytes * 2 * (g - 1) / g
+    if c.kind == "reduce-scatter":  # operand = the full buffer
+        return c.operand_bytes * (g - 1) / g
+    if c.kind == "all-gather":  # operand = one shard; full buffer = g * operand
+        return c.operand_bytes * (g - 1)
+    if c.kind == "all-to-all":
+        return c.operand_bytes * (g - 1) / g
+    return float(c.operand_bytes)  # collective-permute, broadcast: every byte is sent
+
+
+@contextlib.contextmanager
+def _collectives_removed() -> Iterator[None]:
+    saved = dict(ALGORITHMS)
+    try:
+        for name in ALGORITHMS:
+            ALGORITHMS[name] = lambda x, axes: x
+        yield
+    finally:
+        ALGORITHMS.update(saved)
+
+
+def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
+    """A compiled twin of ``dp``'s step with all registered all-reduce algorithms removed.
+
+    Args:
+      dp: a :class:`jaxcomm.DataParallel`.
+      state, batch: example inputs (the twin is compiled for their shapes).
+
+    Returns:
+      A callable ``twin(state, batch)`` running the step without gradient collectives.
+    """
+    batch = dp.shard_batch(batch)
+    with _collectives_removed():
+        return dp.step_fn(state).lower(state, batch).compile()
+
+
+class _Step:
+    """Handle yielded by :meth:`CommProfiler.record_step`; pass it the step's outputs."""
+
+    def __init__(self):
+        self.outputs: Any = None
+
+    def outputs_are(self, outputs: Any) -> Any:
+        """Marks ``outputs`` as what the step produced (the profiler blocks on them)."""
+        self.outputs = outputs
+        return outputs
+
+
+class _EventWriter:
+    """Minimal TensorBoard event-file writer (scalars only): TFRecord framing of
+    ``Event{wall_time, step, summary{value{tag, simple_value}}}`` protos, hand-encoded."""
+
+    def __init__(self, logdir: str):
+        os.makedirs(logdir, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time())}.{os.getpid()}.jaxcomm"
+        self.path = os.path.join(logdir, name)
+        self._f = open(self.path, "ab")
+        self._write(_field(1, 1, struct.pack("<d", time.time())) + _field(3, 2, b"brain.Event:2"))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        summary = b"".join(
+            _field(1, 2, _field(1, 2, tag.encode()) + _field(2, 5, struct.pack("<f", v)))
+            for tag, v in values.items()
+        )
+        event = _field(1, 1, struct.pack("<d", time.time())) + _field(2, 0, step)
+        self._write(event + _field(5, 2, summary))
+
+    def _write(self, data: bytes) -> None:
+        header = struct.pack("<Q", len(data))
+        self._f.write(header + struct.pack("<I", _masked_crc(header)))
+        self._f.write(data + struct.pack("<I", _masked_crc(data)))
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(num: int, wire: int, payload: Any) -> bytes:
+    key = _varint(num << 3 | wire)
+    if wire == 0:
+        return key + _varint(int(payload))
+    if wire == 2:
+        return key + _varint(len(payload)) + payload
+    return key + payload  # fixed 64 (1) / fixed 32 (5)
+
+
+_CRC_TABLE = []
+for _i in range(256):
+    _c = _i
+    for _ in range(8):
+        _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
+    _CRC_TABLE.append(_c)
+
+
+def _masked_crc(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+class CommProfiler:
+    """Measures a training step's communication: bytes, bandwidth, latency, exposed fraction.
+
+    Args:
+      track_bandwidth: report ``bandwidth`` (GB/s, bus-bandwidth convention).
+      track_latency: report ``latency`` (ms of exposed communication per collective).
+      log_interval: every this many recorded steps, log the stats (JSON lines).
+      log_file: path of the JSON-lines log (default: print to stdout).
+      tensorboard_dir: also write the stats as TensorBoard scalars there.
+      trace_dir: capture a ``jax.profiler`` trace of steps ``trace_steps`` there.
+      trace_steps: ``(first, last)`` recorded step numbers to trace (0-based, inclusive).
+
+    Example:
+      >>> prof = jaxcomm.CommProfiler(log_interval=100)
+      >>> prof.attach_data_parallel(dp, state, batch)
+      >>> for batch in data:
+      ...     with prof.record_step() as step:
+      ...         state, metrics = step.outputs_are(dp(state, batch))
+      >>> prof.get_stats()['exposed_comm_fraction']
+    """
+
+    def __init__(
+        self,
+        *,
+        track_bandwidth: bool = True,
+        track_latency: bool = True,
+        log_interval: int = 100,
+        log_file: str | None = None,
+        tensorboard_dir: str | None = None,
+        trace_dir: str | None = None,
+        trace_steps: tuple[int, int] = (1, 3),
+    ):
+        if log_interval < 1:
+            raise ValueError(f"log_interval={log_interval} must be >= 1.")
+        if trace_steps[0] < 0 or trace_steps[1] < trace_steps[0]:
+            raise ValueError(
+                f"trace_steps={trace_steps} must be (first, last), 0 <= first <= last."
+            )
+        self.track_bandwidth = track_bandwidth
+        self.track_latency = track_latency
+        self.log_interval = log_interval
+        self.log_file = log_file
+        self.trace_dir = trace_dir
+        self.trace_steps = trace_steps
+        self._tb = _EventWriter(tensorboard_dir) if tensorboard_dir else None
+        self._tracing = False
+        self.step_times: list[float] = []
+        self.compute_time: float | None = None
+        self.module: hlo.HloModule | None = None
+
+    # -- attaching a program ------------------------------------------------------------
+    def attach(
+        self,
+        step: Callable,
+        *args: Any,
+        mesh: Any = None,
+        compute_only: Callable | None = None,
+        twin_reps: int = 3,
+        compiler_options: dict | None = None,
+    ) -> CommProfiler:
+        """Reads the collectives of ``step(*args)`` and times ``compute_only(*args)``.
+
+        Args:
+          step: the (jitted) step function.
+          *args: its example inputs.
+          mesh: maps replica groups to mesh axes in the census.
+          compute_only: the same step without collectives (the twin), or None.
+          twin_reps: timed runs of the twin (median, after one warm-up).
+          compiler_options: as used to compile the step.
+
+        Returns:
+          self.
+        """
+        self.module = hlo.collectives(step, *args, mesh=mesh, compiler_options=compiler_options)
+        if compute_only is not None:
+            jax.block_until_ready(compute_only(*args))
+            times = []
+            for _ in range(max(twin_reps, 1)):
+                t0 = time.perf_counter()
+                jax.block_until_ready(compute_only(*args))
+                times.append(time.perf_counter() - t0)
+            self.compute_time = float(np.median(times))
+        return self
+
+    def attach_data_parallel(self, dp: Any, state: Any, batch: Any, twin_reps: int = 3):
+        """:meth:`attach` for a :class:`jaxcomm.DataParallel` step, twin built automatically.
+
+        Returns:
+          self.
+        """
+        batch = dp.shard_batch(batch)
+        twin = compute_only_step(dp, state, batch)
+        return self.attach(
+            dp.step_fn(state),
+            state,
+            batch,
+            mesh=dp.mesh,
+            compute_only=twin,
+            twin_reps=twin_reps,
+            compiler_options=dp.compiler_options or None,
+        )
+
+    # -- recording ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def record_step(self) -> Iterator[_Step]:
+        """Times one step. Hand the outputs to ``step.outputs_are(...)`` so the profiler
+        waits for them; otherwise it waits for every live JAX array."""
+        n = len(self.step_times)
+        if self.trace_dir and n == self.trace_steps[0] and not self._tracing:
+            jax.profiler.start_trace(self.trace_dir)
+            self._tracing = True
+        handle = _Step()
+        t0 = time.perf_counter()
+        yield handle
+        jax.block_until_ready(handle.outputs if handle.outputs is not None else jax.live_arrays())
+        self.step_times.append(time.perf_counter() - t0)
+        if self._tracing and n >= self.trace_steps[1]:
+            jax.profiler.stop_trace()
+            self._tracing = False
+        if len(self.step_times) % self.log_interval == 0:
+            self.log()
+
+    # -- results ------------------------------------------------------------------------
+    def get_stats(self) -> dict[str, Any]:
+        """Statistics over the recorded steps.
+
+        Returns:
+          dict with ``step_time`` (median s), ``steps``, ``comm_bytes`` and ``bus_bytes`` (per
+          device per step, from the HLO), ``num_collectives``, ``compute_time`` (twin, s),
+          ``comm_time`` (s), ``exposed_comm_fraction``, ``bandwidth`` (GB/s) and ``latency``
+          (ms per collective) when tracked. Values that cannot be known are ``None``.
+        """
+        stats: dict[str, Any] = {"steps": len(self.step_times)}
+        step = float(np.median(self.step_times)) if self.step_times else None
+        stats["step_time"] = step
+        colls = self.module.collectives if self.module is not None else ()
+        stats["num_collectives"] = len(colls) if self.module is not None else None
+        stats["comm_bytes"] = float(sum(c.operand_bytes for c in colls)) if self.module else None
+        bus = float(sum(bus_bytes(c) for c in colls)) if self.module else None
+        stats["bus_bytes"] = bus
+        stats["compute_time"] = self.compute_time
+        comm = None
+        if step is not None:
+            comm = step if self.compute_time is None else max(step - self.compute_time, 0.0)
+        stats["comm_time"] = comm
+        stats["exposed_comm_fraction"] = (
+            comm / step if step and self.compute_time is not None else None
+        )
+        if self.track_bandwidth:
+            stats["bandwidth"] = bus / comm / 1e9 if bus is not None and comm else None
+        if self.track_latency:
+            stats["latency"] = comm / len(colls) * 1e3 if comm is not None and colls else None
+        return stats
+
+    def log(self) -> dict[str, Any]:
+        """Writes the current stats as one JSON line (and TensorBoard scalars); returns them."""
+        stats = self.get_stats()
+        line = json.dumps({"time": time.time(), **stats})
+        if self.log_file:
+            with open(self.log_file, "a") as f:
+                f.write(line + "\n")
+        else:
+            print(line, flush=True)
+        if self._tb is not None:
+            values = {f"comm/{k}": float(v) for k, v in stats.items() if isinstance(v, int | float)}
+            self._tb.scalars(stats["steps"], values)
+        return stats
+
+    def close(self) -> None:
+        """Stops a running trace and closes the TensorBoard file."""
+        if self._tracing:
+            jax.profiler.stop_trace()
+            self._tracing = False
+        if self._tb is not None:
+            self._tb.close()

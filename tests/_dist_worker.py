@@ -1,0 +1,73 @@
+"""Worker for tests/test_launch.py: run under ``python -m jaxcomm.launch`` (not a test module).
+
+Each process builds its devices' rows from a seed, all-reduces them with 'flat' and
+'hierarchical', and checks both against the numpy sum of every process's rows.
+``JC_TEST_PEER_SIGNAL=<sig>`` makes process 1 send itself that signal after the first check.
+"""
+
+import os
+import sys
+
+import jaxcomm
+
+jaxcomm.init_distributed(collective_timeout_s=10, heartbeat_timeout_s=10)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+N = 1003  # not a multiple of the intra size: exercises the padding path
+mesh = jaxcomm.make_mesh()
+nproc, ldev = jax.process_count(), jax.local_device_count()
+rows = [
+    np.random.default_rng(100 + r).standard_normal(N).astype(np.float32)
+    for r in range(nproc * ldev)
+]
+me = jax.process_index()
+spec = NamedSharding(mesh, P(("inter", "intra")))
+x = jax.make_array_from_process_local_data(spec, np.stack(rows[me * ldev : (me + 1) * ldev]))
+want = np.sum(rows, axis=0)
+
+
+def reduce_fn(alg):
+    return jax.jit(
+        jax.shard_map(
+            lambda v: jaxcomm.allreduce(v[0], algorithm=alg, op="sum")[None],
+            mesh=mesh,
+            in_specs=P(("inter", "intra")),
+            out_specs=P(("inter", "intra")),
+        )
+    )
+
+
+got = {}
+for alg in ("flat", "hierarchical", "ring", "tree", "halving_doubling"):
+    out = reduce_fn(alg)(x)
+    got[alg] = np.stack([np.asarray(s.data)[0] for s in out.addressable_shards])
+    np.testing.assert_allclose(
+        got[alg], np.broadcast_to(want, got[alg].shape), rtol=1e-5, atol=1e-5
+    )
+np.testing.assert_allclose(got["flat"], got["hierarchical"], rtol=1e-5, atol=1e-5)
+
+# Regression for jax-ml/jax#40830 (gloo reduce-scatter returns a wrong tail for chunks above
+# 256 KiB): hierarchical on 16 MiB per device must be right on every device, every time.
+big_rows = [np.random.default_rng(200 + r).standard_normal(1 << 22, dtype=np.float32)
+            for r in range(nproc * ldev)]  # fmt: skip
+big = jax.make_array_from_process_local_data(spec, np.stack(big_rows[me * ldev : (me + 1) * ldev]))
+big_want = np.sum(big_rows, axis=0)
+hier = reduce_fn("hierarchical")
+for _ in range(5):
+    for shard in hier(big).addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data)[0], big_want, rtol=1e-4, atol=1e-4)
+print(f"CHECK_OK process={me} mesh={dict(mesh.shape)}", flush=True)
+
+sig = os.environ.get("JC_TEST_PEER_SIGNAL")
+if sig and me == 1:
+    os.kill(os.getpid(), int(sig))
+if sig:
+    f = reduce_fn("flat")
+    for _ in range(5):
+        f(x).block_until_ready()
+    print("UNEXPECTED_SUCCESS", flush=True)
+sys.exit(0)

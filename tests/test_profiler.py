@@ -1,0 +1,159 @@
+"""CommProfiler on known programs: bytes from the HLO census, bandwidth = bus bytes / time."""
+
+import json
+import os
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm import profiler as prof_mod
+
+N = 4096
+AXES = ("inter", "intra")
+
+
+@pytest.fixture(scope="module")
+def psum_program(mesh):
+    def body(x, with_comm):
+        y = jnp.tanh(x) * 2.0
+        return lax.psum(y, AXES) if with_comm else y
+
+    def make(with_comm):
+        return jax.jit(
+            jax.shard_map(
+                lambda x: body(x, with_comm), mesh=mesh, in_specs=P(AXES), out_specs=P(AXES)
+            )
+        )
+
+    x = jax.device_put(
+        np.random.default_rng(0).standard_normal((8, N), dtype=np.float32),
+        NamedSharding(mesh, P(AXES)),
+    )
+    return make(True), make(False), x
+
+
+def test_stats_on_known_program(mesh, psum_program, tmp_path):
+    step, twin, x = psum_program
+    log = tmp_path / "comm.jsonl"
+    p = jaxcomm.CommProfiler(log_interval=2, log_file=str(log))
+    p.attach(step, x, mesh=mesh, compute_only=twin)
+    census = jaxcomm.hlo.collectives(step, x, mesh=mesh).collectives
+    assert [c.kind for c in census] == ["all-reduce"]
+    for _ in range(4):
+        with p.record_step() as s:
+            s.outputs_are(step(x))
+    st = p.get_stats()
+    # Bytes from the compiled HLO: one all-reduce of the local f32[1, N] over 8 devices.
+    assert st["comm_bytes"] == sum(c.operand_bytes for c in census) == 4 * N
+    assert st["bus_bytes"] == pytest.approx(4 * N * 2 * 7 / 8)
+    assert st["num_collectives"] == 1 and st["steps"] == 4
+    assert st["step_time"] == pytest.approx(np.median(p.step_times))
+    assert st["comm_time"] == pytest.approx(max(st["step_time"] - st["compute_time"], 0.0))
+    if st["comm_time"] > 0:
+        assert st["bandwidth"] == pytest.approx(st["bus_bytes"] / st["comm_time"] / 1e9)
+        assert st["latency"] == pytest.approx(st["comm_time"] * 1e3)
+    assert 0.0 <= st["exposed_comm_fraction"] <= 1.0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["steps"] for r in lines] == [2, 4]
+    assert lines[-1]["comm_bytes"] == 4 * N
+
+
+def test_without_twin_comm_is_the_whole_step(mesh, psum_program):
+    step, _, x = psum_program
+    p = jaxcomm.CommProfiler(track_latency=False, log_interval=1000)
+    p.attach(step, x, mesh=mesh)
+    with p.record_step():  # no outputs given: waits for every live array
+        step(x)
+    st = p.get_stats()
+    assert st["exposed_comm_fraction"] is None and "latency" not in st
+    assert st["comm_time"] == st["step_time"]
+    assert st["bandwidth"] == pytest.approx(st["bus_bytes"] / st["step_time"] / 1e9)
+
+
+def test_data_parallel_twin_drops_gradient_collectives(mesh):
+    params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
+
+    def loss_fn(p, batch):
+        return jnp.mean((batch["x"] @ p["w"] + p["b"] - batch["y"]) ** 2)
+
+    tx = optax.chain(jaxcomm.sync_gradients(algorithm="hierarchical"), optax.sgd(0.1))
+    dp = jaxcomm.data_parallel(loss_fn, tx, mesh)
+    state = dp.init(params)
+    rng = np.random.default_rng(1)
+    batch = {
+        "x": rng.standard_normal((16, 64), dtype=np.float32),
+        "y": rng.standard_normal((16, 32), dtype=np.float32),
+    }
+    p = jaxcomm.CommProfiler(log_interval=1000)
+    p.attach_data_parallel(dp, state, batch, twin_reps=1)
+    kinds = {c.kind for c in p.module.collectives}
+    assert {"reduce-scatter", "all-gather"} <= kinds  # the hierarchical gradient sync
+    twin = prof_mod.compute_only_step(dp, state, batch)
+    twin_mod = jaxcomm.hlo.parse_collectives(twin.as_text(), mesh)
+    assert {c.kind for c in twin_mod.collectives} <= {"all-reduce"}  # only the loss pmean
+    assert sum(c.operand_bytes for c in twin_mod.collectives) < 64  # scalars
+    assert jaxcomm.collectives.ALGORITHMS["flat"] is jaxcomm.flat_allreduce  # restored
+    for _ in range(2):
+        with p.record_step() as s:
+            state, _ = s.outputs_are(dp(state, batch))
+    st = p.get_stats()
+    assert st["comm_bytes"] >= 4 * (64 * 32 + 32) / 4  # the intra reduce-scatter at least
+    assert st["compute_time"] > 0 and 0.0 <= st["exposed_comm_fraction"] <= 1.0
+
+
+def _read_events(path):
+    out = []
+    with open(path, "rb") as f:
+        data = f.read()
+    i = 0
+    while i < len(data):
+        (n,) = struct.unpack("<Q", data[i : i + 8])
+        (hcrc,) = struct.unpack("<I", data[i + 8 : i + 12])
+        assert hcrc == prof_mod._masked_crc(data[i : i + 8])
+        rec = data[i + 12 : i + 12 + n]
+        (dcrc,) = struct.unpack("<I", data[i + 12 + n : i + 16 + n])
+        assert dcrc == prof_mod._masked_crc(rec)
+        out.append(rec)
+        i += 16 + n
+    return out
+
+
+def test_tensorboard_and_trace(mesh, psum_program, tmp_path):
+    # crc32c check value of the standard test vector (RFC 3720 B.4), before masking
+    crc = prof_mod._masked_crc(b"123456789")
+    unmasked = ((crc - 0xA282EAD8) & 0xFFFFFFFF) << 15 | (((crc - 0xA282EAD8) & 0xFFFFFFFF) >> 17)
+    assert unmasked & 0xFFFFFFFF == 0xE3069283
+    step, twin, x = psum_program
+    p = jaxcomm.CommProfiler(
+        log_interval=1,
+        log_file=str(tmp_path / "log.jsonl"),
+        tensorboard_dir=str(tmp_path / "tb"),
+        trace_dir=str(tmp_path / "trace"),
+        trace_steps=(0, 0),
+    )
+    p.attach(step, x, mesh=mesh, compute_only=twin, twin_reps=1)
+    for _ in range(2):
+        with p.record_step() as s:
+            s.outputs_are(step(x))
+    p.close()
+    (ev,) = os.listdir(tmp_path / "tb")
+    recs = _read_events(tmp_path / "tb" / ev)
+    assert b"brain.Event:2" in recs[0]
+    assert len(recs) == 3 and b"comm/bandwidth" in recs[1] and b"comm/step_time" in recs[2]
+    traced = [f for _, _, fs in os.walk(tmp_path / "trace") for f in fs]
+    assert traced, "jax.profiler wrote no trace"
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="log_interval"):
+        jaxcomm.CommProfiler(log_interval=0)
+    with pytest.raises(ValueError, match="trace_steps"):
+        jaxcomm.CommProfiler(trace_steps=(3, 1))
