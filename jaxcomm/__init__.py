@@ -1,6 +1,6 @@
 """jaxcomm: less communication and less waiting for data-parallel training on JAX/XLA."""
 
-from jaxcomm import collectives, compression, cost, hlo, topology
+from jaxcomm import buckets, collectives, compression, cost, hlo, schedule, topology, xla
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.distributed import init_distributed
 from jaxcomm.mesh import DATA_AXES, make_mesh
@@ -20,6 +20,7 @@ __all__ = [
     "SyncGradientsState",
     "TrainState",
     "allreduce",
+    "buckets",
     "collectives",
     "compression",
     "cost",
@@ -29,7 +30,9 @@ __all__ = [
     "hlo",
     "init_distributed",
     "make_mesh",
+    "schedule",
     "sync_gradients",
     "topology",
     "wire_bytes",
+    "xla",
 ]

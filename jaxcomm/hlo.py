@@ -22,6 +22,7 @@ __all__ = [
     "HloModule",
     "collectives",
     "compiled_text",
+    "instructions",
     "parse_collectives",
     "parse_replica_groups",
 ]
@@ -175,7 +176,8 @@ def _attr(rest: str, key: str) -> str | None:
             depth += {"{": 1, "}": -1}.get(rest[k], 0)
             if depth == 0:
                 return rest[j : k + 1]
-    m = re.match(r"[^\s,]+(?:T\([0-9,]+\))?", rest[j:])
+    # iota replica groups ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)`` contain commas
+    m = re.match(r"\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|[^\s,]+", rest[j:])
     return m.group(0) if m else None
 
 
@@ -270,6 +272,24 @@ def parse_collectives(text: str, mesh: Mesh | None = None) -> HloModule:
         branches=branches,
         entry=entry,
     )
+
+
+def instructions(text: str) -> dict[str, list[tuple[str, str, str]]]:
+    """Computation name -> its instructions ``(name, opcode, rest of line)`` in text order
+    (for a scheduled module, ``is_scheduled=true``, that is execution order)."""
+    comps: dict[str, list[tuple[str, str, str]]] = {}
+    current = ""
+    for line in text.splitlines():
+        m = _COMP_RE.match(line)
+        if m:
+            current = m.group(2)
+            comps.setdefault(current, [])
+            continue
+        im = _INSTR_RE.match(line)
+        if im:
+            name, _, opcode, rest = im.groups()
+            comps.setdefault(current, []).append((name, opcode, rest))
+    return comps
 
 
 def _permute_axes(pairs: Sequence[tuple[int, int]], mesh: Mesh) -> tuple[str, ...] | None:

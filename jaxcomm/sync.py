@@ -31,8 +31,10 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxcomm import cost
+from jaxcomm.buckets import AutoBuckets, check_bucket_bytes, plan_buckets
 from jaxcomm.collectives import allreduce
-from jaxcomm.collectives.auto import check_topology
+from jaxcomm.collectives.auto import check_topology, fit_to_mesh
 from jaxcomm.collectives.base import (
     check_algorithm,
     check_axes,
@@ -42,9 +44,18 @@ from jaxcomm.collectives.base import (
 )
 from jaxcomm.collectives.hierarchical import all_gather_invariant
 from jaxcomm.compression.base import Compressor, ReduceContext
-from jaxcomm.mesh import DATA_AXES
+from jaxcomm.mesh import DATA_AXES, INTRA
+from jaxcomm.policy import LeafPlan
+from jaxcomm.topology import detect
 
-__all__ = ["COMPRESS_STAGES", "SyncGradientsState", "sync_gradients", "sync_probe"]
+__all__ = [
+    "COMPRESS_STAGES",
+    "SyncGradientsState",
+    "pre_reduced",
+    "reducer_probe",
+    "sync_gradients",
+    "sync_probe",
+]
 
 COMPRESS_STAGES = ("all", "inter")
 # Leaves under this many elements (biases, norm scales) stay uncompressed by default: they
@@ -72,6 +83,17 @@ _SYNC_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 )
 
 
+# Set by the microbatch loop of ``data_parallel``: gradients that reach sync_gradients were
+# already reduced (one microbatch at a time, overlapped with the next one's compute).
+_PRE_REDUCED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxcomm_pre_reduced", default=False
+)
+# Trace-time record of the gradient reducers of sync_gradients (for the microbatch loop).
+_REDUCERS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jaxcomm_reducers", default=None
+)
+
+
 @contextlib.contextmanager
 def sync_probe():
     """Context manager yielding a list that gets one entry per traced ``sync_gradients``."""
@@ -81,6 +103,28 @@ def sync_probe():
         yield calls
     finally:
         _SYNC_CALLS.reset(token)
+
+
+@contextlib.contextmanager
+def reducer_probe():
+    """Yields a list that gets the ``grads -> reduced grads`` function of each traced
+    ``sync_gradients`` (used by ``data_parallel(..., microbatches=N)``)."""
+    found: list = []
+    token = _REDUCERS.set(found)
+    try:
+        yield found
+    finally:
+        _REDUCERS.reset(token)
+
+
+@contextlib.contextmanager
+def pre_reduced():
+    """Inside: ``sync_gradients`` passes gradients through (they were reduced already)."""
+    token = _PRE_REDUCED.set(True)
+    try:
+        yield
+    finally:
+        _PRE_REDUCED.reset(token)
 
 
 def _check_bound(axes: tuple[str, ...]) -> None:
@@ -95,66 +139,15 @@ def _check_bound(axes: tuple[str, ...]) -> None:
             ) from e
 
 
-class _Plan:
-    """Which leaves are compressed, and how they are packed for the compressor."""
-
-    def __init__(self, tree: Any, compressor: Compressor, min_size: int, predicate, stage: str):
-        paths_leaves, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
-        self.compressed: list[int] = []
-        self.plain: list[int] = []
-        self.shapes = [tuple(jnp.shape(x)) for _, x in paths_leaves]
-        self.dtypes = [jnp.result_type(x) for _, x in paths_leaves]
-        for i, (path, leaf) in enumerate(paths_leaves):
-            shape = self.shapes[i]
-            if predicate is not None:
-                want = bool(predicate(jax.tree_util.keystr(path), leaf))
-            else:
-                want = int(np.prod(shape)) >= min_size
-            if want and int(np.prod(shape)) > 0 and compressor.supports(shape):
-                self.compressed.append(i)
-            else:
-                self.plain.append(i)
-        self.elementwise = compressor.elementwise
-        self.stage = stage
-        # Elementwise compressors get one flat buffer per dtype (the insertion point for
-        # gradient buckets); matrix compressors get the leaves.
-        self.groups: list[list[int]] = []
-        if self.elementwise:
-            by_dtype: dict[Any, list[int]] = {}
-            for i in self.compressed:
-                by_dtype.setdefault(self.dtypes[i], []).append(i)
-            self.groups = list(by_dtype.values())
-        else:
-            self.groups = [[i] for i in self.compressed]
-
-    def pack(self, leaves: list) -> list[jax.Array]:
-        if not self.elementwise:
-            return [leaves[g[0]] for g in self.groups]
-        return [jnp.concatenate([jnp.ravel(leaves[i]) for i in g]) for g in self.groups]
-
-    def unpack(self, buffers: list[jax.Array], out: list) -> None:
-        for g, buf in zip(self.groups, buffers, strict=True):
-            if not self.elementwise:
-                out[g[0]] = buf.reshape(self.shapes[g[0]])
-                continue
-            offset = 0
-            for i in g:
-                size = int(np.prod(self.shapes[i]))
-                out[i] = buf[offset : offset + size].reshape(self.shapes[i])
-                offset += size
-
-    def buffer_specs(self, inner_size: int | None) -> list[jax.ShapeDtypeStruct]:
-        specs = []
-        for g in self.groups:
-            dtype = self.dtypes[g[0]]
-            if not self.elementwise:
-                specs.append(jax.ShapeDtypeStruct(self.shapes[g[0]], dtype))
-                continue
-            n = sum(int(np.prod(self.shapes[i])) for i in g)
-            if inner_size is not None:  # compress_stage='inter': the intra shard
-                n = -(-n // inner_size)
-            specs.append(jax.ShapeDtypeStruct((n,), dtype))
-        return specs
+def _predicted_seconds(algorithm: str, axes: tuple[str, ...], topology: Any):
+    """``nbytes -> seconds`` of one all-reduce over ``axes`` from ``jaxcomm.cost`` (inside
+    shard_map): the topology (given, or detected) fitted to the mesh as 'auto' does."""
+    topo = topology or detect()
+    sizes = [int(lax.axis_size(a)) for a in axes]
+    g = sizes[-1] if axes[-1] == INTRA else 1
+    topo = fit_to_mesh(topo, int(np.prod(sizes)) // g, g)
+    name = algorithm if algorithm in cost.ALGORITHMS else "auto"
+    return lambda nbytes: cost.predict(name, nbytes, topo)
 
 
 def sync_gradients(
@@ -162,6 +155,7 @@ def sync_gradients(
     axes: tuple[str, ...] = DATA_AXES,
     algorithm: str = "hierarchical",
     topology: Any = None,
+    bucket_bytes: tuple[int, int] | str | AutoBuckets | None = None,
     compression: Compressor | None = None,
     warmup_steps: int = 0,
     min_size: int = DEFAULT_MIN_SIZE,
@@ -182,6 +176,15 @@ def sync_gradients(
         ``jaxcomm.cost.choose``.
       topology: the ``jaxcomm.topology.Topology`` that 'auto' plans with; None:
         ``jaxcomm.topology.detect()`` at trace time.
+      bucket_bytes: ``None``: leaves are packed as in :func:`jaxcomm.allreduce` (large
+        leaves alone, small ones concatenated per dtype). ``(min_bytes, max_bytes)``: the
+        leaves of each dtype, in reverse parameter order, are cut into 1-D buckets, the
+        first of ``min_bytes``, the others of ``max_bytes`` (``jaxcomm.buckets``), one
+        collective per bucket. ``'auto'`` or a ``jaxcomm.buckets.AutoBuckets``: bucket
+        sizes chosen at trace time to minimise predicted exposed communication
+        (``jaxcomm.cost.predict`` of ``algorithm`` on ``topology``). With an elementwise
+        compressor the compressed leaves are bucketed the same way, one compressed
+        collective per bucket.
       compression: a compressor from ``jaxcomm.compression`` (``None``: no compression).
       warmup_steps: the first ``warmup_steps`` steps are sent uncompressed (``lax.cond``
         on the step count). With 0 no uncompressed branch is compiled.
@@ -201,7 +204,8 @@ def sync_gradients(
       An ``optax.GradientTransformation`` with state :class:`SyncGradientsState`.
 
     Raises:
-      ValueError: unknown ``algorithm`` or ``compress_stage``, malformed ``axes``, a
+      ValueError: unknown ``algorithm`` or ``compress_stage``, malformed ``axes`` or
+        ``bucket_bytes``, a
         negative ``warmup_steps``/``min_size`` (at construction).
       TypeError: ``compression`` is not a ``jaxcomm.compression.Compressor``, or
         ``topology`` is not a Topology.
@@ -215,6 +219,7 @@ def sync_gradients(
     axes = check_axes(axes)
     check_algorithm(algorithm)
     check_topology(topology)
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
     if compression is not None and not isinstance(compression, Compressor):
         raise TypeError(
             f"compression={compression!r} is not a jaxcomm.compression.Compressor; build one "
@@ -236,8 +241,33 @@ def sync_gradients(
     if compress_leaf is not None and not callable(compress_leaf):
         raise TypeError(f"compress_leaf={compress_leaf!r} must be a callable (path, leaf) -> bool.")
 
+    def bucket_bounds(leaves) -> tuple[int, int]:
+        if isinstance(bucket_bytes, AutoBuckets):
+            return bucket_bytes.choose(leaves, _predicted_seconds(algorithm, axes, topology))
+        return bucket_bytes
+
+    def reduce_plain(leaves: list) -> list:
+        """Full-precision mean of a list of leaves: leaves -> buckets -> all-reduce each."""
+        if not leaves:
+            return []
+        if bucket_bytes is None:
+            return allreduce(leaves, axes=axes, algorithm=algorithm, op="mean", topology=topology)
+        lo, hi = bucket_bounds(leaves)
+        plan = plan_buckets(leaves, min_bytes=lo, max_bytes=hi)
+        reduced = [
+            allreduce(b, axes=axes, algorithm=algorithm, op="mean", topology=topology)
+            for b in plan.pack(leaves)
+        ]
+        return plan.unpack(reduced)
+
+    def reduce_tree(grads: Any) -> Any:
+        check_float_tree(grads)
+        leaves, treedef = jax.tree.flatten(grads)
+        return jax.tree.unflatten(treedef, reduce_plain([jnp.asarray(x) for x in leaves]))
+
     def plan_for(tree):
-        return _Plan(tree, compression, min_size, compress_leaf, compress_stage)
+        bounds = None if bucket_bytes is None else bucket_bounds
+        return LeafPlan(tree, compression, min_size, compress_leaf, compress_stage, bounds)
 
     def init(params: Any) -> SyncGradientsState:
         count = jnp.zeros((), jnp.int32)
@@ -282,9 +312,18 @@ def sync_gradients(
         if calls is not None:
             calls.append(axes)
         _check_bound(axes)
+        reducers = _REDUCERS.get()
         if compression is None:
-            reduced = allreduce(grads, axes=axes, algorithm=algorithm, op="mean", topology=topology)
+            if reducers is not None:
+                reducers.append(reduce_tree)
+            reduced = grads if _PRE_REDUCED.get() else reduce_tree(grads)
             return reduced, SyncGradientsState(count=state.count + 1)
+        if reducers is not None:
+            raise NotImplementedError(
+                "data_parallel(microbatches=N) with sync_gradients(compression=...) is not "
+                "supported yet: the compressor's state would have to be threaded through the "
+                "microbatch scan. Use microbatches=1 with compression, or no compression."
+            )
 
         check_float_tree(grads)
         plan = plan_for(grads)
@@ -292,9 +331,7 @@ def sync_gradients(
         out: list = [None] * len(leaves)
         # 2. plain leaves: full precision.
         if plan.plain:
-            plain = allreduce(
-                [leaves[i] for i in plan.plain], axes=axes, algorithm=algorithm, op="mean"
-            )
+            plain = reduce_plain([leaves[i] for i in plan.plain])
             for i, r in zip(plan.plain, plain, strict=True):
                 out[i] = r
         # 3. compressed leaves.
