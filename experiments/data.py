@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +32,22 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 # ImageNet channel statistics (torchvision), on the 0..1 scale.
 _MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 _STD = np.array([0.229, 0.224, 0.225], np.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def _draw_fn(sharding, global_batch, image_size, num_classes, dtype, seed):
+    # Cached: the ablation rows share one compiled generator per sharding and shape.
+    key = jax.random.key(seed)
+
+    def draw(position):
+        k_img, k_lab = jax.random.split(jax.random.fold_in(key, position))
+        shape = (global_batch, image_size, image_size, 3)
+        return {
+            "image": jax.random.normal(k_img, shape, jnp.float32).astype(dtype),
+            "label": jax.random.randint(k_lab, (global_batch,), 0, num_classes, jnp.int32),
+        }
+
+    return jax.jit(draw, out_shardings={"image": sharding, "label": sharding})
 
 
 class SyntheticImages:
@@ -62,17 +79,7 @@ class SyntheticImages:
     ):
         self.num_classes = num_classes
         self.global_batch = global_batch
-        key = jax.random.key(seed)
-
-        def draw(position):
-            k_img, k_lab = jax.random.split(jax.random.fold_in(key, position))
-            shape = (global_batch, image_size, image_size, 3)
-            return {
-                "image": jax.random.normal(k_img, shape, jnp.float32).astype(dtype),
-                "label": jax.random.randint(k_lab, (global_batch,), 0, num_classes, jnp.int32),
-            }
-
-        self._draw = jax.jit(draw, out_shardings={"image": sharding, "label": sharding})
+        self._draw = _draw_fn(sharding, global_batch, image_size, num_classes, dtype, seed)
 
     def batch(self, position: int) -> dict[str, jax.Array]:
         """The global batch at ``position`` (a sharded ``jax.Array`` per key)."""
