@@ -20,18 +20,18 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 def ensure_cpu_devices(count: int = 8) -> int | None:
     """Adds ``--xla_force_host_platform_device_count`` to ``XLA_FLAGS`` if it is not set.
 
-    ``JAXCOMM_LOCAL_DEVICES`` (set by ``jaxcomm.launch`` and the testbed) takes precedence
-    over ``count``. Must run before JAX is imported; afterwards it changes nothing.
+    Under ``jaxcomm.launch`` or the testbed (``JAXCOMM_LOCAL_DEVICES`` set) it does nothing:
+    :func:`init_distributed` gives the process its devices. Must run before JAX is
+    imported; afterwards it changes nothing.
 
     Returns:
-      The device count set, or ``None`` when ``XLA_FLAGS`` already had one.
+      The device count set, or ``None`` when it left ``XLA_FLAGS`` as it was.
     """
     flags = os.environ.get("XLA_FLAGS", "")
-    if _COUNT_FLAG in flags:
+    if _COUNT_FLAG in flags or os.environ.get("JAXCOMM_LOCAL_DEVICES"):
         return None
-    n = int(os.environ.get("JAXCOMM_LOCAL_DEVICES", count))
-    os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={n}".strip()
-    return n
+    os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={count}".strip()
+    return count
 
 
 def distributed_requested() -> bool:
@@ -49,9 +49,9 @@ def init_distributed() -> bool:
     """Starts ``jax.distributed`` when the environment asks for it.
 
     Uses ``jaxcomm.init_distributed()`` when this jaxcomm has it (the profiler/launcher
-    issue); otherwise ``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES`` and
-    ``JAXCOMM_PROCESS_ID`` if set, else ``jax.distributed.initialize()``'s own detection
-    (SLURM, Open MPI).
+    issue); otherwise ``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES``,
+    ``JAXCOMM_PROCESS_ID`` (and ``JAXCOMM_LOCAL_DEVICES`` CPU devices) if set, else
+    ``jax.distributed.initialize()``'s own detection (SLURM, Open MPI).
 
     Returns:
       ``True`` when a distributed runtime was started.
@@ -65,6 +65,8 @@ def init_distributed() -> bool:
     if hasattr(jaxcomm, "init_distributed"):
         jaxcomm.init_distributed()
     elif os.environ.get("JAXCOMM_COORDINATOR"):
+        if os.environ.get("JAXCOMM_LOCAL_DEVICES"):
+            jax.config.update("jax_num_cpu_devices", int(os.environ["JAXCOMM_LOCAL_DEVICES"]))
         jax.distributed.initialize(
             coordinator_address=os.environ["JAXCOMM_COORDINATOR"],
             num_processes=int(os.environ["JAXCOMM_NUM_PROCESSES"]),

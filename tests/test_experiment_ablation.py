@@ -60,8 +60,8 @@ def test_cpu_devices_are_set_only_when_absent(monkeypatch):
     assert runtime.os.environ["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=8")
     assert runtime.ensure_cpu_devices(4) is None  # already set: unchanged
     monkeypatch.setenv("XLA_FLAGS", "")
-    monkeypatch.setenv("JAXCOMM_LOCAL_DEVICES", "2")
-    assert runtime.ensure_cpu_devices(8) == 2
+    monkeypatch.setenv("JAXCOMM_LOCAL_DEVICES", "2")  # the launcher sets the devices
+    assert runtime.ensure_cpu_devices(8) is None and runtime.os.environ["XLA_FLAGS"] == ""
     for key in ("JAXCOMM_COORDINATOR", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         monkeypatch.delenv(key, raising=False)
     assert not runtime.distributed_requested()
