@@ -1,21 +1,47 @@
-"""``sync_gradients``: the optax transform that averages gradients across data-parallel devices."""
+"""``sync_gradients``: the optax transform that averages gradients across data-parallel devices.
+
+With ``compression=``, one step runs:
+
+1. **leaves -> policy**: every gradient leaf is either *compressed* (``min_size``
+   elements or more, or what the ``compress_leaf`` predicate says, and a shape the
+   compressor supports) or *plain*.
+2. **plain leaves** go through ``jaxcomm.allreduce(algorithm=...)`` in full precision.
+3. **compressed leaves** are packed (elementwise compressors: one flat 1-D buffer per
+   dtype; matrix compressors such as PowerSGD: the leaves themselves) and handed to
+   ``compressor.reduce``; with ``compress_stage='inter'`` only the inter-node stage is
+   compressed (full-precision reduce-scatter and all-gather inside a node).
+4. during the first ``warmup_steps`` steps a ``lax.cond`` sends the compressed leaves
+   uncompressed instead (no branch at all when ``warmup_steps=0``).
+
+The compressor's state (error-feedback residuals, PowerSGD's ``Q``, the adaptive level)
+is nested in :class:`SyncGradientsState`, hence in the optimizer state and in every
+checkpoint.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from jaxcomm.collectives import allreduce
-from jaxcomm.collectives.base import check_algorithm, check_axes
+from jaxcomm.collectives.base import check_algorithm, check_axes, pad_to_multiple
+from jaxcomm.compression.base import Compressor, ReduceContext
 from jaxcomm.mesh import DATA_AXES
 
-__all__ = ["SyncGradientsState", "sync_gradients", "sync_probe"]
+__all__ = ["COMPRESS_STAGES", "SyncGradientsState", "sync_gradients", "sync_probe"]
+
+COMPRESS_STAGES = ("all", "inter")
+# Leaves under this many elements (biases, norm scales) stay uncompressed by default: they
+# are a small share of the bytes and the most sensitive to quantization.
+DEFAULT_MIN_SIZE = 1024
 
 
 class SyncGradientsState(NamedTuple):
@@ -24,9 +50,11 @@ class SyncGradientsState(NamedTuple):
     Attributes:
       count: number of synchronised steps (int32); compressors key their randomness and
         warm-up on it.
+      compression: the compressor's state (``()`` without compression).
     """
 
     count: jax.Array
+    compression: Any = ()
 
 
 # Trace-time record of sync_gradients calls, so the step builder can refuse an optimizer
@@ -59,36 +87,187 @@ def _check_bound(axes: tuple[str, ...]) -> None:
             ) from e
 
 
+def _all_gather_invariant(x: jax.Array, axis: str) -> jax.Array:
+    try:
+        return lax.all_gather(x, axis, tiled=True, to="invarying")
+    except (TypeError, ValueError):
+        return lax.all_gather(x, axis, tiled=True)
+
+
+class _Plan:
+    """Which leaves are compressed, and how they are packed for the compressor."""
+
+    def __init__(self, tree: Any, compressor: Compressor, min_size: int, predicate, stage: str):
+        paths_leaves, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
+        self.compressed: list[int] = []
+        self.plain: list[int] = []
+        self.shapes = [tuple(jnp.shape(x)) for _, x in paths_leaves]
+        self.dtypes = [jnp.result_type(x) for _, x in paths_leaves]
+        for i, (path, leaf) in enumerate(paths_leaves):
+            shape = self.shapes[i]
+            if predicate is not None:
+                want = bool(predicate(jax.tree_util.keystr(path), leaf))
+            else:
+                want = int(np.prod(shape)) >= min_size
+            if want and int(np.prod(shape)) > 0 and compressor.supports(shape):
+                self.compressed.append(i)
+            else:
+                self.plain.append(i)
+        self.elementwise = compressor.elementwise
+        self.stage = stage
+        # Elementwise compressors get one flat buffer per dtype (the insertion point for
+        # gradient buckets); matrix compressors get the leaves.
+        self.groups: list[list[int]] = []
+        if self.elementwise:
+            by_dtype: dict[Any, list[int]] = {}
+            for i in self.compressed:
+                by_dtype.setdefault(self.dtypes[i], []).append(i)
+            self.groups = list(by_dtype.values())
+        else:
+            self.groups = [[i] for i in self.compressed]
+
+    def pack(self, leaves: list) -> list[jax.Array]:
+        if not self.elementwise:
+            return [leaves[g[0]] for g in self.groups]
+        return [jnp.concatenate([jnp.ravel(leaves[i]) for i in g]) for g in self.groups]
+
+    def unpack(self, buffers: list[jax.Array], out: list) -> None:
+        for g, buf in zip(self.groups, buffers, strict=True):
+            if not self.elementwise:
+                out[g[0]] = buf.reshape(self.shapes[g[0]])
+                continue
+            offset = 0
+            for i in g:
+                size = int(np.prod(self.shapes[i]))
+                out[i] = buf[offset : offset + size].reshape(self.shapes[i])
+                offset += size
+
+    def buffer_specs(self, inner_size: int | None) -> list[jax.ShapeDtypeStruct]:
+        specs = []
+        for g in self.groups:
+            dtype = self.dtypes[g[0]]
+            if not self.elementwise:
+                specs.append(jax.ShapeDtypeStruct(self.shapes[g[0]], dtype))
+                continue
+            n = sum(int(np.prod(self.shapes[i])) for i in g)
+            if inner_size is not None:  # compress_stage='inter': the intra shard
+                n = -(-n // inner_size)
+            specs.append(jax.ShapeDtypeStruct((n,), dtype))
+        return specs
+
+
 def sync_gradients(
     *,
     axes: tuple[str, ...] = DATA_AXES,
     algorithm: str = "hierarchical",
+    compression: Compressor | None = None,
+    warmup_steps: int = 0,
+    min_size: int = DEFAULT_MIN_SIZE,
+    compress_leaf: Callable[[str, Any], bool] | None = None,
+    compress_stage: str = "all",
+    seed: int = 0,
 ) -> optax.GradientTransformation:
-    """Averages gradients over the data-parallel mesh axes.
+    """Averages gradients over the data-parallel mesh axes, optionally compressed.
 
     Put it first in an ``optax.chain``; its ``update`` must run inside ``jax.shard_map``
     (``jaxcomm.data_parallel`` does that).
 
     Args:
       axes: mesh axis names to average over, outermost first.
-      algorithm: all-reduce algorithm, one of ``jaxcomm.collectives.ALGORITHMS``.
+      algorithm: all-reduce algorithm, one of ``jaxcomm.collectives.ALGORITHMS``, for the
+        uncompressed leaves (and the all-reduce-compatible compressors: bf16, fp16,
+        random_k, PowerSGD).
+      compression: a compressor from ``jaxcomm.compression`` (``None``: no compression).
+      warmup_steps: the first ``warmup_steps`` steps are sent uncompressed (``lax.cond``
+        on the step count). With 0 no uncompressed branch is compiled.
+      min_size: leaves with fewer elements stay uncompressed (biases, norms).
+      compress_leaf: optional predicate ``(path, leaf) -> bool`` (``path`` as
+        ``jax.tree_util.keystr``, e.g. ``"['dense']['kernel']"``) that replaces the
+        ``min_size`` rule. Leaves the compressor cannot take (PowerSGD: 1-D) stay
+        uncompressed either way.
+      compress_stage: ``'all'`` compresses the whole reduction; ``'inter'`` keeps full
+        precision inside a node (reduce-scatter over the innermost axis, compressed mean
+        over the outer axes, all-gather) -- the slow inter-node links carry compressed
+        bytes, the fast intra-node links full precision. Needs two or more axes.
+      seed: seed of the compressors' randomness (stochastic rounding, random-k); the key
+        of a step is ``fold_in(key(seed), count)``.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`SyncGradientsState`.
 
     Raises:
-      ValueError: unknown ``algorithm`` or malformed ``axes`` (at construction).
+      ValueError: unknown ``algorithm`` or ``compress_stage``, malformed ``axes``, a
+        negative ``warmup_steps``/``min_size`` (at construction).
+      TypeError: ``compression`` is not a ``jaxcomm.compression.Compressor``.
 
     Example:
-      >>> tx = optax.chain(jaxcomm.sync_gradients(algorithm='hierarchical'),
-      ...                  optax.adamw(1e-3))
+      >>> tx = optax.chain(
+      ...     jaxcomm.sync_gradients(compression=jaxcomm.compression.int8(),
+      ...                            warmup_steps=100, min_size=1024),
+      ...     optax.adamw(1e-3))
     """
     axes = check_axes(axes)
     check_algorithm(algorithm)
+    if compression is not None and not isinstance(compression, Compressor):
+        raise TypeError(
+            f"compression={compression!r} is not a jaxcomm.compression.Compressor; build one "
+            "with e.g. jaxcomm.compression.int8() or pass None."
+        )
+    for name, v in (("warmup_steps", warmup_steps), ("min_size", min_size), ("seed", seed)):
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
+            raise ValueError(f"{name}={v!r} is out of range; allowed: an int >= 0.")
+    if compress_stage not in COMPRESS_STAGES:
+        raise ValueError(
+            f"compress_stage={compress_stage!r} is not known; choose one of "
+            f"{list(COMPRESS_STAGES)}."
+        )
+    if compress_stage == "inter" and len(axes) < 2:
+        raise ValueError(
+            f"compress_stage='inter' needs an inner (intra-node) axis, but axes={axes}; use "
+            "axes=('inter', 'intra') or compress_stage='all'."
+        )
+    if compress_leaf is not None and not callable(compress_leaf):
+        raise TypeError(f"compress_leaf={compress_leaf!r} must be a callable (path, leaf) -> bool.")
+
+    def plan_for(tree):
+        return _Plan(tree, compression, min_size, compress_leaf, compress_stage)
 
     def init(params: Any) -> SyncGradientsState:
-        del params
-        return SyncGradientsState(count=jnp.zeros((), jnp.int32))
+        count = jnp.zeros((), jnp.int32)
+        if compression is None:
+            return SyncGradientsState(count=count)
+        plan = plan_for(params)
+        inner = None
+        if compress_stage == "inter" and plan.elementwise:
+            try:
+                inner = lax.axis_size(axes[-1])
+            except NameError as e:
+                raise ValueError(
+                    "sync_gradients(compress_stage='inter').init must run inside "
+                    f"jax.shard_map over axes {axes} (jaxcomm.data_parallel does), because "
+                    "its per-device state is one intra-node shard."
+                ) from e
+        return SyncGradientsState(count, compression.init(plan.buffer_specs(inner)))
+
+    def reduce_compressed(buffers, cstate, ctx: ReduceContext):
+        if compress_stage == "all":
+            return compression.reduce(buffers, cstate, ctx)
+        inner, outer = axes[-1], axes[:-1]
+        g = lax.axis_size(inner)
+        ctx = ctx._replace(axes=outer)
+        if not compression.elementwise:
+            means = [lax.pmean(b, inner) for b in buffers]
+            return compression.reduce(means, cstate, ctx)
+        # Full precision inside the node: each device keeps the intra-node mean of 1/g.
+        shards, sizes = [], []
+        for b in buffers:
+            padded, _ = pad_to_multiple(b, g)
+            shard = lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
+            shards.append((shard / g).astype(b.dtype))
+            sizes.append(b.shape[0])
+        outs, cstate = compression.reduce(shards, cstate, ctx)
+        outs = [_all_gather_invariant(o, inner)[:n] for o, n in zip(outs, sizes, strict=True)]
+        return outs, cstate
 
     def update(grads: Any, state: SyncGradientsState, params: Any = None):
         del params
@@ -96,7 +275,54 @@ def sync_gradients(
         if calls is not None:
             calls.append(axes)
         _check_bound(axes)
-        reduced = allreduce(grads, axes=axes, algorithm=algorithm, op="mean")
-        return reduced, SyncGradientsState(count=state.count + 1)
+        if compression is None:
+            reduced = allreduce(grads, axes=axes, algorithm=algorithm, op="mean")
+            return reduced, SyncGradientsState(count=state.count + 1)
+
+        plan = plan_for(grads)
+        leaves = [jnp.asarray(x) for x in jax.tree.leaves(grads)]
+        out: list = [None] * len(leaves)
+        # 2. plain leaves: full precision.
+        if plan.plain:
+            plain = allreduce(
+                [leaves[i] for i in plan.plain], axes=axes, algorithm=algorithm, op="mean"
+            )
+            for i, r in zip(plan.plain, plain, strict=True):
+                out[i] = r
+        # 3. compressed leaves.
+        ok = jnp.ones((), jnp.bool_)
+        cstate = state.compression
+        if plan.compressed:
+            ctx = ReduceContext(
+                axes=axes,
+                algorithm=algorithm,
+                step=state.count,
+                key=jax.random.fold_in(jax.random.key(seed), state.count),
+            )
+            buffers = plan.pack(leaves)
+
+            def compressed(bufs, cs):
+                reduced, cs = reduce_compressed(bufs, cs, ctx)
+                good = compression.finite(cs) if compression.finite else jnp.ones((), bool)
+                return reduced, cs, good
+
+            if warmup_steps > 0:
+                # 4. warm-up: the same leaves, uncompressed, while count < warmup_steps.
+                def uncompressed(bufs, cs):
+                    reduced = allreduce(bufs, axes=axes, algorithm=algorithm, op="mean")
+                    return reduced, cs, jnp.ones((), bool)
+
+                reduced, cstate, ok = lax.cond(
+                    state.count < warmup_steps, uncompressed, compressed, buffers, cstate
+                )
+            else:
+                reduced, cstate, ok = compressed(buffers, cstate)
+            plan.unpack(reduced, out)
+        if compression.finite is not None:
+            # fp16 overflow: skip the whole step (all leaves), counted in the state.
+            out = [jnp.where(ok, o, jnp.zeros_like(o)) for o in out]
+        out = [o.astype(x.dtype) for o, x in zip(out, leaves, strict=True)]
+        reduced_tree = jax.tree.unflatten(plan.treedef, out)
+        return reduced_tree, SyncGradientsState(count=state.count + 1, compression=cstate)
 
     return optax.GradientTransformation(init, update)

@@ -1,0 +1,45 @@
+"""Gradient compressors, each paired with the collective that really moves fewer bytes.
+
+Use them through ``jaxcomm.sync_gradients(compression=...)``:
+
+>>> tx = optax.chain(
+...     jaxcomm.sync_gradients(compression=jaxcomm.compression.int8(), min_size=1024),
+...     optax.adam(1e-3))
+
+| factory | collective | bytes vs f32 all-reduce |
+|---|---|---|
+| ``bf16()``, ``fp16()`` | all-reduce in 16 bits (any algorithm) | 0.5 |
+| ``int8(block)``, ``int4(block)`` | all-to-all + all-gather of quantized chunks | ~0.25, ~0.13 |
+| ``topk(ratio)`` | all-gather of (index, value) | ~p x ratio |
+| ``random_k(ratio)`` | all-reduce of the shared-seed selection | ~ratio |
+| ``powersgd(rank)`` | two all-reduces (P, Q) | r(n+m)/(nm) |
+| ``adaptive(...)`` | one branch per ladder level (``lax.switch``) | level dependent |
+
+Measure with ``jaxcomm.wire_bytes``.
+"""
+
+from jaxcomm.compression.adaptive import LADDER, AdaptiveState, adaptive, set_comm_ratio
+from jaxcomm.compression.base import Compressor, ReduceContext
+from jaxcomm.compression.cast import Fp16State, bf16, fp16
+from jaxcomm.compression.powersgd import PowerSGDState, powersgd
+from jaxcomm.compression.quantize import int4, int8, quantized
+from jaxcomm.compression.sparse import random_k, topk
+
+__all__ = [
+    "LADDER",
+    "AdaptiveState",
+    "Compressor",
+    "Fp16State",
+    "PowerSGDState",
+    "ReduceContext",
+    "adaptive",
+    "bf16",
+    "fp16",
+    "int4",
+    "int8",
+    "powersgd",
+    "quantized",
+    "random_k",
+    "set_comm_ratio",
+    "topk",
+]

@@ -1,0 +1,131 @@
+"""The compressor protocol shared by every gradient compressor in ``jaxcomm.compression``.
+
+A compressor is an immutable :class:`Compressor` (a NamedTuple of functions, optax style)
+that *pairs a lossy encoding with the collective that really moves fewer bytes*: bf16 is
+summed by an all-reduce in bf16, int8 goes through an all-to-all and an all-gather of
+int8 chunks, top-k through an all-gather of (index, value) pairs, PowerSGD through two
+small all-reduces. ``reduce`` is called inside ``jax.shard_map`` on the per-device values
+and returns the (approximate) **mean** over the data-parallel devices.
+
+``sync_gradients(compression=...)`` decides which gradient leaves are compressed and hands
+them to ``reduce``: elementwise compressors (``elementwise=True``) receive flat 1-D
+buffers (all compressed leaves of one dtype concatenated, or buckets), matrix compressors
+(PowerSGD) receive the leaves themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcomm.collectives.base import ALGORITHMS
+
+__all__ = [
+    "Compressor",
+    "ReduceContext",
+    "axes_size",
+    "check_range",
+    "device_key",
+    "sum_over",
+]
+
+
+class ReduceContext(NamedTuple):
+    """What a compressor's ``reduce`` gets besides the buffers and its state.
+
+    Attributes:
+      axes: mesh axes to reduce over, outermost first.
+      algorithm: the all-reduce algorithm name for all-reduce-compatible payloads.
+      step: int32 scalar, the number of synchronised steps before this one.
+      key: a PRNG key that is the **same on every device** (derived from the sync seed and
+        ``step``); fold in :func:`device_key` for per-device randomness.
+    """
+
+    axes: tuple[str, ...]
+    algorithm: str
+    step: jax.Array
+    key: jax.Array
+
+
+def _any_shape(shape: tuple[int, ...]) -> bool:
+    del shape
+    return True
+
+
+class Compressor(NamedTuple):
+    """A gradient compressor paired with its collective.
+
+    Attributes:
+      name: short name for tables and errors, e.g. ``'int8'``.
+      init: ``init(specs) -> state`` where ``specs`` is a list of
+        ``jax.ShapeDtypeStruct`` (or arrays) shaped like the buffers ``reduce`` will get.
+        Per-device parts (error-feedback residuals) are wrapped in ``jaxcomm.PerDevice``.
+      reduce: ``reduce(xs, state, ctx) -> (means, state)``: ``xs`` a list of per-device
+        arrays, ``ctx`` a :class:`ReduceContext`; ``means`` the approximate mean over
+        ``ctx.axes``, same shapes and dtypes as ``xs``, identical on every device.
+      elementwise: accepts any flat 1-D buffer (concatenated leaves, buckets).
+      supports: ``supports(shape) -> bool``; leaves it refuses stay uncompressed.
+      finite: optional ``finite(state) -> bool scalar``, False when the last ``reduce``
+        overflowed (fp16); ``sync_gradients`` then zeroes the whole step's update.
+      wire_fraction: nominal bytes on the wire relative to an f32 all-reduce of the same
+        buffer (documentation and the adaptive ladder; measured values come from
+        ``jaxcomm.wire_bytes``).
+    """
+
+    name: str
+    init: Callable[[Sequence[Any]], Any]
+    reduce: Callable[[list, Any, ReduceContext], tuple[list, Any]]
+    elementwise: bool = True
+    supports: Callable[[tuple[int, ...]], bool] = _any_shape
+    finite: Callable[[Any], jax.Array] | None = None
+    wire_fraction: float = 1.0
+
+
+def check_range(
+    name: str,
+    value: float,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    fix: str = "",
+) -> float:
+    """Raises ValueError unless ``low (<|<=) value (<|<=) high``; the message says which."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} must be a number.") from None
+    ok_low = v > low if low_open else v >= low
+    ok_high = v < high if high_open else v <= high
+    if not (ok_low and ok_high) or math.isnan(v):
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        tail = f" {fix}" if fix else ""
+        raise ValueError(f"{name}={value!r} is out of range; allowed {lo}{low}, {high}{hi}.{tail}")
+    return v
+
+
+def axes_size(axes: tuple[str, ...]) -> int:
+    """Number of devices over ``axes`` (inside shard_map)."""
+    return int(np.prod([lax.axis_size(a) for a in axes]))
+
+
+def device_key(key: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """A key that differs per device: ``key`` folded with the device's position on ``axes``."""
+    return jax.random.fold_in(key, lax.axis_index(axes))
+
+
+def sum_over(x: jax.Array, axes: tuple[str, ...], algorithm: str) -> jax.Array:
+    """Sums a 1-D ``x`` over ``axes`` with the registered all-reduce ``algorithm``."""
+    return ALGORITHMS[algorithm](x, axes)
+
+
+def as_f32(x: jax.Array) -> jax.Array:
+    return jnp.asarray(x).astype(jnp.float32)

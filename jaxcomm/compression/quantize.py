@@ -1,0 +1,239 @@
+"""Blockwise int8 / int4 quantization with a two-phase (all-to-all + all-gather) reduce.
+
+Integers cannot be summed by an all-reduce without overflow or a shared scale, so a
+quantized all-reduce takes two phases (ZeRO++ qgZ, Wang et al. 2023; 1-bit Adam's
+compressed all-reduce, Tang et al. 2021). On ``p`` devices and a buffer of ``N`` elements:
+
+1. Pad to ``p * m`` (``m`` a multiple of ``block``) and view as ``p`` chunks of ``m``.
+2. Quantize every block of ``block`` elements with its own absmax scale (f32): values
+   become integers in ``[-q, q]`` (q = 127 for int8, 7 for int4), with stochastic rounding
+   (unbiased, ``E[Q(x)] = x``) keyed per device and step. int4 packs two values into one
+   byte, so the wire really carries 4 bits per value.
+3. **all-to-all**: device ``i`` receives chunk ``i`` of every device (quantized + scales).
+4. Dequantize in f32, sum the ``p`` chunks, divide by ``p``: the mean of chunk ``i``.
+5. Re-quantize that mean chunk, **all-gather** the quantized chunks and scales, and
+   dequantize: every device holds the mean of the whole buffer.
+
+Bytes per device (nccl-tests bus factors): ``2 (p-1)/p N (b/8 + 4/block)`` against
+``2 (p-1)/p 4N`` for an f32 all-reduce, i.e. 0.254 (int8, block 256) and 0.129 (int4).
+
+Optional error feedback stores what this device's quantizations lost (per device, in the
+optimizer state): the phase-1 error of its buffer and ``p`` times the phase-5 error of the
+chunk it owns, so that transmitted + residual is exactly the true gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomm.compression import error_feedback as ef
+from jaxcomm.compression.base import (
+    Compressor,
+    ReduceContext,
+    axes_size,
+    device_key,
+)
+
+__all__ = ["dequantize", "int4", "int8", "quantize", "quantized", "two_phase_mean"]
+
+_QMAX = {8: 127, 4: 7}
+
+
+def quantize(
+    x: jax.Array, bits: int, block: int, key: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Blockwise absmax quantization of ``x`` (shape ``(rows, m)``, ``m % block == 0``).
+
+    Args:
+      x: f32 array ``(rows, m)``.
+      bits: 8 or 4.
+      block: elements per scale.
+      key: PRNG key for stochastic rounding, or None for round-to-nearest.
+
+    Returns:
+      ``(q, scales)``: ``q`` int8 ``(rows, m)`` for 8 bits, uint8 ``(rows, m // 2)`` (two
+      nibbles per byte) for 4 bits; ``scales`` f32 ``(rows, m // block)``.
+    """
+    qmax = _QMAX[bits]
+    rows, m = x.shape
+    xb = x.reshape(rows, m // block, block)
+    absmax = jnp.max(jnp.abs(xb), axis=-1)
+    scales = jnp.where(absmax > 0, absmax / qmax, 1.0)
+    # Divide by a finite positive scale: zeros stay 0, huge finite values stay finite.
+    v = xb / scales[..., None]
+    if key is None:
+        v = jnp.round(v)
+    else:
+        v = jnp.floor(v + jax.random.uniform(key, v.shape, jnp.float32))
+    v = jnp.clip(v, -qmax, qmax).reshape(rows, m)
+    if bits == 8:
+        return v.astype(jnp.int8), scales
+    u = (v + 8).astype(jnp.uint8)  # [1, 15]
+    packed = u[:, 0::2] | (u[:, 1::2] << 4)
+    return packed, scales
+
+
+def dequantize(q: jax.Array, scales: jax.Array, bits: int, block: int) -> jax.Array:
+    """Inverse of :func:`quantize`: f32 ``(rows, m)``."""
+    if bits == 8:
+        v = q.astype(jnp.float32)
+    else:
+        lo = (q & 0xF).astype(jnp.float32) - 8
+        hi = (q >> 4).astype(jnp.float32) - 8
+        v = jnp.stack([lo, hi], axis=-1).reshape(q.shape[0], q.shape[1] * 2)
+    rows, m = v.shape
+    return (v.reshape(rows, m // block, block) * scales[..., None]).reshape(rows, m)
+
+
+def _to_bytes(q: jax.Array, scales: jax.Array) -> jax.Array:
+    """``(rows, a)`` int8/uint8 values and ``(rows, b)`` f32 scales -> ``(rows, a + 4b)`` uint8."""
+    qb = lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q
+    sb = lax.bitcast_convert_type(scales, jnp.uint8).reshape(scales.shape[0], -1)
+    return jnp.concatenate([qb, sb], axis=1)
+
+
+def _from_bytes(buf: jax.Array, width: int, bits: int) -> tuple[jax.Array, jax.Array]:
+    """Inverse of :func:`_to_bytes` for values ``width`` bytes wide."""
+    q = buf[:, :width]
+    if bits == 8:
+        q = lax.bitcast_convert_type(q, jnp.int8)
+    sb = buf[:, width:].reshape(buf.shape[0], -1, 4)
+    return q, lax.bitcast_convert_type(sb, jnp.float32)
+
+
+def two_phase_mean(
+    x: jax.Array,
+    axes: tuple[str, ...],
+    *,
+    bits: int,
+    block: int,
+    key: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Mean of a 1-D f32 ``x`` over ``axes`` through quantized all-to-all + all-gather.
+
+    Args:
+      x: 1-D f32 per-device buffer (inside ``jax.shard_map``).
+      axes: mesh axes.
+      bits: 8 or 4.
+      block: quantization block (even for 4 bits).
+      key: per-device PRNG key for stochastic rounding, or None.
+
+    Returns:
+      ``(mean, sent)``: the mean (same on all devices, shape of ``x``) and what this
+      device effectively contributed (its dequantized phase-1 payload plus ``p`` times
+      the re-quantization error of the chunk it owns), so that the mean of ``sent`` over
+      devices equals ``mean``: error feedback on ``x - sent`` loses nothing.
+    """
+    p = axes_size(axes)
+    n = x.shape[0]
+    m = -(-n // (p * block)) * block
+    padded = jnp.pad(x, (0, p * m - n)).reshape(p, m)
+    k1 = k2 = None
+    if key is not None:
+        k1, k2 = jax.random.split(key)
+    q, s = quantize(padded, bits, block, k1)
+    local = dequantize(q, s, bits, block)  # (p, m): what this device sends in phase 1
+    # Phase 1: chunk i of every device goes to device i; values and scales travel as one
+    # byte buffer, so each phase is a single collective.
+    recv = lax.all_to_all(_to_bytes(q, s), axes, 0, 0, tiled=True)
+    q, s = _from_bytes(recv, q.shape[1], bits)
+    shard = jnp.sum(dequantize(q, s, bits, block), axis=0) / p  # f32 (m,)
+    # Phase 2: re-quantize the mean chunk, gather all chunks.
+    q2, s2 = quantize(shard[None], bits, block, k2)
+    # This device owns chunk i; its re-quantization error enters its own "sent" record
+    # (times p, since the result is a mean), so that mean_devices(sent) == result exactly
+    # and error feedback conserves the gradient through both phases (1-bit Adam's
+    # worker + server error, folded into one residual).
+    err2 = dequantize(q2, s2, bits, block)[0] - shard
+    i = lax.axis_index(axes)
+    local = lax.dynamic_update_slice(local, (local[i] + p * err2)[None], (i, 0))
+    gathered = lax.all_gather(_to_bytes(q2, s2), axes, axis=0, tiled=True)  # (p, bytes)
+    q2, s2 = _from_bytes(gathered, q2.shape[1], bits)
+    mean = dequantize(q2, s2, bits, block).reshape(-1)[:n]
+    local = local.reshape(-1)[:n]
+    return mean, local
+
+
+def _quantized(bits: int, block: int, stochastic: bool, error_feedback: bool) -> Compressor:
+    def init(specs):
+        return ef.init_residuals(specs) if error_feedback else ()
+
+    def reduce(xs, state, ctx: ReduceContext):
+        cs = ef.corrected(xs, state if error_feedback else None)
+        key = device_key(ctx.key, ctx.axes) if stochastic else None
+        out, sent = [], []
+        for i, c in enumerate(cs):
+            k = None if key is None else jax.random.fold_in(key, i)
+            mean, local = two_phase_mean(c.reshape(-1), ctx.axes, bits=bits, block=block, key=k)
+            out.append(mean.reshape(c.shape).astype(jnp.result_type(xs[i])))
+            sent.append(local.reshape(c.shape))
+        new = ef.new_residuals(cs, sent) if error_feedback else state
+        return out, new
+
+    frac = (bits / 8 + 4 / block) / 4
+    return Compressor(f"int{bits}", init, reduce, wire_fraction=frac)
+
+
+def _check_block(block: int, bits: int) -> int:
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise ValueError(f"block={block!r} must be an int >= 1 (elements per scale).")
+    if block < 1:
+        raise ValueError(f"block={block} is out of range; allowed: an int >= 1, e.g. 256.")
+    if bits == 4 and block % 2:
+        raise ValueError(
+            f"block={block} must be even for int4 (two 4-bit values share a byte); use {block + 1}."
+        )
+    return block
+
+
+def int8(block: int = 256, stochastic: bool = True, *, error_feedback: bool = False) -> Compressor:
+    """Blockwise int8 quantization with a two-phase reduce (about 0.25x the f32 bytes).
+
+    Args:
+      block: elements per f32 absmax scale (>= 1).
+      stochastic: unbiased stochastic rounding keyed per device and step (else nearest).
+      error_feedback: keep this device's phase-1 quantization error and add it next step.
+
+    Returns:
+      A :class:`~jaxcomm.compression.Compressor`.
+
+    Raises:
+      ValueError: ``block < 1``.
+
+    Example:
+      >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.int8(block=256))
+    """
+    return _quantized(8, _check_block(block, 8), bool(stochastic), bool(error_feedback))
+
+
+def int4(block: int = 256, stochastic: bool = True, *, error_feedback: bool = False) -> Compressor:
+    """Blockwise int4 quantization, two values per byte, two-phase reduce (about 0.13x).
+
+    Args:
+      block: elements per f32 absmax scale (even, >= 2).
+      stochastic: unbiased stochastic rounding keyed per device and step.
+      error_feedback: keep this device's phase-1 quantization error and add it next step.
+
+    Returns:
+      A :class:`~jaxcomm.compression.Compressor`.
+
+    Raises:
+      ValueError: ``block < 1`` or odd.
+
+    Example:
+      >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.int4(block=128))
+    """
+    return _quantized(4, _check_block(block, 4), bool(stochastic), bool(error_feedback))
+
+
+def quantized(bits: int, **kwargs) -> Compressor:
+    """``int8(**kwargs)`` or ``int4(**kwargs)`` by ``bits``.
+
+    Raises:
+      ValueError: ``bits`` not in (4, 8).
+    """
+    if bits not in _QMAX:
+        raise ValueError(f"bits={bits!r} is not supported; allowed: {sorted(_QMAX)} (int4, int8).")
+    return (int8 if bits == 8 else int4)(**kwargs)

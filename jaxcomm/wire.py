@@ -1,0 +1,168 @@
+"""``wire_bytes``: bytes each device sends, read from the compiled HLO.
+
+Every collective of the compiled program is priced with the nccl-tests *bus bandwidth*
+factors (nccl-tests ``doc/PERFORMANCE.md``), ``S`` the full buffer in bytes and ``p`` the
+replica group size:
+
+| kind | bytes per device |
+|---|---|
+| all-reduce | ``2 (p-1)/p S`` |
+| reduce-scatter, all-gather, all-to-all | ``(p-1)/p S`` (``S``: the full buffer) |
+| collective-permute, collective-broadcast | ``S`` |
+
+Collectives inside the branches of a conditional (``lax.cond`` / ``lax.switch``: warm-up,
+adaptive levels) are listed per branch, and ``total`` counts the unconditional ones plus
+the **largest** branch of every conditional (nested conditionals recursively). A
+collective inside a loop body (``lax.scan``) is counted once, i.e. per iteration.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from jaxcomm import hlo
+
+__all__ = ["bus_bytes", "summarize", "wire_bytes"]
+
+
+def bus_bytes(c: hlo.Collective) -> float:
+    """Bytes one device sends for collective ``c`` (nccl-tests bus factors)."""
+    p = max(int(c.group_size), 1)
+    if c.kind == "all-reduce":
+        return 2.0 * (p - 1) / p * c.operand_bytes
+    if c.kind in ("reduce-scatter", "all-to-all"):
+        return (p - 1) / p * c.operand_bytes
+    if c.kind == "all-gather":
+        return (p - 1) / p * c.operand_bytes * p  # S is the gathered buffer
+    return float(c.operand_bytes)  # collective-permute, collective-broadcast
+
+
+def _branch_chain(mod: hlo.HloModule, computation: str) -> tuple[tuple[str, int], ...]:
+    """(conditional, branch) pairs enclosing ``computation``, outermost first."""
+    parents: dict[str, str] = {}
+    for caller, callees in mod.calls.items():
+        for c in callees:
+            parents.setdefault(c, caller)
+    chain, seen, node = [], set(), computation
+    while node is not None and node not in seen:
+        seen.add(node)
+        if node in mod.branches:
+            chain.append(mod.branches[node])
+        node = parents.get(node)
+    return tuple(reversed(chain))
+
+
+def _new_node() -> dict:
+    return {"direct": [], "conds": defaultdict(lambda: defaultdict(_new_node))}
+
+
+def _node_totals(node: dict) -> tuple[float, dict, dict]:
+    total, kinds, axes = 0.0, defaultdict(float), defaultdict(float)
+    for rec in node["direct"]:
+        total += rec["bytes"]
+        kinds[rec["kind"]] += rec["bytes"]
+        axes[rec["axes_key"]] += rec["bytes"]
+    for branches in node["conds"].values():
+        best = max((_node_totals(b) for b in branches.values()), key=lambda t: t[0])
+        total += best[0]
+        for k, v in best[1].items():
+            kinds[k] += v
+        for k, v in best[2].items():
+            axes[k] += v
+    return total, dict(kinds), dict(axes)
+
+
+def summarize(mod: hlo.HloModule) -> dict:
+    """Prices the collectives of a parsed module (see :func:`wire_bytes` for the keys)."""
+    root = _new_node()
+    records = []
+    for c in mod.collectives:
+        chain = _branch_chain(mod, c.computation)
+        rec = {
+            "kind": c.kind,
+            "name": c.name,
+            "dtype": c.dtype,
+            "axes": c.axes,
+            "axes_key": "+".join(c.axes) if c.axes else "unknown",
+            "group_size": c.group_size,
+            "operand_bytes": c.operand_bytes,
+            "bytes": bus_bytes(c),
+            "branch": chain,
+        }
+        records.append(rec)
+        node = root
+        for cond, idx in chain:
+            node = node["conds"][cond][idx]
+        node["direct"].append(rec)
+    total, by_kind, by_axis = _node_totals(root)
+    branches: dict[str, dict[int, float]] = {}
+
+    all_indices: dict[str, set[int]] = defaultdict(set)
+    for cond, idx in mod.branches.values():
+        all_indices[cond].add(idx)
+
+    def walk(node):
+        for cond, bs in node["conds"].items():
+            # branches without collectives count 0 (they still matter for the maximum)
+            indices = sorted(all_indices.get(cond, set()) | set(bs))
+            branches[cond] = {i: (_node_totals(bs[i])[0] if i in bs else 0.0) for i in indices}
+            for b in bs.values():
+                walk(b)
+
+    walk(root)
+    unconditional = sum(r["bytes"] for r in records if not r["branch"])
+    return {
+        "total": total,
+        "by_kind": by_kind,
+        "by_axis": by_axis,
+        "unconditional": unconditional,
+        "branches": branches,
+        "collectives": [{k: v for k, v in r.items() if k != "axes_key"} for r in records],
+    }
+
+
+def _find_mesh(args: Any) -> Mesh | None:
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def wire_bytes(
+    fn: Callable,
+    *args: Any,
+    mesh: Mesh | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> dict:
+    """Compiles ``fn(*args)`` and returns the bytes each device sends per call.
+
+    Args:
+      fn: a function or jitted function (typically a ``jax.shard_map`` of a step).
+      *args: arrays or ``jax.ShapeDtypeStruct`` with shardings.
+      mesh: names the mesh axes of each collective; found from the arguments' shardings
+        when not given.
+      compiler_options: XLA options for this compilation.
+      **kwargs: keyword arguments of ``fn``.
+
+    Returns:
+      A dict: ``total`` (bytes per device, unconditional + the largest branch of each
+      conditional), ``by_kind`` and ``by_axis`` (the same total split by collective kind
+      and by mesh axes, ``'inter+intra'``-style keys, ``'unknown'`` without a mesh),
+      ``unconditional`` (bytes outside any conditional), ``branches`` (``{conditional:
+      {branch index: bytes}}``) and ``collectives`` (one dict per collective: kind, name,
+      dtype, axes, group_size, operand_bytes, bytes, branch chain).
+
+    Example:
+      >>> wb = jaxcomm.wire_bytes(dp.step_fn(state), state, dp.shard_batch(batch))
+      >>> wb['total'], wb['by_kind']
+    """
+    mesh = mesh if mesh is not None else _find_mesh((args, kwargs))
+    mod = hlo.collectives(fn, *args, mesh=mesh, compiler_options=compiler_options, **kwargs)
+    return summarize(mod)

@@ -1,0 +1,231 @@
+"""Invariants every compressor must satisfy, parametrized over all of them.
+
+Each compressor is run through ``compressor.reduce`` inside ``jax.shard_map`` on the 8 fake
+devices and compared with the exact mean (numpy). One compiled function per compressor is
+shared by all tests of this module.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm.compression import ReduceContext
+from jaxcomm.state import stack_local, state_partition_specs, unstack_local
+
+C = jaxcomm.compression
+AX = ("inter", "intra")
+N = 4096
+MAT = (64, 64)
+
+# name -> (factory, input kind, bound on ||out - mean|| / ||mean|| after one step)
+# The bound comes from what goes over the wire: bf16 has 8 mantissa bits, fp16 11, int8
+# 127 levels per block, int4 7 levels per block (stochastic rounding, gaussian data);
+# top-k and PowerSGD get inputs they represent exactly (a shared sparse / low-rank mean);
+# random-k with ratio 1/2 sends half of the entries.
+COMPRESSORS = {
+    "bf16": (lambda: C.bf16(), "gauss", 1e-2),
+    "bf16_allreduce": (lambda: C.bf16(via="allreduce"), "gauss", 1e-2),
+    "fp16": (lambda: C.fp16(), "gauss", 2e-3),
+    "int8": (lambda: C.int8(), "gauss", 3e-2),
+    "int8_nearest_ef": (lambda: C.int8(64, stochastic=False, error_feedback=True), "gauss", 2e-2),
+    "int4": (lambda: C.int4(), "gauss", 0.35),
+    "topk_exact": (lambda: C.topk(0.1, method="exact"), "sparse", 1e-6),
+    "topk_sampled": (lambda: C.topk(0.1, method="sampled", sample_ratio=0.25), "sparse", 1e-6),
+    "random_k": (lambda: C.random_k(0.5), "gauss", 0.8),
+    "random_k_unbiased": (lambda: C.random_k(0.5, error_feedback=False), "gauss", 1.5),
+    "powersgd": (lambda: C.powersgd(rank=4), "lowrank", 1e-4),
+    "powersgd_cold": (lambda: C.powersgd(rank=4, warm_start=False), "lowrank", 1e-4),
+    "adaptive": (lambda: C.adaptive(0.5, adjustment_step=1), "gauss", 1e-2),
+}
+NAMES = sorted(COMPRESSORS)
+
+
+def _inputs(kind: str, seed: int = 0) -> np.ndarray:
+    """Per-device inputs (8, ...) whose mean is known."""
+    rng = np.random.default_rng(seed)
+    if kind == "gauss":
+        return rng.normal(size=(8, N)).astype(np.float32)
+    if kind == "sparse":  # the same 5%-sparse vector, scaled differently per device
+        s = np.zeros(N, np.float32)
+        idx = rng.choice(N, N // 20, replace=False)
+        s[idx] = rng.normal(size=idx.size) + np.sign(rng.normal(size=idx.size))
+        scale = 1 + 0.1 * (np.arange(8) - 3.5)
+        return (scale[:, None] * s[None]).astype(np.float32)
+    # low-rank mean (rank 2) plus per-device noise that sums to zero over devices
+    mean = rng.normal(size=(MAT[0], 2)) @ rng.normal(size=(2, MAT[1]))
+    noise = rng.normal(size=(8, *MAT))
+    noise -= noise.mean(0, keepdims=True)
+    return (mean[None] + noise).reshape(8, -1).astype(np.float32)
+
+
+def _shape(kind: str) -> tuple[int, ...]:
+    return MAT if kind == "lowrank" else (N,)
+
+
+@functools.cache
+def _step_fn(name: str, mesh_id: int):
+    """jit(shard_map) of: init (when state is None) + one reduce; returns (out, state)."""
+    factory, kind, _ = COMPRESSORS[name]
+    comp = factory()
+    shape = _shape(kind)
+    mesh = _MESHES[mesh_id]
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def local_init():
+        return stack_local(comp.init([spec]))
+
+    init_abstract = jax.eval_shape(
+        jax.shard_map(lambda: comp.init([spec]), mesh=mesh, in_specs=(), out_specs=P())
+    )
+    sspecs = state_partition_specs(init_abstract, AX)
+    init = jax.jit(jax.shard_map(local_init, mesh=mesh, in_specs=(), out_specs=sspecs))
+
+    def local(x, state, step, seed):
+        ctx = ReduceContext(
+            AX, "hierarchical", step, jax.random.fold_in(jax.random.key(seed), step)
+        )
+        out, new = comp.reduce([x[0].reshape(shape)], unstack_local(state), ctx)
+        return out[0].reshape(-1)[None], stack_local(new)
+
+    step = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(AX), sspecs, P(), P()),
+            out_specs=(P(AX), sspecs),
+            check_vma=False,
+        )
+    )
+    return comp, init, step
+
+
+_MESHES: dict[int, object] = {}
+
+
+@pytest.fixture(scope="module")
+def run(mesh):
+    _MESHES[id(mesh)] = mesh
+
+    def go(name, x, *, state=None, step=0, seed=0):
+        comp, init, fn = _step_fn(name, id(mesh))
+        if state is None:
+            state = init()
+        xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(AX)))
+        out, state = fn(xs, state, jnp.int32(step), jnp.int32(seed))
+        return np.asarray(out), state
+
+    return go
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mean_shape_dtype_and_replication(run, name):
+    _, kind, bound = COMPRESSORS[name]
+    x = _inputs(kind)
+    out, _ = run(name, x)
+    assert out.shape == x.shape and out.dtype == np.float32
+    # every device holds the same result
+    np.testing.assert_array_equal(out, np.broadcast_to(out[0], out.shape))
+    ref = x.mean(0)
+    rel = np.linalg.norm(out[0] - ref) / np.linalg.norm(ref)
+    assert rel <= bound, f"{name}: relative error {rel:.3g} > {bound}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_round_trips_through_jit(run, name):
+    """Two steps with the state leaving and re-entering jit equal a re-run from scratch."""
+    _, kind, _ = COMPRESSORS[name]
+    x0, x1 = _inputs(kind, 1), _inputs(kind, 2)
+    _, s1 = run(name, x0, step=0)
+    out_a, s2a = run(name, x1, state=s1, step=1)
+    _, s1b = run(name, x0, step=0)
+    s1b = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), s1b)  # host round trip
+    s1b = jax.tree.map(lambda a, ref: jax.device_put(a, ref.sharding), s1b, s1)
+    out_b, s2b = run(name, x1, state=s1b, step=1)
+    np.testing.assert_array_equal(out_a, out_b)
+    assert jax.tree.structure(s2a) == jax.tree.structure(s2b)
+    for a, b in zip(jax.tree.leaves(s2a), jax.tree.leaves(s2b), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_nan_on_zeros_and_huge_values(run, name):
+    _, kind, _ = COMPRESSORS[name]
+    shape = (8, int(np.prod(_shape(kind))))
+    out, state = run(name, np.zeros(shape, np.float32))
+    np.testing.assert_array_equal(out, 0.0)
+    for leaf in jax.tree.leaves(state):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+    huge = _inputs(kind) * np.float32(1e30)
+    out, state = run(name, huge)
+    assert np.all(np.isfinite(out)), name
+    if name == "fp16":  # 1e30 overflows fp16: the step is skipped and counted, not inf
+        np.testing.assert_array_equal(out, 0.0)
+        assert int(state.overflow_steps) == 1 and not bool(state.finite)
+    else:
+        ref = huge.astype(np.float64).mean(0)
+        rel = np.linalg.norm(out[0] - ref) / np.linalg.norm(ref)
+        assert rel <= COMPRESSORS[name][2]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deterministic_given_key(run, name):
+    _, kind, _ = COMPRESSORS[name]
+    x = _inputs(kind)
+    a, _ = run(name, x, step=3, seed=7)
+    b, _ = run(name, x, step=3, seed=7)
+    np.testing.assert_array_equal(a, b)
+    if name in ("int8", "int4", "random_k"):  # randomized: another key, another result
+        c, _ = run(name, x, step=3, seed=8)
+        assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: C.topk(0.0), r"ratio=0.0 is out of range; allowed \(0.0, 1.0\]"),
+        (lambda: C.topk(1.5), r"ratio=1.5 is out of range"),
+        (lambda: C.topk(-0.1), r"ratio=-0.1"),
+        (lambda: C.topk(0.1, method="approx"), r"method='approx' is not known"),
+        (lambda: C.random_k(0), r"ratio=0 is out of range"),
+        (lambda: C.random_k(2), r"ratio=2 is out of range"),
+        (lambda: C.quantized(bits=3), r"bits=3 is not supported; allowed: \[4, 8\]"),
+        (lambda: C.int8(block=0), r"block=0 is out of range"),
+        (lambda: C.int4(block=-4), r"block=-4 is out of range"),
+        (lambda: C.int4(block=3), r"block=3 must be even"),
+        (lambda: C.powersgd(rank=0), r"rank=0 is out of range; allowed: an int >= 1"),
+        (lambda: C.powersgd(min_compression_rate=0.5), r"min_compression_rate=0.5"),
+        (
+            lambda: C.adaptive(0.5, min_compression=0.8, max_compression=0.2),
+            r"min_compression=0.8 > max",
+        ),
+        (lambda: C.adaptive(0.95), r"initial_compression_ratio=0.95 is out of range"),
+        (lambda: C.adaptive(0.5, max_compression=1.5), r"max_compression=1.5 is out of range"),
+        (
+            lambda: C.adaptive(0.6, min_compression=0.6, max_compression=0.7),
+            r"no compression level",
+        ),
+        (lambda: C.adaptive(adjustment_step=0), r"adjustment_step=0 is out of range"),
+        (lambda: C.bf16(via="nccl"), r"via='nccl' is not known"),
+        (lambda: jaxcomm.sync_gradients(warmup_steps=-1), r"warmup_steps=-1 is out of range"),
+        (lambda: jaxcomm.sync_gradients(min_size=-5), r"min_size=-5"),
+        (lambda: jaxcomm.sync_gradients(compress_stage="intra"), r"compress_stage='intra'"),
+        (
+            lambda: jaxcomm.sync_gradients(axes=("inter",), compress_stage="inter"),
+            r"needs an inner",
+        ),
+    ],
+)
+def test_bad_input_raises_at_construction(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_compression_must_be_a_compressor():
+    with pytest.raises(TypeError, match="not a jaxcomm.compression.Compressor"):
+        jaxcomm.sync_gradients(compression="int8")

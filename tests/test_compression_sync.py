@@ -1,0 +1,276 @@
+"""sync_gradients(compression=...): policy, warm-up, inter-node stage, fp16 skip, adaptive
+decisions, per-device state in the optimizer state, lax.scan over steps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm.state import stack_local, state_partition_specs, unstack_local
+
+C = jaxcomm.compression
+AX = ("inter", "intra")
+
+
+def _grads(seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return {
+        "w": (scale * rng.normal(size=(8, 64, 48))).astype(np.float32),
+        "b": (scale * rng.normal(size=(8, 48))).astype(np.float32),
+    }
+
+
+def _runner(mesh, tx, steps=1):
+    """jit(shard_map) running ``steps`` updates in a lax.scan; returns (outs, state)."""
+    example = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+    abstract = jax.eval_shape(
+        jax.shard_map(lambda: tx.init(example), mesh=mesh, in_specs=(), out_specs=P())
+    )
+    sspecs = state_partition_specs(abstract, AX)
+
+    def local(g):
+        g = jax.tree.map(lambda x: x[0], g)
+        state = tx.init(g)
+
+        def body(state, _):
+            out, state = tx.update(g, state)
+            return state, out
+
+        state, outs = jax.lax.scan(body, state, None, length=steps)
+        return jax.tree.map(lambda x: x[None], outs), stack_local(state)
+
+    fn = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=P(AX), out_specs=(P(AX), sspecs), check_vma=False)
+    )
+    return fn
+
+
+def _call(fn, *args):
+    outs, state = fn(*args)
+    return jax.tree.map(np.asarray, outs), state
+
+
+def _put(mesh, tree):
+    return jax.device_put(tree, NamedSharding(mesh, P(AX)))
+
+
+def test_policy_small_leaves_uncompressed_and_predicate(mesh):
+    g = _grads()
+    # min_size: 'b' (48 elements) goes in full precision, 'w' through int4
+    fn = _runner(mesh, jaxcomm.sync_gradients(compression=C.int4(), min_size=1024))
+    outs, _ = _call(fn, _put(mesh, g))
+    np.testing.assert_allclose(outs["b"][0, 0], g["b"].mean(0), rtol=1e-5, atol=1e-6)
+    w_err = np.abs(outs["w"][0, 0] - g["w"].mean(0)).max()
+    assert 1e-3 < w_err < 0.5  # compressed: int4 error, bounded
+    # a predicate compressing only 'b' (min_size ignored): the reverse
+    pred = jaxcomm.sync_gradients(compression=C.int4(), compress_leaf=lambda path, x: "b" in path)
+    outs, _ = _call(_runner(mesh, pred), _put(mesh, g))
+    np.testing.assert_allclose(outs["w"][0, 0], g["w"].mean(0), rtol=1e-5, atol=1e-6)
+    assert np.abs(outs["b"][0, 0] - g["b"].mean(0)).max() > 1e-3
+
+
+def test_warmup_zero_compiles_no_uncompressed_branch(mesh):
+    g = jax.ShapeDtypeStruct((8, 64, 48), jnp.float32, sharding=NamedSharding(mesh, P(AX)))
+    args = ({"w": g, "b": jax.ShapeDtypeStruct((8, 48), jnp.float32, sharding=g.sharding)},)
+    no_warm = _runner(mesh, jaxcomm.sync_gradients(compression=C.int8(), min_size=1024))
+    mod = jaxcomm.hlo.collectives(no_warm, *args, mesh=mesh)
+    assert " conditional(" not in mod.text and not mod.branches
+    # the compressed leaf never goes through an f32 collective of its size
+    big_f32 = [c for c in mod.collectives if c.dtype == "f32" and c.operand_elements >= 64 * 48]
+    assert not big_f32
+    warm = _runner(mesh, jaxcomm.sync_gradients(compression=C.int8(), warmup_steps=5))
+    wb = jaxcomm.wire_bytes(warm, *args)
+    (branches,) = wb["branches"].values()
+    assert len(branches) == 2
+    small, large = sorted(branches.values())
+    assert large > 2.5 * small  # f32 warm-up branch vs int8 branch (3072 elements, padded)
+    assert wb["total"] == pytest.approx(wb["unconditional"] + large)
+
+
+def test_warmup_sends_uncompressed_then_compressed(mesh):
+    g = _grads(1)
+    fn = _runner(mesh, jaxcomm.sync_gradients(compression=C.int4(), warmup_steps=2), steps=3)
+    outs, state = _call(fn, _put(mesh, g))
+    ref = g["w"].mean(0)
+    np.testing.assert_allclose(outs["w"][0, 0], ref, rtol=1e-5, atol=1e-6)  # step 0
+    np.testing.assert_allclose(outs["w"][0, 1], ref, rtol=1e-5, atol=1e-6)  # step 1
+    assert np.abs(outs["w"][0, 2] - ref).max() > 1e-3  # step 2: int4
+    assert int(state.count) == 3
+
+
+def test_inter_stage_only_compresses_across_nodes(mesh):
+    g = _grads(2)
+    tx = jaxcomm.sync_gradients(compression=C.int8(), compress_stage="inter")
+    fn = _runner(mesh, tx)
+    outs, _ = _call(fn, _put(mesh, g))
+    ref = g["w"].mean(0)
+    rel = np.linalg.norm(outs["w"][0, 0] - ref) / np.linalg.norm(ref)
+    assert rel < 0.02
+    np.testing.assert_array_equal(outs["w"][0, 0], outs["w"][5, 0])
+    mod = jaxcomm.hlo.collectives(fn, _put(mesh, g), mesh=mesh)
+    by = {(c.kind, c.axes, c.dtype) for c in mod.collectives if c.operand_elements >= 600}
+    # full precision inside a node, int8 bytes between nodes
+    assert ("reduce-scatter", ("intra",), "f32") in by
+    assert ("all-gather", ("intra",), "f32") in by
+    assert ("all-to-all", ("inter",), "u8") in by
+    assert not any(axes == AX for _, axes, _ in by)
+
+
+def test_fp16_overflow_skips_the_whole_step_and_counts(mesh):
+    g = _grads(3)
+    g["w"][3, 0, 0] = 1e9  # 1e9 / 8 > 65504: the fp16 sum overflows
+    tx = jaxcomm.sync_gradients(compression=C.fp16(), min_size=1024)
+    outs, state = _call(_runner(mesh, tx, steps=2), _put(mesh, g))
+    np.testing.assert_array_equal(outs["w"], 0.0)
+    np.testing.assert_array_equal(outs["b"], 0.0)  # the uncompressed leaf is skipped too
+    assert int(state.compression.overflow_steps) == 2
+    g["w"][3, 0, 0] = 1.0
+    outs, state = _call(_runner(mesh, tx, steps=1), _put(mesh, g))
+    np.testing.assert_allclose(outs["w"][0, 0], g["w"].mean(0), rtol=2e-3, atol=2e-3)
+    assert int(state.compression.overflow_steps) == 0
+
+
+def _adaptive_levels(mesh, comp, steps, comm_ratio=None, scale=1.0):
+    tx = jaxcomm.sync_gradients(compression=comp, min_size=1024)
+    example = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+    abstract = jax.eval_shape(
+        jax.shard_map(lambda: tx.init(example), mesh=mesh, in_specs=(), out_specs=P())
+    )
+    sspecs = state_partition_specs(abstract, AX)
+
+    def local(g, ratio):
+        g = jax.tree.map(lambda x: x[0], g)
+        state = tx.init(g)
+        if comm_ratio is not None:
+            state = state._replace(compression=state.compression._replace(comm_ratio=ratio))
+
+        def body(state, _):
+            _, state = tx.update(g, state)
+            return state, state.compression.level
+
+        state, levels = jax.lax.scan(body, state, None, length=steps)
+        return levels[None], stack_local(state)
+
+    fn = jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(P(AX), P()), out_specs=(P(AX), sspecs), check_vma=False
+        )
+    )
+    ratio = jnp.float32(-1.0 if comm_ratio is None else comm_ratio)
+    levels, state = fn(_put(mesh, _grads(4, scale)), ratio)
+    levels = np.asarray(levels)
+    # every device took the same decisions (pmean-ed signals)
+    np.testing.assert_array_equal(levels, np.broadcast_to(levels[0], levels.shape))
+    return levels[0], state
+
+
+def test_adaptive_climbs_while_error_is_low(mesh):
+    comp = C.adaptive(0.5, min_compression=0.1, max_compression=0.9, adjustment_step=2)
+    levels, state = _adaptive_levels(mesh, comp, 8)
+    # bf16 -> int8 -> int4 (ladder [bf16, int8, int4]), int4's error stays < error_high
+    assert list(levels) == [0, 1, 1, 2, 2, 2, 2, 2]
+    assert 0.05 < float(state.compression.last_error) < 0.25
+
+
+def test_adaptive_steps_down_with_hysteresis(mesh):
+    # int4's error (~0.2) is over error_high=0.1: step down to int8, then hold for
+    # `cooldown`=3 windows (int8's error is low) before trying int4 again, instead of
+    # oscillating every window.
+    comp = C.adaptive(
+        0.875, min_compression=0.5, max_compression=0.9, adjustment_step=1,
+        error_low=0.05, error_high=0.1, cooldown=3,
+    )  # fmt: skip
+    levels, _ = _adaptive_levels(mesh, comp, 8)
+    assert list(levels) == [1, 1, 1, 1, 2, 1, 1, 1]
+
+
+def test_adaptive_comm_ratio_low_steps_down(mesh):
+    comp = C.adaptive(0.875, min_compression=0.0, max_compression=0.9, adjustment_step=1)
+    levels, _ = _adaptive_levels(mesh, comp, 3, comm_ratio=0.01)  # communication is cheap
+    assert list(levels) == [2, 1, 0]
+    levels, _ = _adaptive_levels(mesh, comp, 3, comm_ratio=0.2)  # dead zone: stay
+    assert list(levels) == [3, 3, 3]
+
+
+def test_set_comm_ratio_updates_the_opt_state():
+    comp = C.adaptive()
+    state = (jaxcomm.SyncGradientsState(jnp.int32(0), comp.init([jnp.zeros(4)])), ())
+    new = C.set_comm_ratio(state, 0.7)
+    assert float(new[0].compression.comm_ratio) == pytest.approx(0.7)
+    assert float(state[0].compression.comm_ratio) == -1.0
+
+
+def test_per_device_state_in_the_train_state(mesh):
+    """Error-feedback residuals are PerDevice: sharded (8, ...) along the data axes."""
+
+    def loss(p, batch):
+        return jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)
+
+    params = {"w": jnp.zeros((32, 64))}
+    tx = optax.chain(jaxcomm.sync_gradients(compression=C.topk(0.1)), optax.sgd(0.1))
+    dp = jaxcomm.data_parallel(loss, tx, mesh)
+    state = dp.init(params)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 32)), "y": rng.normal(size=(16, 64))}
+    batch = jax.tree.map(lambda a: a.astype(np.float32), batch)
+    state, _ = dp(state, batch)
+    state, m = dp(state, batch)
+    (res,) = state.opt_state[0].compression.value
+    assert res.shape == (8, 32 * 64)
+    assert res.sharding.spec[0] == AX
+    assert np.abs(np.asarray(res)).max() > 0
+    res_np = np.asarray(res)
+    assert not np.allclose(res_np[0], res_np[1])  # per device
+    assert np.isfinite(float(m["loss"]))
+    # the params stay replicated and identical
+    assert state.params["w"].sharding.is_fully_replicated
+
+
+def test_scan_equals_separate_jitted_steps(mesh):
+    """Several steps in one lax.scan equal the same steps through separate jit calls."""
+    tx = jaxcomm.sync_gradients(compression=C.powersgd(rank=2), min_size=16)
+    g = _grads(5)
+    outs_scan, state_scan = _call(_runner(mesh, tx, steps=3), _put(mesh, g))
+
+    abstract = jax.eval_shape(
+        jax.shard_map(
+            lambda: tx.init({"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}),
+            mesh=mesh,
+            in_specs=(),
+            out_specs=P(),
+        )
+    )
+    sspecs = state_partition_specs(abstract, AX)
+    init = jax.jit(
+        jax.shard_map(
+            lambda g: stack_local(tx.init(jax.tree.map(lambda x: x[0], g))),
+            mesh=mesh,
+            in_specs=P(AX),
+            out_specs=sspecs,
+        )
+    )
+
+    def one(g, s):
+        out, s = tx.update(jax.tree.map(lambda x: x[0], g), unstack_local(s))
+        return jax.tree.map(lambda x: x[None], out), stack_local(s)
+
+    step = jax.jit(
+        jax.shard_map(
+            one, mesh=mesh, in_specs=(P(AX), sspecs), out_specs=(P(AX), sspecs), check_vma=False
+        )
+    )
+    gs = _put(mesh, g)
+    s = init(gs)
+    for t in range(3):
+        out, s = step(gs, s)
+        np.testing.assert_allclose(np.asarray(out["w"]), outs_scan["w"][:, t], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(s.compression.q[0]),
+        np.asarray(state_scan.compression.q[0]),
+        rtol=1e-5,
+        atol=1e-5,
+    )

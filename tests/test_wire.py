@@ -1,0 +1,152 @@
+"""``jaxcomm.wire_bytes``: nccl-tests bus factors, axes, conditional branches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm.hlo import parse_collectives
+from jaxcomm.wire import summarize
+
+AX = ("inter", "intra")
+
+
+def _wire(mesh, body, n=1024, extra=()):
+    fn = jax.jit(
+        jax.shard_map(
+            lambda x, *e: body(x[0], *e)[None],
+            mesh=mesh,
+            in_specs=(P(AX), *[P()] * len(extra)),
+            out_specs=P(AX),
+            check_vma=False,
+        )
+    )
+    arg = jax.ShapeDtypeStruct((8, n), jnp.float32, sharding=NamedSharding(mesh, P(AX)))
+    return jaxcomm.wire_bytes(fn, arg, *extra)
+
+
+S = 4 * 1024  # bytes of the f32[1024] buffer
+
+
+@pytest.mark.parametrize(
+    "name, body, kind, axis, expected",
+    [
+        ("psum_all", lambda x: lax.psum(x, AX), "all-reduce", "inter+intra", 2 * 7 / 8 * S),
+        ("psum_inter", lambda x: lax.psum(x, "inter"), "all-reduce", "inter", 2 * 1 / 2 * S),
+        (
+            "reduce_scatter",
+            lambda x: jnp.tile(lax.psum_scatter(x, "intra", tiled=True), 4),
+            "reduce-scatter",
+            "intra",
+            3 / 4 * S,
+        ),
+        (
+            "all_gather",
+            lambda x: lax.all_gather(x[:256], "intra", tiled=True),
+            "all-gather",
+            "intra",
+            3 / 4 * S,
+        ),
+        (
+            "all_to_all",
+            lambda x: lax.all_to_all(x.reshape(8, -1), AX, 0, 0, tiled=True).reshape(-1),
+            "all-to-all",
+            "inter+intra",
+            7 / 8 * S,
+        ),
+        (
+            "permute",
+            lambda x: lax.ppermute(x, "intra", [(i, (i + 1) % 4) for i in range(4)]),
+            "collective-permute",
+            "intra",
+            S,
+        ),
+    ],
+)
+def test_bus_factors(mesh, name, body, kind, axis, expected):
+    wb = _wire(mesh, body)
+    assert wb["total"] == pytest.approx(expected), name
+    assert wb["by_kind"] == {kind: pytest.approx(expected)}
+    assert wb["by_axis"] == {axis: pytest.approx(expected)}
+    assert wb["unconditional"] == pytest.approx(expected) and wb["branches"] == {}
+    (c,) = wb["collectives"]
+    assert c["kind"] == kind and c["dtype"] == "f32" and c["branch"] == ()
+
+
+def test_conditional_counts_the_largest_branch(mesh):
+    def body(x, i):
+        x = lax.psum(x, "intra")  # unconditional: 2 * 3/4 * S
+        return lax.switch(
+            i,
+            [
+                lambda x: lax.psum(x, AX),  # 2 * 7/8 * S
+                lambda x: lax.psum(x[:256], "inter").sum() + x,  # 2 * 1/2 * S/4
+                lambda x: x * 2.0,  # nothing
+            ],
+            x,
+        )
+
+    wb = _wire(mesh, body, extra=(jax.ShapeDtypeStruct((), jnp.int32),))
+    uncond = 2 * 3 / 4 * S
+    assert wb["unconditional"] == pytest.approx(uncond)
+    (branches,) = wb["branches"].values()
+    assert sorted(branches.values()) == pytest.approx([0.0, 2 * 1 / 2 * S / 4, 2 * 7 / 8 * S])
+    assert wb["total"] == pytest.approx(uncond + 2 * 7 / 8 * S)
+    assert wb["by_axis"] == {
+        "intra": pytest.approx(uncond),
+        "inter+intra": pytest.approx(2 * 7 / 8 * S),
+    }
+    in_branch = [c for c in wb["collectives"] if c["branch"]]
+    assert len(in_branch) == 2
+
+
+_ASYNC_HLO = """HloModule m, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%b0 (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %ar = f32[1024]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+}
+
+%b1 (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  %sl = f32[256]{0} slice(%p), slice={[0:256]}
+  %ags = (f32[256]{0}, bf16[1024]{0}) all-gather-start(%sl), replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %agd = f32[1024]{0} all-gather-done(%ags)
+}
+
+ENTRY %main (x: f32[1024], i: s32[]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %i = s32[] parameter(1)
+  %ars = f32[1024]{0} all-reduce-start(%x), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ard = f32[1024]{0} all-reduce-done(%ars)
+  ROOT %c = f32[1024]{0} conditional(%i, %ard, %ard), branch_computations={%b0, %b1}
+}
+"""
+
+
+def test_async_ops_and_branches_from_text():
+    """GPU-style async start/done pairs and a conditional, parsed from HLO text."""
+    wb = summarize(parse_collectives(_ASYNC_HLO))
+    kinds = [(c["kind"], c["branch"]) for c in wb["collectives"]]
+    assert kinds == [
+        ("all-reduce", (("c", 0),)),
+        ("all-gather", (("c", 1),)),
+        ("all-reduce", ()),
+    ]
+    assert wb["unconditional"] == pytest.approx(2 * 1 / 2 * S)
+    # branch 1 gathers a bf16[1024]: 3/4 * 2 KiB
+    assert wb["branches"] == {
+        "c": {0: pytest.approx(2 * 3 / 4 * S), 1: pytest.approx(3 / 4 * 2048)}
+    }
+    assert wb["total"] == pytest.approx(2 * 1 / 2 * S + 2 * 3 / 4 * S)
+    assert np.isclose(sum(wb["by_kind"].values()), wb["total"])
