@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _preset(args, jax) -> Any:
     name = args.preset or default_preset_name(jax.default_backend(), jax.process_count())
     overrides = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
+    if jax.process_count() > 1 and args.intra is None:
+        overrides["intra"] = None  # intra groups = the devices of one process (node)
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
