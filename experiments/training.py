@@ -46,7 +46,8 @@ def train(
     Returns:
       ``(state, position, summary)``: ``position`` is the next batch to read; ``summary``
       holds ``losses`` (fetched ones, by step), ``seconds`` (wall time after the first,
-      compiling step) and ``timed_steps``.
+      compiling step, without checkpoint saving), ``timed_steps`` and
+      ``checkpoint_seconds``.
     """
     bar = None
     if progress:
@@ -57,6 +58,7 @@ def train(
     position = start
     t0 = None
     timed = 0
+    saving = 0.0
     wait = one_step_in_flight()
     try:
         for position, batch in data.iterate(start=start, stop=stop):
@@ -74,7 +76,9 @@ def train(
                 if bar is not None:
                     bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m.get('accuracy', 0):.2f}")
             if checkpointer is not None and ((every and done % every == 0) or done == stop):
+                t_save = time.perf_counter()
                 checkpointer.save(state, position=done, meta=meta)
+                saving += time.perf_counter() - t_save
             if bar is not None:
                 bar.update(1)
             position = done
@@ -82,5 +86,11 @@ def train(
     finally:
         if bar is not None:
             bar.close()
-    seconds = time.perf_counter() - t0 if t0 is not None else 0.0
-    return state, position, {"losses": losses, "seconds": seconds, "timed_steps": timed}
+    seconds = time.perf_counter() - t0 - saving if t0 is not None else 0.0
+    summary = {
+        "losses": losses,
+        "seconds": seconds,
+        "timed_steps": timed,
+        "checkpoint_seconds": saving,
+    }
+    return state, position, summary
