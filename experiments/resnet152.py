@@ -206,6 +206,8 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     if args.resume:
         if ckpt is None:
             raise SystemExit("--resume needs --checkpoint-dir.")
+        if ckpt.latest_step() is None:
+            raise SystemExit(f"--resume: no checkpoint in {ckpt.directory}.")
         state, saved = ckpt.restore(state)
         clash = {k: (saved.get(k), v) for k, v in meta.items() if saved.get(k) != v}
         if clash:
@@ -269,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     resolved = _select_rows(resolve_rows(), args.rows)
     out = args.out
     meta = {
-        "command": "python -m experiments.resnet152 " + " ".join(argv or sys.argv[1:]),
+        "command": " ".join(
+            ["python -m experiments.resnet152", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "preset": dataclasses.asdict(preset),
         "modes": modes,
         "backend": jax.default_backend(),
