@@ -1,26 +1,352 @@
-"""ResNet-152 data-parallel experiment (not built yet: see the ResNet issue).
+"""ResNet data-parallel experiment with jaxcomm: train, ablation table, quality guard.
 
-Usage: python -m experiments.resnet152 [--help]
+Usage: ``python -m experiments.resnet152 [--help]``. With no arguments it runs the preset of
+the platform (``cpu-smoke`` on CPU, with 8 fake CPU devices unless ``XLA_FLAGS`` sets a
+count) in all three modes: a short training run, the ablation table (each communication
+technique added in turn: step time, speedup, exposed communication, images/s) and the digits
+accuracy of every row. Results go to ``--out`` (``results.json``, ``ablation.png``,
+``train.json``, ``meta.json``).
+
+Multi-process: start one process per node with ``jaxcomm.launch``, the testbed, SLURM or
+Open MPI; ``jax.distributed`` is initialised from the environment, each process feeds its
+own part of every batch, and process 0 prints and writes the results.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import sys
+from typing import Any
+
+from experiments import runtime
+from experiments.presets import MODES, PRESETS, default_preset_name
+
+_OVERRIDES = {
+    # flag: (Preset field, type, help)
+    "model": (str, "ResNet name (resnet-tiny, resnet18, ..., resnet50, resnet152)"),
+    "image_size": (int, "square image side in pixels"),
+    "num_classes": (int, "classes of the synthetic data (a --data-dir sets its own)"),
+    "per_device_batch": (int, "images per device per step (global batch = this x devices)"),
+    "steps": (int, "training steps (also the length of the learning-rate schedule)"),
+    "warmup_steps": (int, "untimed steps per ablation row (the first compiles)"),
+    "timing_steps": (int, "timed steps per ablation row and repeat"),
+    "repeats": (int, "timing rounds per ablation row (best round reported)"),
+    "dtype": (str, "compute dtype: float32 or bfloat16 (params stay float32)"),
+    "intra": (int, "devices per 'intra' mesh group (default: preset; none = per process)"),
+    "lr": (float, "peak learning rate per 256 images"),
+    "lr_warmup": (int, "learning-rate warm-up steps"),
+    "checkpoint_every": (int, "checkpoint period in steps (with --checkpoint-dir)"),
+    "accuracy_steps": (int, "digits training steps per row of the quality guard"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.resnet152",
+        description=(
+            "Data-parallel ResNet training with jaxcomm. Modes: --train (a training run "
+            "with progress bar and optional checkpoints), --ablation (baseline, "
+            "+hierarchical, +overlap, +compression, +topology, +batching, each adding one "
+            "technique: step time, speedup, exposed communication fraction, images/s; "
+            "rows whose technique is not installed are reported as missing), --accuracy "
+            "(digits test accuracy under each row). No mode flag: all three."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("what to run")
+    g.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="configuration; default: cpu-smoke on CPU, gpu-node on one GPU "
+        "process, cluster with several processes",
+    )
+    g.add_argument("--train", action="store_true", help="run the training mode")
+    g.add_argument("--ablation", action="store_true", help="run the ablation table")
+    g.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="run the digits quality guard under each ablation row",
+    )
+    g.add_argument(
+        "--rows", default=None, help="comma-separated ablation rows to run (default: all)"
+    )
+    g.add_argument(
+        "--config",
+        default=None,
+        help="ablation row whose settings --train uses (default: the last "
+        "available row, i.e. every installed technique)",
+    )
+    g.add_argument(
+        "--out",
+        default="runs/resnet152",
+        help="output folder for results.json, ablation.png, train.json, meta.json",
+    )
+    g.add_argument("--seed", type=int, default=0, help="model, data and shuffling seed")
+    o = p.add_argument_group("preset overrides (default: the preset's value)")
+    for name, (typ, text) in _OVERRIDES.items():
+        o.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=text)
+    d = p.add_argument_group("data and checkpoints")
+    d.add_argument(
+        "--data-dir",
+        default=None,
+        help="ImageNet-layout folder (class sub-folders of JPEGs) for --train; "
+        "default: synthetic ImageNet-shaped batches",
+    )
+    d.add_argument("--workers", type=int, default=8, help="JPEG decoding threads")
+    d.add_argument("--prefetch", type=int, default=2, help="batches decoded ahead")
+    d.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save orbax checkpoints of the full train state and data position here during --train",
+    )
+    d.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue --train from the newest checkpoint in --checkpoint-dir",
+    )
+    d.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        help="stop --train after this step (an interruption; the schedule still "
+        "spans --steps, so a later --resume continues the same run)",
+    )
+    r = p.add_argument_group("runtime")
+    r.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=8,
+        help="fake CPU devices when XLA_FLAGS sets no device count (ignored on GPU)",
+    )
+    r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _preset(args, jax) -> Any:
+    name = args.preset or default_preset_name(jax.default_backend(), jax.process_count())
+    overrides = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
+    if jax.process_count() > 1 and args.intra is None:
+        overrides["intra"] = None  # intra groups = the devices of one process (node)
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def _select_rows(resolved, names: str | None):
+    if not names:
+        return resolved
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = [r.row.config for r in resolved]
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(f"--rows: unknown rows {unknown}; choose from {known}.")
+    return [r for r in resolved if r.row.config in wanted]
+
+
+def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
+    import jax
+
+    import jaxcomm
+    from experiments import step as steplib
+    from experiments.checkpoint import Checkpointer
+    from experiments.data import ImageFolder, SyntheticImages
+    from experiments.training import train
+
+    available = [r for r in resolved if r.missing is None]
+    name = args.config or available[-1].row.config
+    chosen = next((r for r in resolved if r.row.config == name), None)
+    if chosen is None or chosen.missing:
+        why = "unknown" if chosen is None else f"missing ({chosen.missing})"
+        names = [r.row.config for r in available]
+        raise SystemExit(f"--config {name!r} is {why}; available: {names}")
+    sync, options, mesh_kwargs = chosen.build()
+    mesh = jaxcomm.make_mesh(intra=preset.intra, **mesh_kwargs)
+    global_batch = preset.per_device_batch * mesh.devices.size
+    num_classes = preset.num_classes
+    folder = None
+    if args.data_dir:
+        folder = ImageFolder(
+            args.data_dir,
+            image_size=preset.image_size,
+            global_batch=global_batch,
+            seed=args.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            workers=args.workers,
+            prefetch=args.prefetch,
+        )
+        num_classes = folder.num_classes
+    parts = steplib.make_model(preset.model, num_classes, dtype=preset.dtype, seed=args.seed)
+    schedule = steplib.learning_rate(
+        lr=preset.lr, global_batch=global_batch, warmup=preset.lr_warmup, total_steps=preset.steps
+    )
+    dp, state = steplib.build_step(
+        parts, steplib.make_optimizer(sync, schedule), mesh, compiler_options=options
+    )
+    data = folder or SyntheticImages(
+        dp.batch_sharding,
+        global_batch=global_batch,
+        image_size=preset.image_size,
+        num_classes=num_classes,
+        dtype=steplib.DTYPES[preset.dtype],
+        seed=args.seed,
+    )
+    meta = {
+        "preset": preset.name,
+        "model": preset.model,
+        "config": name,
+        "seed": args.seed,
+        "data": args.data_dir or "synthetic",
+        "global_batch": global_batch,
+    }
+    ckpt = Checkpointer(args.checkpoint_dir) if args.checkpoint_dir else None
+    start = 0
+    if args.resume:
+        if ckpt is None:
+            raise SystemExit("--resume needs --checkpoint-dir.")
+        if ckpt.latest_step() is None:
+            raise SystemExit(f"--resume: no checkpoint in {ckpt.directory}.")
+        state, saved = ckpt.restore(state)
+        clash = {k: (saved.get(k), v) for k, v in meta.items() if saved.get(k) != v}
+        if clash:
+            raise SystemExit(f"--resume: the checkpoint is of another run: {clash}")
+        start = int(saved["position"])
+    stop = preset.steps if args.stop_at is None else min(args.stop_at, preset.steps)
+    if is_main:
+        print(
+            f"train: {preset.model} {preset.image_size}px {preset.dtype}, config {name} "
+            f"({', '.join(chosen.techniques)}), mesh {dict(mesh.shape)}, global batch "
+            f"{global_batch}, steps {start}..{stop}"
+        )
+    state, position, summary = train(
+        dp,
+        state,
+        data,
+        start=start,
+        stop=stop,
+        checkpointer=ckpt,
+        every=preset.checkpoint_every,
+        meta=meta,
+        progress=is_main and not args.no_progress,
+        log_every=1 if preset.steps <= 100 else 10,
+    )
+    if ckpt is not None:
+        ckpt.close()
+    ips = None
+    if summary["timed_steps"]:
+        ips = global_batch * summary["timed_steps"] / summary["seconds"]
+    losses = summary["losses"]
+    result = {
+        **meta,
+        "start": start,
+        "position": position,
+        "step": int(jax.device_get(state.step)),
+        "losses": losses,
+        "images_per_s": ips,
+        "settings": chosen.describe(),
+    }
+    if is_main and losses:
+        first, last = min(losses), max(losses)
+        print(
+            f"train: loss {losses[first]:.4f} (step {first}) -> {losses[last]:.4f} "
+            f"(step {last}), {ips or 0:.1f} images/s after compilation"
+        )
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.resnet152",
-        description="ResNet-152 data-parallel experiment with jaxcomm (not built yet).",
-    )
-    parser.parse_args(argv)
-    print(
-        "experiments.resnet152 is not built yet: the ResNet experiment lands with its own "
-        "issue. Run `make test` to exercise the data-parallel step.",
-        file=sys.stderr,
-    )
-    return 0
+    args = build_parser().parse_args(argv)
+    runtime.ensure_cpu_devices(args.cpu_devices)  # before JAX is imported
+    import jax
+
+    runtime.init_distributed()
+    from experiments import ablation, report
+    from experiments.rows import resolve_rows
+
+    is_main = jax.process_index() == 0
+    preset = _preset(args, jax)
+    modes = [m for m in MODES if getattr(args, m)] or list(MODES)
+    resolved = _select_rows(resolve_rows(), args.rows)
+    out = args.out
+    meta = {
+        "command": " ".join(
+            ["python -m experiments.resnet152", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "preset": dataclasses.asdict(preset),
+        "modes": modes,
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind,
+        "processes": jax.process_count(),
+        "jax": jax.__version__,
+    }
+    if is_main:
+        os.makedirs(out, exist_ok=True)
+        print(
+            f"preset {preset.name}: {meta['devices']} {meta['backend']} devices "
+            f"({meta['device_kind']}), {meta['processes']} process(es); modes {modes}"
+        )
+    progress = iter
+    if is_main and not args.no_progress:
+        from tqdm.auto import tqdm
+
+        progress = lambda rows, desc="": tqdm(rows, desc=desc, unit="row", dynamic_ncols=True)  # noqa: E731
+    status = 0
+    if "train" in modes:
+        train_result = _run_train(args, preset, resolved, is_main=is_main)
+        if is_main:
+            with open(os.path.join(out, "train.json"), "w") as f:
+                json.dump(train_result, f, indent=2, default=str)
+    rows = None
+    if "ablation" in modes:
+        rows = ablation.run_speed(
+            resolved,
+            preset,
+            intra=preset.intra,
+            seed=args.seed,
+            progress=lambda r: progress(r, desc="ablation") if progress is not iter else iter(r),
+        )
+        status |= any(r["status"] == "error" for r in rows)
+    if "accuracy" in modes:
+        acc = ablation.run_accuracy(
+            resolved,
+            intra=preset.intra,
+            steps=preset.accuracy_steps,
+            seed=args.seed,
+            progress=lambda r: progress(r, desc="accuracy") if progress is not iter else iter(r),
+        )
+        status |= any(a["accuracy_status"] == "error" for a in acc)
+        if rows is None:
+            rows = [
+                {
+                    "config": r.row.config,
+                    "status": "missing" if r.missing else "ok",
+                    "missing": r.missing,
+                    "techniques": list(r.techniques),
+                    "step_time_s": None,
+                    "speedup": None,
+                    "comm_fraction": None,
+                    "images_per_s": None,
+                }
+                for r in resolved
+            ]
+        rows = report.merge_accuracy(rows, acc)
+    if rows is not None and is_main:
+        print()
+        print(report.format_table(rows))
+        report.write_json(rows, os.path.join(out, "results.json"))
+        title = (
+            f"{preset.model}, {preset.image_size}px, {meta['devices']} x "
+            f"{meta['device_kind']}, batch {preset.per_device_batch}/device"
+        )
+        report.write_chart(rows, os.path.join(out, "ablation.png"), title=title)
+        print(f"\nwrote {out}/results.json and {out}/ablation.png")
+    if is_main:
+        with open(os.path.join(out, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=2)
+    return int(status)
 
 
 if __name__ == "__main__":

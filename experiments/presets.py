@@ -1,0 +1,121 @@
+"""Run presets for the ResNet experiment: one per kind of machine.
+
+The default preset follows the platform: ``cpu-smoke`` on CPU (a small ResNet on small
+images that finishes in minutes on 2 cores with 8 fake devices), ``gpu-node`` on one GPU node
+(ResNet-152, 224 x 224, bf16 compute), ``cluster`` when several processes run (ResNet-152 over
+all nodes, longer runs, periodic checkpoints). Every field can be overridden on the command
+line. This module imports no JAX, so ``--help`` stays instant and the fake-device set-up can
+run before JAX is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["MODES", "PRESETS", "Preset", "default_preset_name"]
+
+MODES: tuple[str, ...] = ("train", "ablation", "accuracy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One experiment configuration.
+
+    Attributes:
+      name: preset name.
+      model: a key of ``jaxcomm.models.RESNET_CONFIGS``.
+      image_size: square image side in pixels.
+      num_classes: classifier outputs (synthetic data; a folder sets its own).
+      per_device_batch: images per device per step (global batch = this x devices).
+      steps: training steps of the ``train`` mode.
+      warmup_steps: untimed steps per ablation row (the first one compiles).
+      timing_steps: timed steps per ablation row and per repeat.
+      repeats: timing rounds per ablation row; the best round is reported.
+      dtype: compute dtype, ``'float32'`` or ``'bfloat16'`` (params stay float32).
+      intra: devices per ``intra`` mesh group; ``None`` = devices of one process.
+      lr: peak learning rate per 256 images (scaled linearly with the global batch).
+      lr_warmup: learning-rate warm-up steps.
+      checkpoint_every: checkpoint period in steps when a checkpoint dir is given.
+      accuracy_steps: training steps of the digits quality guard per ablation row.
+    """
+
+    name: str
+    model: str
+    image_size: int
+    num_classes: int
+    per_device_batch: int
+    steps: int
+    warmup_steps: int
+    timing_steps: int
+    repeats: int
+    dtype: str
+    intra: int | None
+    lr: float
+    lr_warmup: int
+    checkpoint_every: int
+    accuracy_steps: int
+
+
+PRESETS: dict[str, Preset] = {
+    # 2-core CPU, 8 fake devices: every mode in a few minutes (README, `make run`).
+    "cpu-smoke": Preset(
+        name="cpu-smoke",
+        model="resnet-tiny",
+        image_size=32,
+        num_classes=10,
+        per_device_batch=4,
+        steps=20,
+        warmup_steps=2,
+        timing_steps=2,
+        repeats=8,
+        dtype="float32",
+        intra=4,
+        lr=0.1,
+        lr_warmup=2,
+        checkpoint_every=10,
+        accuracy_steps=300,
+    ),
+    # One node with several GPUs (e.g. 8 x H100): the seed's model at ImageNet resolution.
+    "gpu-node": Preset(
+        name="gpu-node",
+        model="resnet152",
+        image_size=224,
+        num_classes=1000,
+        per_device_batch=64,
+        steps=200,
+        warmup_steps=5,
+        timing_steps=20,
+        repeats=3,
+        dtype="bfloat16",
+        intra=None,
+        lr=0.1,
+        lr_warmup=50,
+        checkpoint_every=100,
+        accuracy_steps=300,
+    ),
+    # Many nodes (jax.distributed, one process per node): intra = GPUs per node.
+    "cluster": Preset(
+        name="cluster",
+        model="resnet152",
+        image_size=224,
+        num_classes=1000,
+        per_device_batch=32,
+        steps=1000,
+        warmup_steps=5,
+        timing_steps=20,
+        repeats=3,
+        dtype="bfloat16",
+        intra=None,
+        lr=0.1,
+        lr_warmup=200,
+        checkpoint_every=200,
+        accuracy_steps=300,
+    ),
+}
+
+
+def default_preset_name(backend: str, process_count: int) -> str:
+    """The preset that fits the platform: ``cpu-smoke`` on CPU, else by process count."""
+    if backend == "cpu":
+        return "cpu-smoke"
+    return "cluster" if process_count > 1 else "gpu-node"
