@@ -127,12 +127,14 @@ ROWS: tuple[Row, ...] = (
         compiler_options=Call("xla.overlap_options"),
     ),  # fmt: skip
     Row(
-        "+compression", "bf16 gradients on the wire", sync={"compression": Call("compression.bf16")}
+        "+compression",
+        "bf16 on the inter-node stage (full precision inside a node)",
+        sync={"compression": Call("compression.bf16"), "compress_stage": "inter"},
     ),  # fmt: skip
     Row(
         "+topology",
         "topology-ordered mesh, cost-model algorithm",
-        sync={"algorithm": "auto"},
+        sync={"algorithm": "auto", "topology": Call("topology.detect")},
         mesh={"topology": Call("topology.detect")},
     ),  # fmt: skip
     Row("+batching", "gradient buckets 1-10 MiB", sync={"bucket_bytes": (1 << 20, 10 << 20)}),

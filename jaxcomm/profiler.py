@@ -9,8 +9,9 @@ Method (every number traceable to a measurement or to the compiled program):
    full buffer, collective-permute ``S``).
 2. It times a *compute-only twin* of the step: the same program with the collectives removed.
    For a :class:`jaxcomm.DataParallel` step, :meth:`attach_data_parallel` builds it by tracing
-   the step with every registered all-reduce algorithm replaced by the identity (the
-   scalar metric ``pmean`` stays); any other step may pass ``compute_only=`` itself.
+   the step with ``sync_gradients`` passing gradients through (``jaxcomm.sync.pre_reduced``;
+   compressed syncs included, the scalar metric ``pmean`` stays); any other step may pass
+   ``compute_only=`` itself.
 3. ``record_step()`` times each real step (wall clock, blocking on the outputs).
 4. ``comm_time = step_time - compute_time`` (the time communication adds to the step, i.e.
    the exposed part); ``exposed_comm_fraction = comm_time / step_time``;
@@ -39,7 +40,7 @@ import jax
 import numpy as np
 
 from jaxcomm import hlo
-from jaxcomm.collectives.base import ALGORITHMS
+from jaxcomm.sync import pre_reduced
 
 __all__ = ["CommProfiler", "bus_bytes", "compute_only_step"]
 
@@ -58,19 +59,12 @@ def bus_bytes(c: hlo.Collective) -> float:
     return float(c.operand_bytes)  # collective-permute, broadcast: every byte is sent
 
 
-@contextlib.contextmanager
-def _collectives_removed() -> Iterator[None]:
-    saved = dict(ALGORITHMS)
-    try:
-        for name in ALGORITHMS:
-            ALGORITHMS[name] = lambda x, axes: x
-        yield
-    finally:
-        ALGORITHMS.update(saved)
-
-
 def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
-    """A compiled twin of ``dp``'s step with all registered all-reduce algorithms removed.
+    """A compiled twin of ``dp``'s step without gradient communication.
+
+    The step is traced under :func:`jaxcomm.sync.pre_reduced`, where ``sync_gradients``
+    passes the gradients through: no all-reduce, no compressor collective (the scalar
+    metric ``pmean`` and batch-statistics ``pmean`` stay).
 
     Args:
       dp: a :class:`jaxcomm.DataParallel`.
@@ -80,7 +74,7 @@ def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
       A callable ``twin(state, batch)`` running the step without gradient collectives.
     """
     batch = dp.shard_batch(batch)
-    with _collectives_removed():
+    with pre_reduced():
         return dp.step_fn(state).lower(state, batch).compile()
 
 

@@ -313,17 +313,20 @@ def sync_gradients(
             calls.append(axes)
         _check_bound(axes)
         reducers = _REDUCERS.get()
-        if compression is None:
-            if reducers is not None:
-                reducers.append(reduce_tree)
-            reduced = grads if _PRE_REDUCED.get() else reduce_tree(grads)
-            return reduced, SyncGradientsState(count=state.count + 1)
         if reducers is not None:
-            raise NotImplementedError(
-                "data_parallel(microbatches=N) with sync_gradients(compression=...) is not "
-                "supported yet: the compressor's state would have to be threaded through the "
-                "microbatch scan. Use microbatches=1 with compression, or no compression."
-            )
+            if compression is not None:
+                raise NotImplementedError(
+                    "data_parallel(microbatches=N) with sync_gradients(compression=...) is not "
+                    "supported yet: the compressor's state would have to be threaded through "
+                    "the microbatch scan. Use microbatches=1 with compression, or none."
+                )
+            reducers.append(reduce_tree)
+        if _PRE_REDUCED.get():
+            # Gradients were reduced already (microbatch loop), or this is the profiler's
+            # compute-only twin: no collective at all, compressor state untouched.
+            return grads, state._replace(count=state.count + 1)
+        if compression is None:
+            return reduce_tree(grads), SyncGradientsState(count=state.count + 1)
 
         check_float_tree(grads)
         plan = plan_for(grads)
