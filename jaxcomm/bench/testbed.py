@@ -30,10 +30,15 @@ import tempfile
 import time
 from typing import Any
 
-COMPRESSORS = {  # row name -> (factory name in jaxcomm.compression, args)
-    "int8": ("int8", {}),
-    "topk(1%)": ("topk", {"ratio": 0.01}),
-    "powersgd(r=4)": ("powersgd", {"rank": 4}),
+COMPRESSORS = {  # row name -> (factory name in jaxcomm.compression, args, sync_gradients kwargs)
+    "int8": ("int8", {}, {"algorithm": "flat"}),
+    "int8, inter stage only (hierarchical)": (
+        "int8",
+        {},
+        {"algorithm": "hierarchical", "compress_stage": "inter"},
+    ),
+    "topk(1%)": ("topk", {"ratio": 0.01}, {"algorithm": "flat"}),
+    "powersgd(r=4)": ("powersgd", {"rank": 4}, {"algorithm": "flat"}),
 }
 COLS = 1024  # gradient shape (rows, 1024): a matrix, so PowerSGD has something to factor
 
@@ -78,7 +83,7 @@ def _compressor(name: str):
 
     import jaxcomm
 
-    factory, kwargs = COMPRESSORS[name]
+    factory, kwargs, _ = COMPRESSORS[name]
     if not hasattr(jaxcomm, "compression"):
         return "jaxcomm.compression not landed"
     fn = getattr(jaxcomm.compression, factory, None)
@@ -149,7 +154,7 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
             methods[name] = (
                 comp
                 if isinstance(comp, str)
-                else optax.chain(jaxcomm.sync_gradients(algorithm="flat", compression=comp))
+                else optax.chain(jaxcomm.sync_gradients(compression=comp, **COMPRESSORS[name][2]))
             )
         results: dict[str, dict[str, Any]] = {}
         for name, tx in methods.items():
