@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxcomm.topology.io import load_json
 from jaxcomm.topology.model import Topology
 
 __all__ = [
@@ -165,17 +166,7 @@ def from_dict(d: Mapping[str, Any]) -> Calibration:
 
 
 def load(path: str | os.PathLike) -> Calibration:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CalibrationError(f"{path}: not valid JSON ({e}).") from e
-    except OSError as e:
-        raise CalibrationError(f"{path}: cannot read the calibration file ({e}).") from e
-    try:
-        return from_dict(data)
-    except CalibrationError as e:
-        raise CalibrationError(f"{path}: {e}") from e
+    return load_json(path, from_dict, CalibrationError, "calibration")
 
 
 def apply(topology: Topology, calibration: Calibration) -> Topology:

@@ -1,33 +1,22 @@
 """data_parallel(..., microbatches=N): same step as N=1, reductions inside the scan."""
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from mlp import mlp_init, mlp_logits, mlp_loss
 
 import jaxcomm
 
 
-def _init(key, sizes=(12, 16, 3)):
-    keys = jax.random.split(key, len(sizes) - 1)
-    return [
-        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
-        for k, (a, b) in zip(keys, itertools.pairwise(sizes), strict=True)
-    ]
+def _init(key):
+    return mlp_init(key, sizes=(12, 16, 3))
 
 
 def _loss(params, batch):
-    h = batch["x"]
-    for i, layer in enumerate(params):
-        h = h @ layer["w"] + layer["b"]
-        if i < len(params) - 1:
-            h = jnp.tanh(h)
-    logp = jax.nn.log_softmax(h)
-    nll = -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], 1))
-    return nll, {"acc": jnp.mean(jnp.argmax(h, -1) == batch["y"])}
+    logits = mlp_logits(params, batch["x"])
+    return mlp_loss(params, batch), {"acc": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
 
 
 @pytest.fixture(scope="module")

@@ -1,32 +1,16 @@
 """The data-parallel step equals single-device full-batch training."""
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from mlp import mlp_init, mlp_loss
 
 import jaxcomm
 
-
-def _mlp_init(key, sizes=(12, 32, 3)):
-    params = []
-    keys = jax.random.split(key, len(sizes) - 1)
-    for k, (a, b) in zip(keys, itertools.pairwise(sizes), strict=True):
-        params.append({"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)})
-    return params
-
-
-def _loss(params, batch):
-    h = batch["x"]
-    for i, layer in enumerate(params):
-        h = h @ layer["w"] + layer["b"]
-        if i < len(params) - 1:
-            h = jnp.tanh(h)
-    logp = jax.nn.log_softmax(h)
-    return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], 1))
+_mlp_init = mlp_init
+_loss = mlp_loss
 
 
 @pytest.fixture(scope="module")

@@ -160,17 +160,23 @@ def load(path: str | os.PathLike) -> Topology:
       TopologyFileError: unreadable JSON or a malformed field (the message names the file
         and the field).
     """
+    return load_json(path, from_dict, TopologyFileError, "topology")
+
+
+def load_json(path: str | os.PathLike, parse, error: type[Exception], what: str):
+    """Reads JSON from ``path`` and returns ``parse(data)``; every failure becomes ``error``
+    with the path in front (unreadable file, invalid JSON, a field ``parse`` rejects)."""
     try:
         with open(path) as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
-        raise TopologyFileError(f"{path}: not valid JSON ({e}).") from e
+        raise error(f"{path}: not valid JSON ({e}).") from e
     except OSError as e:
-        raise TopologyFileError(f"{path}: cannot read the topology file ({e}).") from e
+        raise error(f"{path}: cannot read the {what} file ({e}).") from e
     try:
-        return from_dict(data)
-    except TopologyFileError as e:
-        raise TopologyFileError(f"{path}: {e}") from e
+        return parse(data)
+    except error as e:
+        raise error(f"{path}: {e}") from e
 
 
 def save(topology: Topology, path: str | os.PathLike) -> None:
