@@ -281,6 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jaxcomm.testbed: cannot run here: {why}", file=sys.stderr)
         return 2
     old = signal.signal(signal.SIGTERM, _on_sigterm)
+    # A shell starts background jobs with SIGINT ignored, and Python then keeps ignoring it;
+    # the testbed must still clean its namespaces up on Ctrl-C / SIGINT, so take it back.
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with Testbed(
             nodes=args.nodes,
@@ -301,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
 
 
 if __name__ == "__main__":
