@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxcomm
 from experiments import step as steplib
@@ -41,11 +42,16 @@ def _per_device_residual():
     return optax.GradientTransformation(init, update)
 
 
-def _build(mesh, parts):
+def _build(mesh, parts, kind="residual_transform"):
     schedule = steplib.learning_rate(lr=0.4, global_batch=16, warmup=1, total_steps=STEPS)
-    tx = steplib.make_optimizer(
-        {"algorithm": "hierarchical"}, schedule, extra=[_per_device_residual()]
-    )
+    if kind == "int8_error_feedback":  # the real thing: int8 with per-device residuals
+        int8 = jaxcomm.compression.int8(error_feedback=True)
+        sync = {"algorithm": "hierarchical", "compression": int8}
+        tx = steplib.make_optimizer(sync, schedule)
+    else:
+        tx = steplib.make_optimizer(
+            {"algorithm": "hierarchical"}, schedule, extra=[_per_device_residual()]
+        )
     dp, state = steplib.build_step(parts, tx, mesh)
     data = SyntheticImages(
         dp.batch_sharding, global_batch=16, image_size=16, num_classes=10, seed=5
@@ -53,9 +59,10 @@ def _build(mesh, parts):
     return dp, state, data
 
 
-def test_stop_and_resume_is_bit_identical(mesh, tmp_path):
+@pytest.mark.parametrize("kind", ["residual_transform", "int8_error_feedback"])
+def test_stop_and_resume_is_bit_identical(mesh, tmp_path, kind):
     parts = steplib.make_model("resnet-tiny", 10, seed=0)
-    dp, state, data = _build(mesh, parts)
+    dp, state, data = _build(mesh, parts, kind)
 
     # The uninterrupted run.
     ref, ref_position, _ = train(dp, state, data, start=0, stop=STEPS)
@@ -88,8 +95,12 @@ def test_stop_and_resume_is_bit_identical(mesh, tmp_path):
 
     # The per-device state is really per device (8 different entries), and batch
     # statistics moved away from their initial values, so both paths were exercised.
-    residual = out.opt_state[1].residual.value
-    leaf = np.asarray(jax.tree.leaves(residual)[0])
+    per_device = [
+        x
+        for x in jax.tree.leaves(out.opt_state, is_leaf=lambda x: isinstance(x, jaxcomm.PerDevice))
+        if isinstance(x, jaxcomm.PerDevice)
+    ]
+    leaf = np.asarray(jax.tree.leaves(per_device[0].value)[0])
     assert leaf.shape[0] == 8 and len({leaf[i].tobytes() for i in range(8)}) == 8
     stats0 = jax.tree.leaves(parts.batch_stats)
     assert any(
@@ -99,8 +110,6 @@ def test_stop_and_resume_is_bit_identical(mesh, tmp_path):
 
 
 def test_restore_refuses_another_structure(mesh, tmp_path):
-    import pytest
-
     parts = steplib.make_model("resnet-tiny", 10, seed=0)
     ckpt = Checkpointer(tmp_path / "ckpt")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
