@@ -95,36 +95,29 @@ _REDUCERS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
+def _scoped(var: contextvars.ContextVar, value: Any):
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 def sync_probe():
     """Context manager yielding a list that gets one entry per traced ``sync_gradients``."""
-    calls: list = []
-    token = _SYNC_CALLS.set(calls)
-    try:
-        yield calls
-    finally:
-        _SYNC_CALLS.reset(token)
+    return _scoped(_SYNC_CALLS, [])
 
 
-@contextlib.contextmanager
 def reducer_probe():
-    """Yields a list that gets the ``grads -> reduced grads`` function of each traced
-    ``sync_gradients`` (used by ``data_parallel(..., microbatches=N)``)."""
-    found: list = []
-    token = _REDUCERS.set(found)
-    try:
-        yield found
-    finally:
-        _REDUCERS.reset(token)
+    """Context manager yielding a list that gets the ``grads -> reduced grads`` function of
+    each traced ``sync_gradients`` (used by ``data_parallel(..., microbatches=N)``)."""
+    return _scoped(_REDUCERS, [])
 
 
-@contextlib.contextmanager
 def pre_reduced():
-    """Inside: ``sync_gradients`` passes gradients through (they were reduced already)."""
-    token = _PRE_REDUCED.set(True)
-    try:
-        yield
-    finally:
-        _PRE_REDUCED.reset(token)
+    """Context manager inside which ``sync_gradients`` passes gradients through (they were
+    reduced already, or this is the profiler's compute-only twin)."""
+    return _scoped(_PRE_REDUCED, True)
 
 
 def _check_bound(axes: tuple[str, ...]) -> None:
