@@ -173,19 +173,6 @@ def test_auto_uses_the_cost_model_of_its_topology(mesh, grads):
     assert sizes == sorted(b.elements for b in expected.buckets)
 
 
-def _sync_fn_with_state(mesh, tx):
-    options = jaxcomm.xla.disable_passes("cpu-all-reduce-combiner")
-
-    def local(g):
-        g = jax.tree.map(lambda x: x[0], g)
-        return tx.update(g, tx.init(g))[0]
-
-    return jax.jit(
-        jax.shard_map(local, mesh=mesh, in_specs=P(AXES), out_specs=P(), check_vma=False),
-        compiler_options=options,
-    )
-
-
 @pytest.mark.parametrize(
     "make,tol",
     [(lambda: jaxcomm.compression.bf16(), 2e-2), (lambda: jaxcomm.compression.int8(), 5e-2)],
@@ -195,18 +182,18 @@ def test_buckets_feed_elementwise_compressors(mesh, grads, make, tol):
     run once per bucket (read from the HLO)."""
     f32 = {k: v for k, v in grads.items() if v.dtype == jnp.float32}
     tx = jaxcomm.sync_gradients(compression=make(), min_size=1000, bucket_bytes=(4000, 8000))
-    out = _sync_fn_with_state(mesh, tx)(f32)
+    out = _sync_fn(mesh, tx)(f32)
     for k in f32:
         ref = np.asarray(f32[k], np.float64).mean(0)
         np.testing.assert_allclose(np.asarray(out[k], np.float64), ref, atol=tol * 4, rtol=0)
     leaves = [jax.ShapeDtypeStruct(f32[k].shape[1:], f32[k].dtype) for k in ("w0", "w2")]
     n_buckets = len(plan_buckets(leaves, min_bytes=4000, max_bytes=8000).buckets)
     unbucketed = jaxcomm.hlo.collectives(
-        _sync_fn_with_state(mesh, jaxcomm.sync_gradients(compression=make(), min_size=1000)),
+        _sync_fn(mesh, jaxcomm.sync_gradients(compression=make(), min_size=1000)),
         f32,
         mesh=mesh,
     )
-    bucketed = jaxcomm.hlo.collectives(_sync_fn_with_state(mesh, tx), f32, mesh=mesh)
+    bucketed = jaxcomm.hlo.collectives(_sync_fn(mesh, tx), f32, mesh=mesh)
     # one buffer of compressed leaves without buckets, n_buckets with them
     extra = len(bucketed.collectives) - len(unbucketed.collectives)
     per_buffer = (len(bucketed.collectives) - 1) // n_buckets  # b0 (10 entries) is plain
