@@ -304,10 +304,12 @@ def _kernels(args: argparse.Namespace, emit: _Emit) -> None:
     # PowerSGD on every ResNet matrix it compresses (rank 4, the compressor's defaults).
     comp = powersgd(rank=rank)
     shapes = [matrix_shape(x.shape) for x in leaves if comp.supports(tuple(x.shape))]
-    mats = [jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32)
-            for i, s in enumerate(shapes)]  # fmt: skip
-    qs = [jax.random.normal(jax.random.fold_in(key, 1_000_000 + i), (s[1], min(rank, *s)), jnp.float32)
-          for i, s in enumerate(shapes)]  # fmt: skip
+    keys = jax.random.split(key, 2 * len(shapes))
+    mats = [jax.random.normal(keys[i], s, jnp.float32) for i, s in enumerate(shapes)]
+    qs = [
+        jax.random.normal(keys[len(shapes) + i], (s[1], min(rank, *s)), jnp.float32)
+        for i, s in enumerate(shapes)
+    ]
     ps = jax.jit(lambda ms, qs: [a @ b for a, b in zip(ms, qs, strict=True)])(mats, qs)
     r_ = [q.shape[1] for q in qs]
     nm = sum(a * b for a, b in shapes)
@@ -552,7 +554,7 @@ def _table_schedule(d: dict) -> list[str]:
     )
     for label, s in d.get("sets", {}).items():
         pairs = ", ".join(
-            f"{b / MiB:.1f}[{'-' if o is None else o}]"
+            f"{b / MiB:.2f}[{'-' if o is None else o}]"
             for b, o in zip(s["all_reduce_bytes"], s["all_reduce_ops_between"], strict=True)
         )
         if len(pairs) > 90:
