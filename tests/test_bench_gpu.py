@@ -27,20 +27,57 @@ def test_no_gpu_exits_2_before_any_work(tmp_path, monkeypatch, capsys):
     assert not out.exists()  # nothing was run, nothing written
 
 
-def test_plugin_without_gpu_stops_after_the_probe(tmp_path, monkeypatch, capsys):
+class _FakeRun:
+    """Stands in for ``gpu._Running``: records the start order, reports a platform."""
+
+    started: list[str] = []
+    platform = "gpu"
+
+    def __init__(self, part, args, argv, limit):
+        self.name, self.limit = part.name, limit
+        _FakeRun.started.append(part.name)
+        self.proc = self  # .poll(): background parts are still running
+
+    def poll(self):
+        return None
+
+    def finish(self):
+        data = {"platform": _FakeRun.platform} if self.name == "versions" else {}
+        return {"status": "ok", "data": data, "seconds": 1.0, "timeout_s": self.limit}
+
+
+@pytest.fixture
+def fake_run(monkeypatch):
     monkeypatch.setattr(gpu, "_gpu_plugin", lambda: True)
-    ran = []
+    monkeypatch.setattr(gpu, "_Running", _FakeRun)
+    _FakeRun.started, _FakeRun.platform = [], "gpu"
+    return _FakeRun
 
-    def fake_run(part, args, argv, limit):
-        ran.append(part.name)
-        return {"status": "ok", "data": {"platform": "cpu"}, "seconds": 1.0, "timeout_s": limit}
 
-    monkeypatch.setattr(gpu, "_run_part", fake_run)
+def test_plugin_without_gpu_stops_after_the_probe(tmp_path, fake_run, capsys):
+    fake_run.platform = "cpu"
     assert gpu.main(["--out", str(tmp_path)]) == 2
-    assert ran == ["versions"]
+    assert fake_run.started == ["versions"]
     assert "platform 'cpu'" in capsys.readouterr().err
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert list(saved["parts"]) == ["versions"]
+
+
+def test_run_order_and_background_schedule(tmp_path, fake_run, capsys):
+    assert gpu.main(["--out", str(tmp_path)]) == 0
+    # The probe first, then the compile-only schedule part in the background, then the
+    # timed parts, which record that it ran alongside them.
+    assert fake_run.started == ["versions", "schedule", "kernels", "step"]
+    parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    assert list(parts) == fake_run.started
+    assert parts["schedule"]["background"] is True
+    assert parts["kernels"]["concurrent_with"] == ["schedule"]
+    assert "concurrent_with" not in parts["versions"]
+    assert all(p["timeout_s"] <= gpu.BUDGET_S for p in parts.values())
+    assert "== step: ok" in capsys.readouterr().out
+    fake_run.started = []
+    assert gpu.main(["--out", str(tmp_path), "--sequential", "--parts", "step,schedule"]) == 0
+    assert fake_run.started == ["versions", "step", "schedule"]
 
 
 def test_unknown_part_is_refused(tmp_path, capsys):

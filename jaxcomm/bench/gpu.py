@@ -1,9 +1,10 @@
 """``python -m jaxcomm.bench gpu --out DIR``: every GPU claim of jaxcomm in one short run.
 
-One command for a short loan of one GPU (planned: about 4-5 minutes; at most ``--budget-s``,
-default 420 s, even if a part hangs). It runs these parts, each in its own subprocess with
-its own time limit, so that one that fails, hangs or crashes is reported (with its
-traceback) and the others still run:
+One command for a short loan of one GPU (planned: about 3-4 minutes, ``--quick`` about 2-3;
+at most ``--budget-s``, default 360 s, even if a part hangs). It runs these parts, each in its
+own subprocess with its own time limit, so that one that fails, hangs or crashes is reported
+(with its traceback) and the others still run. The schedule part only compiles, so it runs
+alongside the timed parts (``--sequential``: one after the other):
 
 * ``versions``: jax, jaxlib, the CUDA plugin, flax, optax, the driver (``nvidia-smi``), the
   GPU name and ``device_kind``, and its peak memory bandwidth from :data:`PEAK_BANDWIDTH`.
@@ -17,8 +18,8 @@ traceback) and the others still run:
   the GPU's peak.
 * ``schedule``: the compiled schedule of a ResNet-50 data-parallel step (flat all-reduce,
   224 px) for a mocked 8-GPU node (``jax_mock_gpu_topology=1x1x8``, mock NCCL: compiled,
-  never run) with XLA defaults, ``overlap_options`` and all-reduce combine thresholds 0 /
-  1 MiB / 30 MiB (``python -m jaxcomm.bench schedule``): collectives, async start/done
+  never run) with ``overlap_options``, all-reduce combine thresholds 0 / 1 MiB / 30 MiB and
+  XLA defaults (``python -m jaxcomm.bench schedule``): collectives, async start/done
   pairs, compute between each pair, bytes.
 * ``step``: the ``gpu-node`` preset's ResNet-152 step (224 px, bf16) on the real GPU, for
   the ablation rows that need no second device (``baseline``, ``+overlap``; on one GPU
@@ -84,11 +85,12 @@ PEAK_BANDWIDTH: tuple[tuple[str, float | None, str], ...] = (
 )
 
 #: Option sets of the schedule part (names of ``jaxcomm.bench.schedule.OPTION_SETS``).
-SCHEDULE_SETS = ("defaults", "overlap", "combine=0", "combine=1MiB", "combine=30MiB")
-SCHEDULE_SETS_QUICK = ("defaults", "overlap", "combine=0")
+# ``defaults`` last: XLA's default all-reduce threshold (31457287 bytes) is combine=30MiB's.
+SCHEDULE_SETS = ("overlap", "combine=0", "combine=1MiB", "combine=30MiB", "defaults")
+SCHEDULE_SETS_QUICK = ("overlap", "combine=0", "combine=30MiB")
 #: Ablation rows (``experiments.rows.ROWS``) that need no second device, timed by default.
 STEP_ROWS = ("baseline", "+overlap")
-BUDGET_S = 420.0  # whole run; under the 8-minute plan with room for start-up
+BUDGET_S = 360.0  # whole run: 6 minutes at most, under the 8-minute plan
 
 
 def peak_bandwidth(device_kind: str) -> tuple[float | None, str]:
@@ -426,6 +428,8 @@ def _step(args: argparse.Namespace, emit: _Emit) -> None:
     preset = dataclasses.replace(preset, **over)
     mesh = jaxcomm.make_mesh()
     wanted = args.step_rows.split(",") if args.step_rows else list(STEP_ROWS)
+    if args.quick and not args.step_rows:
+        wanted = ["baseline"]
     resolved = resolve_rows()
     known = [r.row.config for r in resolved]
     unknown = [w for w in wanted if w != "all" and w not in known]
@@ -451,8 +455,9 @@ def _step(args: argparse.Namespace, emit: _Emit) -> None:
     for r in resolved:
         name = r.row.config
         if "all" not in wanted and name not in wanted:
-            rows[name] = {"status": "skipped", "reason": "needs a second device" if one_device
-                          else "not in --step-rows"}  # fmt: skip
+            second = one_device and name not in STEP_ROWS
+            why = "needs a second device" if second else "not selected (--step-rows, --quick)"
+            rows[name] = {"status": "skipped", "reason": why}
             emit(rows=rows)
             continue
         (res,) = ablation.run_speed([r], preset, intra=None, twins=False)
@@ -475,6 +480,8 @@ class Part:
       run: ``run(args, emit)`` in the part's subprocess; ``emit(**items)`` records data.
       env: environment variables for its subprocess on a GPU.
       cpu_env: the same with ``--allow-cpu``.
+      background: run alongside the timed parts (it compiles only and measures no time
+        that the others could disturb); ``--sequential`` turns this off.
     """
 
     name: str
@@ -483,21 +490,23 @@ class Part:
     run: Callable[[argparse.Namespace, _Emit], None]
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     cpu_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    background: bool = False
 
 
 PARTS: tuple[Part, ...] = (
-    Part("versions", "jax/jaxlib/plugin/driver versions, GPU name, peak bandwidth", 60, _versions),
+    Part("versions", "jax/jaxlib/plugin/driver versions, GPU name, peak bandwidth", 45, _versions),
     Part(
-        "kernels", "compression kernels on the ResNet-152 gradient: time, bandwidth", 120, _kernels
-    ),  # fmt: skip
+        "kernels", "compression kernels on the ResNet-152 gradient: time, bandwidth", 90, _kernels
+    ),
     Part(
         "schedule",
         "ResNet-50 step compiled for a mocked 8-GPU node: overlap, combine thresholds",
-        180,
+        200,
         _schedule,
         # The compile-only client needs little memory; leave the rest to later parts.
         env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
         cpu_env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        background=True,
     ),
     Part("step", "gpu-node preset: ResNet-152 bf16 step time on this GPU", 240, _step),
 )
@@ -637,6 +646,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder (gpu_check.json, parts/)")
     p.add_argument("--parts", default=",".join(_BY_NAME), help="comma-separated parts to run")
     p.add_argument("--quick", action="store_true", help="fewer option sets, rows and repeats")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="run the schedule part alone, not alongside the timed parts",
+    )
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="limit for the whole run")
     p.add_argument("--mock-topology", default="1x1x8", help="slices x hosts x GPUs per host")
     p.add_argument("--schedule-model", default="resnet50")
@@ -689,43 +703,55 @@ def _gpu_plugin() -> bool:
     return found()
 
 
-def _run_part(part: Part, args: argparse.Namespace, argv: list[str], limit: float) -> dict:
-    parts_dir = os.path.join(args.out, "parts")
-    path = os.path.join(parts_dir, f"{part.name}.json")
-    log = os.path.join(parts_dir, f"{part.name}.log")
-    if os.path.exists(path):
-        os.remove(path)
-    env = {**os.environ, **(part.cpu_env if args.allow_cpu else part.env)}
-    if args.allow_cpu:
-        env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "jaxcomm.bench.gpu", *argv, "--child", part.name]
-    t0 = time.perf_counter()
-    timed_out = False
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+class _Running:
+    """A part's subprocess, started now; :meth:`finish` waits for it (up to its limit)."""
+
+    def __init__(self, part: Part, args: argparse.Namespace, argv: list[str], limit: float):
+        self.part, self.limit = part, limit
+        parts_dir = os.path.join(args.out, "parts")
+        self.path = os.path.join(parts_dir, f"{part.name}.json")
+        self.log = os.path.join(parts_dir, f"{part.name}.log")
+        if os.path.exists(self.path):
+            os.remove(self.path)
+        env = {**os.environ, **(part.cpu_env if args.allow_cpu else part.env)}
+        if args.allow_cpu:
+            env["JAX_PLATFORMS"] = "cpu"
+        cmd = [sys.executable, "-m", "jaxcomm.bench.gpu", *argv, "--child", part.name]
+        self.t0 = time.perf_counter()
+        with open(self.log, "w") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)  # fmt: skip
+
+    def finish(self) -> dict:
+        timed_out = False
         try:
-            rc = proc.wait(timeout=limit)
+            rc = self.proc.wait(timeout=max(0.0, self.t0 + self.limit - time.perf_counter()))
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)  # the part's own process group only
-            rc = proc.wait()
-    secs = time.perf_counter() - t0
-    out: dict[str, Any] = {"status": "failed", "data": {}, "error": None, "traceback": None}
-    if os.path.exists(path):
-        with open(path) as f:
-            out.update(json.load(f))
-    if timed_out:
-        out["status"] = "timeout"
-        out["error"] = f"killed after {limit:.0f} s (data holds what it finished)"
-    elif out["status"] == "running":
-        out["status"] = "failed"
-        out["error"] = f"the part's process exited with {rc} before finishing"
-    if out["status"] in ("failed", "timeout"):
-        with open(log) as f:
-            out["log_tail"] = f.read()[-4000:]
-    out.update(what=part.what, seconds=secs, timeout_s=limit, returncode=rc, log=log)
-    return out
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the part's own process group only
+            rc = self.proc.wait()
+        secs = time.perf_counter() - self.t0
+        out: dict[str, Any] = {"status": "failed", "data": {}, "error": None, "traceback": None}
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                out.update(json.load(f))
+        if timed_out:
+            out["status"] = "timeout"
+            out["error"] = f"killed after {self.limit:.0f} s (data holds what it finished)"
+        elif out["status"] == "running":
+            out["status"] = "failed"
+            out["error"] = f"the part's process exited with {rc} before finishing"
+        if out["status"] in ("failed", "timeout"):
+            with open(self.log) as f:
+                out["log_tail"] = f.read()[-4000:]
+        out.update(what=self.part.what, seconds=secs, timeout_s=self.limit, returncode=rc)
+        out["log"] = self.log
+        return out
+
+
+def _run_part(part: Part, args: argparse.Namespace, argv: list[str], limit: float) -> dict:
+    """Runs one part in its own subprocess and returns its result (see :class:`_Running`)."""
+    return _Running(part, args, argv, limit).finish()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -755,7 +781,10 @@ def main(argv: list[str] | None = None) -> int:
         "parts": {},
     }
     # versions first: it is the GPU probe (a CUDA plugin without a GPU falls back to CPU).
-    order = ["versions"] + [n for n in names if n != "versions"]
+    # Then the background parts (compile-only, little GPU work), then the timed ones.
+    bg = [n for n in names if _BY_NAME[n].background and not args.sequential]
+    order = ["versions", *bg, *(n for n in names if n != "versions" and n not in bg)]
+    running: dict[str, _Running] = {}
     for name in order:
         left = args.budget_s - (time.perf_counter() - t_start)
         if left < 5:
@@ -764,7 +793,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         part = _BY_NAME[name]
         print(f"[{time.perf_counter() - t_start:6.1f} s] {name} ...", flush=True)
-        result["parts"][name] = _run_part(part, args, argv, min(part.timeout_s, left))
+        run = _Running(part, args, argv, min(part.timeout_s, left))
+        if name in bg:
+            running[name] = run
+            continue
+        alongside = [n for n, r in running.items() if r.proc.poll() is None]
+        result["parts"][name] = run.finish()
+        if alongside:
+            result["parts"][name]["concurrent_with"] = alongside
         if name == "versions" and not args.allow_cpu:
             platform_ = result["parts"][name].get("data", {}).get("platform")
             if platform_ != "gpu":
@@ -778,6 +814,11 @@ def main(argv: list[str] | None = None) -> int:
         if name not in names:
             result["parts"][name]["note"] = "run as the GPU probe"
         _write(args.out, result, t_start)
+    for name, run in running.items():
+        print(f"[{time.perf_counter() - t_start:6.1f} s] waiting for {name} ...", flush=True)
+        result["parts"][name] = {**run.finish(), "background": True}
+        _write(args.out, result, t_start)
+    result["parts"] = {n: result["parts"][n] for n in order if n in result["parts"]}
     _write(args.out, result, t_start)
     print(format_report(result))
     print(f"\nwrote {os.path.join(args.out, 'gpu_check.json')}")
