@@ -187,6 +187,7 @@ def _synthetic_result():
             },
             "kernels": {
                 "status": "ok", "seconds": 40.0, "timeout_s": 120,
+                "concurrent_with": ["schedule"],
                 "data": {
                     "model": "resnet152", "elements": 60192808, "padded_elements": 60194816,
                     "device_kind": "NVIDIA H200", "peak_bandwidth_bytes_per_s": 4.8e12,
@@ -199,7 +200,7 @@ def _synthetic_result():
                 },
             },
             "schedule": {
-                "status": "timeout", "seconds": 180.0, "timeout_s": 180,
+                "status": "timeout", "seconds": 180.0, "timeout_s": 180, "background": True,
                 "error": "killed after 180 s", "data": gpu.summarize_schedule(_raw([3, 0])),
             },
             "step": {
@@ -224,8 +225,9 @@ def test_format_report_on_synthetic_result():
     assert "== versions: ok" in text and "NVIDIA H200" in text
     assert "int8 dequantize" in text and "0.57" in text and "2736.0" in text
     assert "FAILED: XlaRuntimeError: oom" in text
+    assert "[alongside schedule]" in text and "[in the background]" in text
     assert "== schedule: timeout" in text and "killed after 180 s" in text
-    assert "combine=0" in text and "161" in text
+    assert "combine=0" in text and "161" in text and "512.0K[0]" in text and "30.0M[3]" in text
     assert "== step: failed" in text and "ValueError: boom" in text
     assert "210.000 ms" in text and "needs a second device" in text
     # A malformed part is shown as such; the others still print.

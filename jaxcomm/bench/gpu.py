@@ -526,6 +526,13 @@ def _fmt_frac(x: Any) -> str:
     return "unknown" if x is None else f"{x:.2f}"
 
 
+def _fmt_bytes(b: float) -> str:
+    for unit, size in (("M", MiB), ("K", 1024)):
+        if b >= size:
+            return f"{b / size:.1f}{unit}"
+    return f"{int(b)}B"
+
+
 def _fmt_tbs(x: Any) -> str:
     return "unknown" if x is None else f"{x / 1e12:.2f} TB/s"
 
@@ -559,11 +566,11 @@ def _table_schedule(d: dict) -> list[str]:
     lines = [f"  {d.get('header', '')}"] if d.get("header") else []
     lines.append(
         f"  {'options':<15} {'colls':>5} {'async':>5} {'overl.':>6} {'all-red.':>8} "
-        f"{'compile':>8}  all-reduce MiB [ops between start/done]"
+        f"{'compile':>8}  all-reduce bytes [ops between start/done]"
     )
     for label, s in d.get("sets", {}).items():
         pairs = ", ".join(
-            f"{b / MiB:.2f}[{'-' if o is None else o}]"
+            f"{_fmt_bytes(b)}[{'-' if o is None else o}]"
             for b, o in zip(s["all_reduce_bytes"], s["all_reduce_ops_between"], strict=True)
         )
         if len(pairs) > 90:
@@ -622,6 +629,12 @@ def format_report(result: dict) -> str:
         lines.append(
             f"== {name}: {status} ({part.get('seconds', 0):.1f} s, limit "
             f"{part.get('timeout_s', 0):.0f} s) {part.get('what', '')}"
+            + (" [in the background]" if part.get("background") else "")
+            + (
+                f" [alongside {', '.join(part['concurrent_with'])}]"
+                if part.get("concurrent_with")
+                else ""
+            )  # fmt: skip
         )
         if part.get("error"):
             lines.append(f"  error: {part['error']}")
