@@ -91,7 +91,9 @@ class _Bench:
     """One row's step and its compute-only twin. Rows with the same mesh and compiler
     options share one twin (the twin has no sync, so the sync settings do not change it)."""
 
-    def __init__(self, r: Resolved, preset: Preset, *, intra: int | None, seed: int, twins: dict):
+    def __init__(
+        self, r: Resolved, preset: Preset, *, intra: int | None, seed: int, twins: dict | None
+    ):
         sync, options, mesh_kwargs = r.build()
         mesh = jaxcomm.make_mesh(intra=intra, **mesh_kwargs)
         self.devices = mesh.devices.size
@@ -117,11 +119,12 @@ class _Bench:
         )
         batch = data.batch(0)
         warmup = max(1, preset.warmup_steps)
+        t0 = time.perf_counter()
         self.full = _Step(dp, state, batch)
         self.full.run(warmup)  # compiles
         settings = r.describe()
         key = repr((settings["make_mesh"], settings["compiler_options"]))
-        if key not in twins:
+        if twins is not None and key not in twins:
             twin_dp, twin_state = steplib.build_step(
                 parts,
                 steplib.make_optimizer(None, schedule),
@@ -131,26 +134,31 @@ class _Bench:
             )
             twins[key] = _Step(twin_dp, twin_state, batch)
             twins[key].run(warmup)
-        self.twin = twins[key]
+        self.twin = None if twins is None else twins[key]
+        self.compile_s = time.perf_counter() - t0
         self.t_full: list[float] = []
         self.t_twin: list[float] = []
 
     def run(self, steps: int) -> None:
         self.t_full.append(self.full.run(steps))
-        self.t_twin.append(self.twin.run(steps))
+        if self.twin is not None:
+            self.t_twin.append(self.twin.run(steps))
 
     def result(self) -> dict:
         # Best round, as timeit does: slower rounds are other processes' interference.
-        step_time, twin_time = min(self.t_full), min(self.t_twin)
+        step_time = min(self.t_full)
+        twin_time = min(self.t_twin) if self.t_twin else None
         return {
             "step_time_s": step_time,
             "step_time_median_s": statistics.median(self.t_full),
             "compute_only_step_time_s": twin_time,
-            "compute_only_step_time_median_s": statistics.median(self.t_twin),
+            "compute_only_step_time_median_s": twin_time and statistics.median(self.t_twin),
             "rounds": len(self.t_full),
-            "comm_fraction": (step_time - twin_time) / step_time,
-            "comm_fraction_source": "compute-only twin (same step without sync_gradients)",
+            "comm_fraction": twin_time and (step_time - twin_time) / step_time,
+            "comm_fraction_source": twin_time
+            and "compute-only twin (same step without sync_gradients)",
             "images_per_s": self.global_batch / step_time,
+            "warmup_s": self.compile_s,
             "global_batch": self.global_batch,
             "devices": self.devices,
             "mesh": self.mesh_shape,
@@ -170,6 +178,7 @@ def run_speed(
     intra: int | None,
     seed: int = 0,
     progress: Callable[[Sequence], Any] = iter,
+    twins: bool = True,
 ) -> list[dict]:
     """Times every available row (see the module docstring).
 
@@ -183,6 +192,9 @@ def run_speed(
       intra: ``make_mesh(intra=...)``.
       seed: model and data seed.
       progress: wraps the row iterable (e.g. ``tqdm``) of the build-and-compile phase.
+      twins: also time each row's compute-only twin (``False``: only the rows, and the
+        ``compute_only_*`` and ``comm_fraction`` fields are ``None``; used where the step
+        has no communication to expose, e.g. one device).
 
     Returns:
       One dict per row, with ``status`` ``'ok'``, ``'missing'`` (technique not installed:
@@ -190,11 +202,11 @@ def run_speed(
     """
     results = [_base_result(r) for r in resolved]
     benches: dict[int, _Bench] = {}
-    twins: dict[str, _Step] = {}
+    twin_steps: dict[str, _Step] | None = {} if twins else None
     for i, r in enumerate(progress(resolved)):
         if r.missing is None:
             try:
-                benches[i] = _Bench(r, preset, intra=intra, seed=seed, twins=twins)
+                benches[i] = _Bench(r, preset, intra=intra, seed=seed, twins=twin_steps)
             except Exception as e:  # report the row, keep the other rows going
                 _error(results[i], e)
     for _ in range(preset.repeats):

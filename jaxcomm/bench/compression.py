@@ -97,7 +97,7 @@ def _time(fn, *args, repeats: int = 5) -> float:
 
 def kernel_ms_per_mb(name: str, n: int = 1 << 22) -> float | None:
     """Local compress + decompress time (ms per MB of f32) for the compressor ``name``."""
-    from jaxcomm.compression.powersgd import _orthogonalize
+    from jaxcomm.compression.powersgd import orthogonalize
     from jaxcomm.compression.quantize import dequantize, quantize
     from jaxcomm.compression.sparse import select_topk
 
@@ -142,7 +142,7 @@ def kernel_ms_per_mb(name: str, n: int = 1 << 22) -> float | None:
         q = jax.random.normal(key, (m.shape[1], 4))
 
         def fn(m, q):
-            p = _orthogonalize(m @ q)
+            p = orthogonalize(m @ q)
             qn = m.T @ p
             return p @ qn.T
 

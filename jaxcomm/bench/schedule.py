@@ -13,7 +13,11 @@ report (:mod:`jaxcomm.schedule`) for each option set: XLA defaults, the overlap 
   sizes only (with ``--no-cpu-combiner``, which is on by default, the CPU combiner is off so
   each bucket stays one all-reduce). The GPU variant needs a GPU.
 
-Writes all reports as JSON with ``--json PATH``.
+Writes all reports as JSON with ``--json PATH`` (rewritten after each option set, so a run
+cut short keeps the sets it finished). ``--option-sets`` compiles a subset,
+``--extra-options`` adds XLA options to every set (dropped with a message if this jaxlib
+lacks them), ``--image-size`` / ``--num-classes`` shape a ResNet; ``python -m jaxcomm.bench
+gpu`` runs it for ResNet-50 at 224 px on a mocked 8-GPU node.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import sys
 import time
@@ -41,9 +46,68 @@ def _parse(argv):
     p.add_argument("--algorithm", default="hierarchical")
     p.add_argument("--bucket", default=None, help="MIN,MAX bucket bytes for sync_gradients")
     p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--image-size", type=int, default=32, help="ResNet input side in pixels")
+    p.add_argument("--num-classes", type=int, default=10, help="ResNet classifier outputs")
+    p.add_argument(
+        "--option-sets",
+        default=None,
+        help=f"comma-separated option sets to compile (default: all of {list(OPTION_SETS)})",
+    )
+    p.add_argument(
+        "--extra-options",
+        default=None,
+        help="JSON dict of XLA options added to every option set "
+        "(e.g. '{\"xla_gpu_autotune_level\": 0}' for faster GPU compiles)",
+    )
     p.add_argument("--rows", action="store_true", help="print every collective, not only totals")
-    p.add_argument("--json", default=None, help="write the reports here")
+    p.add_argument("--json", default=None, help="write the reports here (after each option set)")
     return p.parse_args(argv)
+
+
+#: Option set names, in the order they are compiled.
+OPTION_SETS = (
+    "defaults",
+    "overlap",
+    "overlap+pipeline",
+    "combine=0",
+    "combine=1MiB",
+    "combine=30MiB",
+)
+
+
+def option_sets(variant: str, names=None) -> dict[str, dict]:
+    """The compiler options of each option set (``OPTION_SETS``) for ``variant``.
+
+    Args:
+      variant: ``'gpu'`` or ``'cpu'`` (the CPU variant adds ``disable_passes
+        ('cpu-all-reduce-combiner')`` to every set, and a ``cpu-combiner-on`` set).
+      names: the sets to keep (default: all).
+
+    Returns:
+      ``{name: compiler_options}``, options checked against the installed jaxlib.
+
+    Raises:
+      ValueError: an unknown name in ``names``.
+    """
+    from jaxcomm import xla
+
+    names = list(OPTION_SETS) if names is None else list(names)
+    unknown = [n for n in names if n not in OPTION_SETS]
+    if unknown:
+        raise ValueError(f"unknown option sets {unknown}; choose from {list(OPTION_SETS)}.")
+    builders = {
+        "defaults": lambda: {},
+        "overlap": xla.overlap_options,
+        "overlap+pipeline": lambda: xla.overlap_options(pipeline=("all-reduce",)),
+        "combine=0": lambda: xla.combine_options(all_reduce=0),
+        "combine=1MiB": lambda: xla.combine_options(all_reduce=MiB),
+        "combine=30MiB": lambda: xla.combine_options(all_reduce=30 * MiB),
+    }
+    base = xla.disable_passes("cpu-all-reduce-combiner") if variant == "cpu" else {}
+    out = {n: xla.merge_options(base, builders[n]()) for n in names}
+    if variant == "cpu":  # XLA:CPU's own combiner, for comparison with the explicit buckets
+        out["cpu-combiner-on"] = {}
+    return out
 
 
 def _gpu_plugin() -> bool:
@@ -106,7 +170,7 @@ def _model(args):
 
     from jaxcomm.models import resnet
 
-    model = nnx.eval_shape(lambda: resnet(args.model, num_classes=10))
+    model = nnx.eval_shape(lambda: resnet(args.model, num_classes=args.num_classes))
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
 
     def loss(p, s, batch):
@@ -116,7 +180,7 @@ def _model(args):
         return nll, (nnx.state(m, nnx.BatchStat), {})
 
     batch = {
-        "x": jax.ShapeDtypeStruct((args.batch, 32, 32, 3), jnp.float32),
+        "x": jax.ShapeDtypeStruct((args.batch, args.image_size, args.image_size, 3), jnp.float32),
         "y": jax.ShapeDtypeStruct((args.batch,), np.int32),
     }
     return loss, params, stats, batch, True
@@ -153,15 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     state = jax.eval_shape(dp.init, params, stats)
     state = _abstract(state, dp.state_shardings(state))
     batch = _abstract(batch, jax.tree.map(lambda _: dp.batch_sharding, batch))
-    base = xla.disable_passes("cpu-all-reduce-combiner") if variant == "cpu" else {}
-    option_sets = {
-        "defaults": {},
-        "overlap": xla.overlap_options(),
-        "overlap+pipeline": xla.overlap_options(pipeline=("all-reduce",)),
-        "combine=0": xla.combine_options(all_reduce=0),
-        "combine=1MiB": xla.combine_options(all_reduce=MiB),
-        "combine=30MiB": xla.combine_options(all_reduce=30 * MiB),
-    }
+    names = args.option_sets.split(",") if args.option_sets else None
+    extra = json.loads(args.extra_options) if args.extra_options else {}
+    sets = option_sets(variant, names)
     n_params = sum(int(x.size) for x in jax.tree.leaves(state.params))
     header = (
         f"variant={variant} devices={len(jax.devices())} ({jax.devices()[0].platform}) "
@@ -169,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         f"algorithm={args.algorithm} bucket_bytes={bucket} microbatches={args.microbatches} "
         f"jax={jax.__version__} python={platform.python_version()}"
     )
+    try:  # extras are a convenience (e.g. faster compiles): drop them if this XLA lacks them
+        extra = xla.check_options(extra)
+    except xla.XlaOptionError as e:
+        print(f"ignoring --extra-options: {e}")
+        extra = {}
+    header += f" extra_options={extra}"
     print(header)
     if variant == "cpu":
         print(
@@ -176,9 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             "are synchronous and ignore the GPU overlap/threshold flags. "
             "The GPU variant needs a GPU (python -m jaxcomm.bench schedule --variant gpu)."
         )
-    runs = [(label, xla.merge_options(base, opts)) for label, opts in option_sets.items()]
-    if variant == "cpu":  # XLA:CPU's own combiner, for comparison with the explicit buckets
-        runs.append(("cpu-combiner-on", {}))
+    runs = [(label, xla.merge_options(opts, extra)) for label, opts in sets.items()]
     results = {}
     step = dp.step_fn(state)
     for label, compiler_options in runs:
@@ -197,11 +259,18 @@ def main(argv: list[str] | None = None) -> int:
             "async": sum(s.is_async for s in colls),
             "overlapped": sum(s.overlapped for s in colls),
             "report": json.loads(rep.to_json()),
+            "compile_s": secs,
         }
+        if args.json:  # after each set: a run cut short keeps the sets it finished
+            _write_json(args.json, header, variant, results)
     print(f"\n{'options':<18} {'collectives':>11} {'async':>5} {'overlapped':>10}")
     for label, r in results.items():
         print(f"{label:<18} {r['collectives']:>11} {r['async']:>5} {r['overlapped']:>10}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header, "variant": variant, "results": results}, f, indent=1)
     return 0
+
+
+def _write_json(path: str, header: str, variant: str, results: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"header": header, "variant": variant, "results": results}, f, indent=1)
+    os.replace(tmp, path)

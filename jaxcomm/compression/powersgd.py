@@ -32,7 +32,7 @@ import numpy as np
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import Compressor, ReduceContext, check_range, sum_over
 
-__all__ = ["PowerSGDState", "matrix_shape", "powersgd"]
+__all__ = ["PowerSGDState", "matrix_shape", "orthogonalize", "powersgd"]
 
 
 class PowerSGDState(NamedTuple):
@@ -53,7 +53,12 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return int(np.prod(shape[:-1])), int(shape[-1])
 
 
-def _orthogonalize(p: jax.Array) -> jax.Array:
+def orthogonalize(p: jax.Array) -> jax.Array:
+    """Orthonormal columns spanning ``p`` (reduced QR), zero columns kept zero.
+
+    Example:
+      >>> p_hat = orthogonalize(m @ q)   # PowerSGD's step 3
+    """
     q, r = jnp.linalg.qr(p)
     # A zero column (e.g. a zero gradient) gives a zero diagonal; keep it zero, not NaN.
     return jnp.where(jnp.isfinite(q), q, 0.0) * jnp.where(jnp.abs(jnp.diag(r)) > 0, 1.0, 0.0)
@@ -128,7 +133,7 @@ def powersgd(
             return out
 
         ps = mean_all([mt @ q for mt, q in zip(mats, qs, strict=True)])
-        ps = [_orthogonalize(p) for p in ps]
+        ps = [orthogonalize(p) for p in ps]
         q_local = [mt.T @ p for mt, p in zip(mats, ps, strict=True)]
         q_mean = mean_all(q_local)
         out = [
