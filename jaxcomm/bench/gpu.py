@@ -17,7 +17,8 @@ alongside the timed parts (``--sequential``: one after the other):
   and achieved memory bandwidth ``(bytes read + bytes written) / time`` as a fraction of
   the GPU's peak.
 * ``schedule``: the compiled schedule of a ResNet-50 data-parallel step (flat all-reduce,
-  224 px) for a mocked 8-GPU node (``jax_mock_gpu_topology=1x1x8``, mock NCCL: compiled,
+  224 px) for a 8 mocked GPUs (``jax_mock_gpu_topology=1x8x1``: 8 hosts of one GPU, since XLA requires the
+  mock's GPUs per host to equal the real machine's; mock NCCL: compiled,
   never run) with ``overlap_options``, all-reduce combine thresholds 0 / 1 MiB / 30 MiB and
   XLA defaults (``python -m jaxcomm.bench schedule``): collectives, async start/done
   pairs, compute between each pair, bytes.
@@ -500,7 +501,7 @@ PARTS: tuple[Part, ...] = (
     ),
     Part(
         "schedule",
-        "ResNet-50 step compiled for a mocked 8-GPU node: overlap, combine thresholds",
+        "ResNet-50 step compiled for 8 mocked GPUs: overlap, combine thresholds",
         200,
         _schedule,
         # The compile-only client needs little memory; leave the rest to later parts.
@@ -665,7 +666,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="run the schedule part alone, not alongside the timed parts",
     )
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="limit for the whole run")
-    p.add_argument("--mock-topology", default="1x1x8", help="slices x hosts x GPUs per host")
+    p.add_argument(
+        "--mock-topology",
+        default="1x8x1",
+        help="slices x hosts x GPUs per host; GPUs per host must equal this machine's GPUs",
+    )
     p.add_argument("--schedule-model", default="resnet50")
     p.add_argument("--schedule-image-size", type=int, default=224)
     p.add_argument("--schedule-batch", type=int, default=32, help="per mocked device")

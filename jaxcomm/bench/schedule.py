@@ -5,7 +5,8 @@ report (:mod:`jaxcomm.schedule`) for each option set: XLA defaults, the overlap 
 (latency-hiding scheduler), and all-reduce combine thresholds of 0, 1 MiB and 30 MiB.
 
 * GPU variant (a GPU is present, or ``--variant gpu``): the GPU client mocks an 8-GPU
-  topology (``jax_mock_gpu_topology``, default ``1x2x4``: 2 hosts x 4 GPUs, mock NCCL), so one
+  topology (``jax_mock_gpu_topology``, default ``1x8x1``: 8 hosts x 1 GPU, mock NCCL; XLA requires the mock's GPUs per host to
+  equal the real machine's GPUs, so one lent GPU mocks 8 hosts of one GPU), so one
   real GPU compiles the 8-device program; async start/done pairs and the compute scheduled
   between them show the overlap.
 * CPU variant (no GPU): 8 fake CPU devices. XLA:CPU collectives are synchronous and its
@@ -17,7 +18,7 @@ Writes all reports as JSON with ``--json PATH`` (rewritten after each option set
 cut short keeps the sets it finished). ``--option-sets`` compiles a subset,
 ``--extra-options`` adds XLA options to every set (dropped with a message if this jaxlib
 lacks them), ``--image-size`` / ``--num-classes`` shape a ResNet; ``python -m jaxcomm.bench
-gpu`` runs it for ResNet-50 at 224 px on a mocked 8-GPU node.
+gpu`` runs it for ResNet-50 at 224 px on 8 mocked GPUs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ MiB = 1 << 20
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m jaxcomm.bench schedule", description=__doc__)
     p.add_argument("--variant", choices=("auto", "gpu", "cpu"), default="auto")
-    p.add_argument("--mock-topology", default="1x2x4", help="slices x hosts x GPUs per host")
+    p.add_argument(
+        "--mock-topology",
+        default="1x8x1",
+        help="slices x hosts x GPUs per host; GPUs per host must equal this machine's GPUs",
+    )
     p.add_argument(
         "--model", default="mlp", help="mlp, or a jaxcomm.models ResNet name (resnet-tiny, ...)"
     )
