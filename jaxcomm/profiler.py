@@ -47,6 +47,7 @@ import numpy as np
 
 from jaxcomm import hlo, wire
 from jaxcomm.sync import pre_reduced
+from jaxcomm.validate import check_int
 
 __all__ = ["CommProfiler", "compute_only_step"]
 
@@ -181,12 +182,10 @@ class CommProfiler:
         trace_dir: str | None = None,
         trace_steps: tuple[int, int] = (1, 3),
     ):
-        if log_interval < 1:
-            raise ValueError(f"log_interval={log_interval} must be >= 1.")
-        if trace_steps[0] < 0 or trace_steps[1] < trace_steps[0]:
-            raise ValueError(
-                f"trace_steps={trace_steps} must be (first, last), 0 <= first <= last."
-            )
+        log_interval = check_int("log_interval", log_interval, minimum=1)
+        fix = "trace_steps is (first, last) with 0 <= first <= last"
+        first = check_int("trace_steps[0]", trace_steps[0], minimum=0, fix=fix)
+        trace_steps = (first, check_int("trace_steps[1]", trace_steps[1], minimum=first, fix=fix))
         self.track_bandwidth = track_bandwidth
         self.track_per_collective = track_per_collective
         self.log_interval = log_interval
@@ -225,10 +224,11 @@ class CommProfiler:
         """
         self.module = hlo.collectives(step, *args, mesh=mesh, compiler_options=compiler_options)
         self.wire = wire.summarize(self.module)
+        twin_reps = check_int("twin_reps", twin_reps, minimum=1)
         if compute_only is not None:
             jax.block_until_ready(compute_only(*args))
             times = []
-            for _ in range(max(twin_reps, 1)):
+            for _ in range(twin_reps):
                 t0 = time.perf_counter()
                 jax.block_until_ready(compute_only(*args))
                 times.append(time.perf_counter() - t0)
