@@ -47,6 +47,7 @@ from jaxcomm.compression.base import Compressor, ReduceContext
 from jaxcomm.mesh import DATA_AXES, INTRA
 from jaxcomm.policy import LeafPlan
 from jaxcomm.topology import detect
+from jaxcomm.validate import check_int
 
 __all__ = [
     "COMPRESS_STAGES",
@@ -219,8 +220,7 @@ def sync_gradients(
             "with e.g. jaxcomm.compression.int8() or pass None."
         )
     for name, v in (("warmup_steps", warmup_steps), ("min_size", min_size), ("seed", seed)):
-        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
-            raise ValueError(f"{name}={v!r} is out of range; allowed: an int >= 0.")
+        check_int(name, v, minimum=0)
     if compress_stage not in COMPRESS_STAGES:
         raise ValueError(
             f"compress_stage={compress_stage!r} is not known; choose one of "
