@@ -212,7 +212,7 @@ def test_deterministic_given_key(run, name):
         ),
         (lambda: C.adaptive(adjustment_step=0), r"adjustment_step=0 must be an integer >= 1"),
         (lambda: C.bf16(via="nccl"), r"via='nccl' is not known"),
-        (lambda: jaxcomm.sync_gradients(warmup_steps=-1), r"warmup_steps=-1 must be an integer >= 0"),
+        (lambda: jaxcomm.sync_gradients(warmup_steps=-1), r"warmup_steps=-1 must be an integer"),
         (lambda: jaxcomm.sync_gradients(min_size=-5), r"min_size=-5"),
         (lambda: jaxcomm.sync_gradients(compress_stage="intra"), r"compress_stage='intra'"),
         (
