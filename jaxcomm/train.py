@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.collectives.base import check_axes
+from jaxcomm.collectives import check_axes
 from jaxcomm.mesh import DATA_AXES
 from jaxcomm.state import stack_local, state_partition_specs, unstack_local
 from jaxcomm.sync import pre_reduced, reducer_probe, sync_probe
