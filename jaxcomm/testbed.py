@@ -127,7 +127,7 @@ class Testbed:
         latency: str = "0",
         burst: str = "128kb",
     ):
-        fix = f"a testbed needs 2 nodes or more, and at most 200 fit the {SUBNET}.0/24 subnet"
+        fix = f"a testbed needs at least 2 nodes, and at most 200 fit the {SUBNET}.0/24 subnet"
         nodes = check_int("nodes", nodes, minimum=2, maximum=200, fix=fix)
         devices_per_node = check_int("devices_per_node", devices_per_node, minimum=1)
         self.nodes = nodes
