@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxcomm.validate import check_int
+
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "SyntheticImages"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
@@ -163,8 +165,8 @@ class ImageFolder:
                 f"ImageFolder {root!r} has {len(files)} images, fewer than one global batch "
                 f"of {global_batch}; lower the batch size or add images."
             )
-        if workers < 1 or prefetch < 1:
-            raise ValueError(f"workers={workers} and prefetch={prefetch} must both be >= 1.")
+        workers = check_int("workers", workers, minimum=1)
+        prefetch = check_int("prefetch", prefetch, minimum=1)
         self.root = root
         self.files = files
         self.image_size = image_size

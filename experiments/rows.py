@@ -99,7 +99,7 @@ class Row:
     def missing(self) -> str | None:
         """Why the row cannot run in this installation, or ``None`` when it can."""
         import jaxcomm
-        from jaxcomm.collectives.base import ALGORITHMS
+        from jaxcomm.collectives import ALGORITHMS
 
         for c in [*self.calls(), *(Call(p, call=False) for p in self.requires)]:
             try:

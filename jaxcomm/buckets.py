@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm.validate import check_int
+
 __all__ = [
     "AutoBuckets",
     "Bucket",
@@ -119,18 +121,17 @@ def check_bucket_bytes(bucket_bytes: Any) -> Any:
             f"bucket_bytes={bucket_bytes!r}: use None, 'auto', or (min_bytes, max_bytes) "
             "such as (1 << 20, 25 << 20)."
         )
+    fix = (
+        "bucket_bytes is (min_bytes, max_bytes) with 0 < min_bytes <= max_bytes, e.g. "
+        "(1 << 20, 25 << 20) (PyTorch DDP) or (1_000_000, 10_000_000); or None (no buckets) "
+        "or 'auto'"
+    )
     try:
         lo, hi = bucket_bytes
-        ok = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (lo, hi))
     except (TypeError, ValueError):
-        ok = False
-    if not ok or not 0 < lo <= hi:
-        raise ValueError(
-            f"bucket_bytes={bucket_bytes!r} must be (min_bytes, max_bytes) with "
-            "0 < min_bytes <= max_bytes, e.g. (1 << 20, 25 << 20) (PyTorch DDP) or "
-            "(1_000_000, 10_000_000); or None (no buckets) or 'auto'."
-        )
-    return (int(lo), int(hi))
+        raise ValueError(f"bucket_bytes={bucket_bytes!r}: {fix}.") from None
+    lo = check_int("bucket_bytes[0]", lo, minimum=1, fix=fix)
+    return (lo, check_int("bucket_bytes[1]", hi, minimum=lo, fix=fix))
 
 
 def plan_buckets(

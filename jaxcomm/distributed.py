@@ -18,6 +18,8 @@ import os
 import re
 from typing import Any
 
+from jaxcomm.validate import check_int
+
 ENV_COORDINATOR = "JAXCOMM_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXCOMM_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXCOMM_PROCESS_ID"
@@ -41,8 +43,7 @@ def set_collective_timeout(seconds: int) -> None:
     Raises:
       RuntimeError: ``jax.distributed`` is already initialised (the flag would be ignored).
     """
-    if seconds < 1:
-        raise ValueError(f"collective timeout {seconds} s must be >= 1.")
+    seconds = check_int("seconds", seconds, minimum=1, fix="the collective timeout in seconds")
     _check_backend_not_started("set_collective_timeout")
     flags = os.environ.get("XLA_FLAGS", "")
     flags = re.sub(rf"--{TIMEOUT_FLAG}=\S+", "", flags)

@@ -105,20 +105,20 @@ class HloModule:
     branches: Mapping[str, tuple[str, int]]
     entry: str
 
-    def branch_of(self, computation: str) -> tuple[str, int] | None:
-        """The (conditional, branch index) that ``computation`` runs under, if any."""
+    def branch_chain(self, computation: str) -> tuple[tuple[str, int], ...]:
+        """The ``(conditional, branch index)`` pairs that ``computation`` runs under,
+        outermost first (``()`` outside any conditional)."""
         parents: dict[str, str] = {}
         for caller, callees in self.calls.items():
             for c in callees:
                 parents.setdefault(c, caller)
-        seen = set()
-        node = computation
+        chain, seen, node = [], set(), computation
         while node is not None and node not in seen:
-            if node in self.branches:
-                return self.branches[node]
             seen.add(node)
+            if node in self.branches:
+                chain.append(self.branches[node])
             node = parents.get(node)
-        return None
+        return tuple(reversed(chain))
 
 
 def parse_replica_groups(attr: str, num_devices: int | None = None) -> tuple[tuple[int, ...], ...]:

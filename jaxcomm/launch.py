@@ -28,6 +28,7 @@ from jaxcomm.distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
+from jaxcomm.validate import check_int
 
 __all__ = ["free_port", "main", "rank_env", "run_group"]
 
@@ -168,10 +169,11 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     cmd = argv[split + 1 :]
     if not cmd:
         parser.error("no command after --")
-    if args.nprocs < 1 or args.local_devices < 1:
-        parser.error(
-            f"--nprocs {args.nprocs} and --local-devices {args.local_devices} must be >= 1"
-        )
+    for flag, value in (("--nprocs", args.nprocs), ("--local-devices", args.local_devices)):
+        try:
+            check_int(flag, value, minimum=1)
+        except ValueError as e:
+            parser.error(str(e))
     return args, cmd
 
 

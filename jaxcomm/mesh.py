@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxcomm.validate import check_int
+
 INTER = "inter"
 INTRA = "intra"
 DATA_AXES: tuple[str, str] = (INTER, INTRA)
@@ -104,9 +106,8 @@ def make_mesh(
     valid = valid_intra_sizes(devs)
     if intra is None:
         intra = _process_runs(devs)[0]
-    if not isinstance(intra, (int, np.integer)) or isinstance(intra, bool):
-        raise ValueError(f"make_mesh(intra={intra!r}): intra must be an int; valid: {valid}.")
-    if intra < 1 or n % intra != 0:
+    intra = check_int("intra", intra, minimum=1, fix=f"valid choices with {n} devices: {valid}")
+    if n % intra != 0:
         raise ValueError(
             f"make_mesh(intra={intra}) with {n} devices: intra must be >= 1 and divide the "
             f"device count. Valid choices: {valid}."

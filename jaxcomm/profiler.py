@@ -1,12 +1,16 @@
-"""``CommProfiler``: where a training step's time goes (bandwidth, latency, exposed communication).
+"""``CommProfiler``: where a training step's time goes (bandwidth, exposed communication).
 
 Method (every number traceable to a measurement or to the compiled program):
 
 1. ``attach(step, *args)`` compiles the step and reads its collectives from the optimized HLO
-   (:func:`jaxcomm.hlo.collectives`): ``comm_bytes`` is the sum of their operand bytes per
-   device, ``bus_bytes`` the bytes each rank moves by the nccl-tests convention (all-reduce
-   ``2(g-1)/g * S``, reduce-scatter / all-gather / all-to-all ``(g-1)/g * S`` with ``S`` the
-   full buffer, collective-permute ``S``).
+   and prices them with :func:`jaxcomm.wire.summarize`, the same count as
+   :func:`jaxcomm.wire_bytes`: ``bus_bytes`` are the bytes each rank moves by the nccl-tests
+   convention (all-reduce ``2(g-1)/g * S``, reduce-scatter / all-gather / all-to-all
+   ``(g-1)/g * S`` with ``S`` the full buffer, collective-permute ``S``), ``comm_bytes`` the
+   operand bytes of the same collectives. **Conditionals** (``lax.cond`` / ``lax.switch``:
+   ``warmup_steps``, adaptive levels) count their largest branch only, since the program does
+   not say which branch a step runs: during a warm-up that is the branch that runs; after
+   it, bytes are an upper bound. The stats say so in ``conditionals`` (``'largest_branch'``).
 2. It times a *compute-only twin* of the step: the same program with the collectives removed.
    For a :class:`jaxcomm.DataParallel` step, :meth:`attach_data_parallel` builds it by tracing
    the step with ``sync_gradients`` passing gradients through (``jaxcomm.sync.pre_reduced``;
@@ -16,8 +20,10 @@ Method (every number traceable to a measurement or to the compiled program):
 4. ``comm_time = step_time - compute_time`` (the time communication adds to the step, i.e.
    the exposed part); ``exposed_comm_fraction = comm_time / step_time``;
    ``bandwidth = bus_bytes / comm_time`` (GB/s, bus-bandwidth convention);
-   ``latency = comm_time / number of collectives`` (ms). Without a twin, ``comm_time`` is
-   the whole step (a lower bound on bandwidth) and the exposed fraction is ``None``.
+   ``exposed_ms_per_collective = comm_time / number of collectives`` (ms; the exposed time
+   per counted collective, not a measured per-call latency: overlapped calls cost 0 in
+   it). Without a twin, ``comm_time`` is the whole step (a lower bound on bandwidth) and the
+   exposed fraction is ``None``.
 
 Overlapped communication (GPU, async collectives) is hidden by design: bandwidth computed from
 exposed time is then an upper bound, and the fraction is what overlap did not hide.
@@ -39,24 +45,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxcomm import hlo
+from jaxcomm import hlo, wire
 from jaxcomm.sync import pre_reduced
+from jaxcomm.validate import check_int
 
-__all__ = ["CommProfiler", "bus_bytes", "compute_only_step"]
-
-
-def bus_bytes(c: hlo.Collective) -> float:
-    """Bytes one rank moves for collective ``c`` (nccl-tests bus-bandwidth convention)."""
-    g = max(int(c.group_size), 1)
-    if c.kind == "all-reduce":
-        return c.operand_bytes * 2 * (g - 1) / g
-    if c.kind == "reduce-scatter":  # operand = the full buffer
-        return c.operand_bytes * (g - 1) / g
-    if c.kind == "all-gather":  # operand = one shard; full buffer = g * operand
-        return c.operand_bytes * (g - 1)
-    if c.kind == "all-to-all":
-        return c.operand_bytes * (g - 1) / g
-    return float(c.operand_bytes)  # collective-permute, broadcast: every byte is sent
+__all__ = ["CommProfiler", "compute_only_step"]
 
 
 def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
@@ -154,11 +147,15 @@ def _masked_crc(data: bytes) -> int:
 
 
 class CommProfiler:
-    """Measures a training step's communication: bytes, bandwidth, latency, exposed fraction.
+    """Measures a training step's communication: bytes, bandwidth, exposed time and fraction.
+
+    Bytes are read from the compiled HLO and counted as :func:`jaxcomm.wire_bytes` counts
+    them: a conditional (warm-up, adaptive levels) at its largest branch.
 
     Args:
       track_bandwidth: report ``bandwidth`` (GB/s, bus-bandwidth convention).
-      track_latency: report ``latency`` (ms of exposed communication per collective).
+      track_per_collective: report ``exposed_ms_per_collective`` (ms of exposed
+        communication per counted collective).
       log_interval: every this many recorded steps, log the stats (JSON lines).
       log_file: path of the JSON-lines log (default: print to stdout).
       tensorboard_dir: also write the stats as TensorBoard scalars there.
@@ -178,21 +175,19 @@ class CommProfiler:
         self,
         *,
         track_bandwidth: bool = True,
-        track_latency: bool = True,
+        track_per_collective: bool = True,
         log_interval: int = 100,
         log_file: str | None = None,
         tensorboard_dir: str | None = None,
         trace_dir: str | None = None,
         trace_steps: tuple[int, int] = (1, 3),
     ):
-        if log_interval < 1:
-            raise ValueError(f"log_interval={log_interval} must be >= 1.")
-        if trace_steps[0] < 0 or trace_steps[1] < trace_steps[0]:
-            raise ValueError(
-                f"trace_steps={trace_steps} must be (first, last), 0 <= first <= last."
-            )
+        log_interval = check_int("log_interval", log_interval, minimum=1)
+        fix = "trace_steps is (first, last) with 0 <= first <= last"
+        first = check_int("trace_steps[0]", trace_steps[0], minimum=0, fix=fix)
+        trace_steps = (first, check_int("trace_steps[1]", trace_steps[1], minimum=first, fix=fix))
         self.track_bandwidth = track_bandwidth
-        self.track_latency = track_latency
+        self.track_per_collective = track_per_collective
         self.log_interval = log_interval
         self.log_file = log_file
         self.trace_dir = trace_dir
@@ -202,6 +197,7 @@ class CommProfiler:
         self.step_times: list[float] = []
         self.compute_time: float | None = None
         self.module: hlo.HloModule | None = None
+        self.wire: dict | None = None  # jaxcomm.wire.summarize(self.module)
 
     # -- attaching a program ------------------------------------------------------------
     def attach(
@@ -227,10 +223,12 @@ class CommProfiler:
           self.
         """
         self.module = hlo.collectives(step, *args, mesh=mesh, compiler_options=compiler_options)
+        self.wire = wire.summarize(self.module)
+        twin_reps = check_int("twin_reps", twin_reps, minimum=1)
         if compute_only is not None:
             jax.block_until_ready(compute_only(*args))
             times = []
-            for _ in range(max(twin_reps, 1)):
+            for _ in range(twin_reps):
                 t0 = time.perf_counter()
                 jax.block_until_ready(compute_only(*args))
                 times.append(time.perf_counter() - t0)
@@ -281,18 +279,21 @@ class CommProfiler:
 
         Returns:
           dict with ``step_time`` (median s), ``steps``, ``comm_bytes`` and ``bus_bytes`` (per
-          device per step, from the HLO), ``num_collectives``, ``compute_time`` (twin, s),
-          ``comm_time`` (s), ``exposed_comm_fraction``, ``bandwidth`` (GB/s) and ``latency``
-          (ms per collective) when tracked. Values that cannot be known are ``None``.
+          device per step, from the HLO; ``bus_bytes == jaxcomm.wire_bytes(...)['total']``),
+          ``num_collectives`` (the counted ones), ``conditionals`` (how conditionals were
+          counted: ``'largest_branch'``), ``compute_time`` (twin, s), ``comm_time`` (s),
+          ``exposed_comm_fraction``, ``bandwidth`` (GB/s) and ``exposed_ms_per_collective``
+          when tracked. Values that cannot be known are ``None``.
         """
         stats: dict[str, Any] = {"steps": len(self.step_times)}
         step = float(np.median(self.step_times)) if self.step_times else None
         stats["step_time"] = step
-        colls = self.module.collectives if self.module is not None else ()
-        stats["num_collectives"] = len(colls) if self.module is not None else None
-        stats["comm_bytes"] = float(sum(c.operand_bytes for c in colls)) if self.module else None
-        bus = float(sum(bus_bytes(c) for c in colls)) if self.module else None
+        wb = self.wire
+        stats["num_collectives"] = wb["num_collectives"] if wb else None
+        stats["comm_bytes"] = wb["operand_bytes"] if wb else None
+        bus = float(wb["total"]) if wb else None
         stats["bus_bytes"] = bus
+        stats["conditionals"] = wire.CONDITIONALS
         stats["compute_time"] = self.compute_time
         comm = None
         if step is not None:
@@ -303,8 +304,9 @@ class CommProfiler:
         )
         if self.track_bandwidth:
             stats["bandwidth"] = bus / comm / 1e9 if bus is not None and comm else None
-        if self.track_latency:
-            stats["latency"] = comm / len(colls) * 1e3 if comm is not None and colls else None
+        if self.track_per_collective:
+            n = wb["num_collectives"] if wb else 0
+            stats["exposed_ms_per_collective"] = comm / n * 1e3 if comm is not None and n else None
         return stats
 
     def log(self) -> dict[str, Any]:

@@ -33,20 +33,23 @@ from jax import lax
 
 from jaxcomm import cost
 from jaxcomm.buckets import AutoBuckets, check_bucket_bytes, plan_buckets
-from jaxcomm.collectives import allreduce
-from jaxcomm.collectives.auto import check_topology, fit_to_mesh
-from jaxcomm.collectives.base import (
+from jaxcomm.collectives import (
+    all_gather_invariant,
+    allreduce,
     check_algorithm,
     check_axes,
+    check_bound,
     check_float_tree,
+    check_topology,
+    fit_to_mesh,
     pad_to_multiple,
     reduce_scatter,
 )
-from jaxcomm.collectives.hierarchical import all_gather_invariant
 from jaxcomm.compression.base import Compressor, ReduceContext
 from jaxcomm.mesh import DATA_AXES, INTRA
 from jaxcomm.policy import LeafPlan
 from jaxcomm.topology import detect
+from jaxcomm.validate import check_int
 
 __all__ = [
     "COMPRESS_STAGES",
@@ -120,16 +123,10 @@ def pre_reduced():
     return _scoped(_PRE_REDUCED, True)
 
 
-def _check_bound(axes: tuple[str, ...]) -> None:
-    for a in axes:
-        try:
-            lax.axis_size(a)
-        except NameError as e:
-            raise ValueError(
-                f"sync_gradients(axes={axes}) was called where mesh axis {a!r} is not bound. "
-                "Call the optimizer's update inside jax.shard_map over a mesh with these "
-                "axes, e.g. through jaxcomm.data_parallel(...)."
-            ) from e
+_UNBOUND_FIX = (
+    "Call the optimizer's update inside jax.shard_map over a mesh with these axes, e.g. "
+    "through jaxcomm.data_parallel(...)."
+)
 
 
 def _predicted_seconds(algorithm: str, axes: tuple[str, ...], topology: Any):
@@ -219,8 +216,7 @@ def sync_gradients(
             "with e.g. jaxcomm.compression.int8() or pass None."
         )
     for name, v in (("warmup_steps", warmup_steps), ("min_size", min_size), ("seed", seed)):
-        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
-            raise ValueError(f"{name}={v!r} is out of range; allowed: an int >= 0.")
+        check_int(name, v, minimum=0)
     if compress_stage not in COMPRESS_STAGES:
         raise ValueError(
             f"compress_stage={compress_stage!r} is not known; choose one of "
@@ -304,7 +300,7 @@ def sync_gradients(
         calls = _SYNC_CALLS.get()
         if calls is not None:
             calls.append(axes)
-        _check_bound(axes)
+        check_bound(axes, "sync_gradients", _UNBOUND_FIX)
         reducers = _REDUCERS.get()
         if reducers is not None:
             if compression is not None:

@@ -43,6 +43,7 @@ import sys
 from collections.abc import Sequence
 
 from jaxcomm.launch import rank_env, run_group
+from jaxcomm.validate import check_int
 
 __all__ = ["Testbed", "available", "main", "parse_rate", "parse_time"]
 
@@ -126,12 +127,9 @@ class Testbed:
         latency: str = "0",
         burst: str = "128kb",
     ):
-        if nodes < 2:
-            raise ValueError(f"nodes={nodes}: a testbed needs at least 2 nodes.")
-        if nodes > 200:
-            raise ValueError(f"nodes={nodes}: at most 200 nodes fit the {SUBNET}.0/24 subnet.")
-        if devices_per_node < 1:
-            raise ValueError(f"devices_per_node={devices_per_node} must be >= 1.")
+        fix = f"a testbed needs at least 2 nodes, and at most 200 fit the {SUBNET}.0/24 subnet"
+        nodes = check_int("nodes", nodes, minimum=2, maximum=200, fix=fix)
+        devices_per_node = check_int("devices_per_node", devices_per_node, minimum=1)
         self.nodes = nodes
         self.devices_per_node = devices_per_node
         self.link = link

@@ -14,10 +14,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.collectives.base import check_axes
+from jaxcomm.collectives import check_axes
 from jaxcomm.mesh import DATA_AXES
 from jaxcomm.state import stack_local, state_partition_specs, unstack_local
 from jaxcomm.sync import pre_reduced, reducer_probe, sync_probe
+from jaxcomm.validate import check_int
 
 __all__ = ["DataParallel", "TrainState", "data_parallel"]
 
@@ -70,8 +71,7 @@ class DataParallel:
         require_sync: bool,
         microbatches: int = 1,
     ):
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches={microbatches!r} must be a positive int (1: off).")
+        microbatches = check_int("microbatches", microbatches, minimum=1, fix="1 turns it off")
         if microbatches > 1 and with_model_state:
             raise ValueError(
                 "microbatches > 1 with with_model_state=True is not supported: model state "

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxcomm import hlo
 
-__all__ = ["bus_bytes", "summarize", "wire_bytes"]
+__all__ = ["CONDITIONALS", "bus_bytes", "summarize", "wire_bytes"]
 
 
 def bus_bytes(c: hlo.Collective) -> float:
@@ -42,47 +42,43 @@ def bus_bytes(c: hlo.Collective) -> float:
     return float(c.operand_bytes)  # collective-permute, collective-broadcast
 
 
-def _branch_chain(mod: hlo.HloModule, computation: str) -> tuple[tuple[str, int], ...]:
-    """(conditional, branch) pairs enclosing ``computation``, outermost first."""
-    parents: dict[str, str] = {}
-    for caller, callees in mod.calls.items():
-        for c in callees:
-            parents.setdefault(c, caller)
-    chain, seen, node = [], set(), computation
-    while node is not None and node not in seen:
-        seen.add(node)
-        if node in mod.branches:
-            chain.append(mod.branches[node])
-        node = parents.get(node)
-    return tuple(reversed(chain))
+# How collectives under a conditional are counted (also a field of CommProfiler's stats):
+# the program's HLO does not say which branch runs, so every conditional is priced at its
+# largest branch (by bytes), an upper bound on what a step sends.
+CONDITIONALS = "largest_branch"
 
 
 def _new_node() -> dict:
     return {"direct": [], "conds": defaultdict(lambda: defaultdict(_new_node))}
 
 
-def _node_totals(node: dict) -> tuple[float, dict, dict]:
-    total, kinds, axes = 0.0, defaultdict(float), defaultdict(float)
-    for rec in node["direct"]:
-        total += rec["bytes"]
-        kinds[rec["kind"]] += rec["bytes"]
-        axes[rec["axes_key"]] += rec["bytes"]
+def _counted(node: dict) -> list[dict]:
+    """Records a node counts: its own collectives plus, for every conditional below it, the
+    counted records of the branch with the most bytes (the first such branch on a tie)."""
+    out = list(node["direct"])
     for branches in node["conds"].values():
-        best = max((_node_totals(b) for b in branches.values()), key=lambda t: t[0])
-        total += best[0]
-        for k, v in best[1].items():
-            kinds[k] += v
-        for k, v in best[2].items():
-            axes[k] += v
-    return total, dict(kinds), dict(axes)
+        picks = [_counted(branches[i]) for i in sorted(branches)]
+        out += max(picks, key=lambda recs: sum(r["bytes"] for r in recs))
+    return out
+
+
+def _split(records: list[dict], key: str) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for r in records:
+        out[r[key]] += r["bytes"]
+    return dict(out)
 
 
 def summarize(mod: hlo.HloModule) -> dict:
-    """Prices the collectives of a parsed module (see :func:`wire_bytes` for the keys)."""
+    """Prices the collectives of a parsed module (see :func:`wire_bytes` for the keys).
+
+    The one place that walks a module's conditionals: :func:`wire_bytes` and
+    :class:`jaxcomm.CommProfiler` both count what this returns.
+    """
     root = _new_node()
     records = []
     for c in mod.collectives:
-        chain = _branch_chain(mod, c.computation)
+        chain = mod.branch_chain(c.computation)
         rec = {
             "kind": c.kind,
             "name": c.name,
@@ -99,7 +95,8 @@ def summarize(mod: hlo.HloModule) -> dict:
         for cond, idx in chain:
             node = node["conds"][cond][idx]
         node["direct"].append(rec)
-    total, by_kind, by_axis = _node_totals(root)
+    counted = _counted(root)
+    counted_ids = {id(r) for r in counted}
     branches: dict[str, dict[int, float]] = {}
 
     all_indices: dict[str, set[int]] = defaultdict(set)
@@ -110,19 +107,26 @@ def summarize(mod: hlo.HloModule) -> dict:
         for cond, bs in node["conds"].items():
             # branches without collectives count 0 (they still matter for the maximum)
             indices = sorted(all_indices.get(cond, set()) | set(bs))
-            branches[cond] = {i: (_node_totals(bs[i])[0] if i in bs else 0.0) for i in indices}
+            branches[cond] = {
+                i: (sum(r["bytes"] for r in _counted(bs[i])) if i in bs else 0.0) for i in indices
+            }
             for b in bs.values():
                 walk(b)
 
     walk(root)
-    unconditional = sum(r["bytes"] for r in records if not r["branch"])
     return {
-        "total": total,
-        "by_kind": by_kind,
-        "by_axis": by_axis,
-        "unconditional": unconditional,
+        "total": sum(r["bytes"] for r in counted),
+        "by_kind": _split(counted, "kind"),
+        "by_axis": _split(counted, "axes_key"),
+        "operand_bytes": float(sum(r["operand_bytes"] for r in counted)),
+        "num_collectives": len(counted),
+        "conditionals": CONDITIONALS,
+        "unconditional": sum(r["bytes"] for r in records if not r["branch"]),
         "branches": branches,
-        "collectives": [{k: v for k, v in r.items() if k != "axes_key"} for r in records],
+        "collectives": [
+            {**{k: v for k, v in r.items() if k != "axes_key"}, "counted": id(r) in counted_ids}
+            for r in records
+        ],
     }
 
 
@@ -155,9 +159,12 @@ def wire_bytes(
       A dict: ``total`` (bytes per device, unconditional + the largest branch of each
       conditional), ``by_kind`` and ``by_axis`` (the same total split by collective kind
       and by mesh axes, ``'inter+intra'``-style keys, ``'unknown'`` without a mesh),
+      ``operand_bytes`` and ``num_collectives`` (input bytes and number of the collectives
+      that total counts), ``conditionals`` (the rule: ``'largest_branch'``),
       ``unconditional`` (bytes outside any conditional), ``branches`` (``{conditional:
       {branch index: bytes}}``) and ``collectives`` (one dict per collective: kind, name,
-      dtype, axes, group_size, operand_bytes, bytes, branch chain).
+      dtype, axes, group_size, operand_bytes, bytes, branch chain, ``counted``: whether
+      ``total`` includes it).
 
     Example:
       >>> wb = jaxcomm.wire_bytes(dp.step_fn(state), state, dp.shard_batch(batch))

@@ -36,6 +36,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxcomm.validate import check_int
+
 __all__ = [
     "COMBINE_FLAGS",
     "REMOVED_FLAGS",
@@ -237,16 +239,11 @@ def combine_options(
     ):
         if value is None:
             continue
-        if isinstance(value, bool) or int(value) != value or value < 0:
-            raise XlaOptionError(
-                f"{kind} combine threshold {value!r} must be a non-negative int of bytes "
-                "(0 turns combining off)."
-            )
-        opts[COMBINE_FLAGS[kind]] = int(value)
+        name = kind.replace("-", "_")
+        fix = "bytes; 0 turns combining off"
+        opts[COMBINE_FLAGS[kind]] = check_int(name, value, minimum=0, fix=fix, error=XlaOptionError)
     if max_count is not None:
-        if isinstance(max_count, bool) or int(max_count) != max_count or max_count < 1:
-            raise XlaOptionError(f"max_count={max_count!r} must be a positive int.")
-        opts[_COUNT_FLAG] = int(max_count)
+        opts[_COUNT_FLAG] = check_int("max_count", max_count, minimum=1, error=XlaOptionError)
     return check_options(opts)
 
 

@@ -15,8 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from jaxcomm import cost
 from jaxcomm import topology as T
-from jaxcomm.collectives import ALGORITHMS
-from jaxcomm.collectives.auto import fit_to_mesh
+from jaxcomm.collectives import ALGORITHMS, fit_to_mesh
 
 AX = ("inter", "intra")
 

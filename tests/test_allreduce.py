@@ -101,3 +101,17 @@ def test_unknown_algorithm_and_op():
         jaxcomm.allreduce({}, algorithm="butterfly")
     with pytest.raises(ValueError, match=r"choose one of \['sum', 'mean'\]"):
         jaxcomm.allreduce({}, op="max")
+
+
+def test_unbound_axes_give_the_sync_gradients_error(mesh):
+    """Outside shard_map, or over an axis the mesh lacks: one clear ValueError (the check
+    sync_gradients uses), not JAX's NameError."""
+    grads = {"g": np.ones(4, np.float32)}
+    unbound = r"\(axes=\('inter', 'intra'\)\) was called where mesh axis 'inter' is not bound"
+    with pytest.raises(ValueError, match=r"^jaxcomm\.allreduce" + unbound + ".*shard_map"):
+        jaxcomm.allreduce(grads)
+    with pytest.raises(ValueError, match=r"mesh axis 'data' is not bound"):
+        _run(mesh, _per_device([grads] * 8, mesh), axes=("data",))
+    tx = jaxcomm.sync_gradients()
+    with pytest.raises(ValueError, match=r"^sync_gradients" + unbound + ".*shard_map"):
+        tx.update(grads, tx.init(grads))

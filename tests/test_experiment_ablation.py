@@ -46,7 +46,7 @@ def test_rows_follow_the_seed_table_and_accumulate():
 
 
 def test_call_resolves_jaxcomm_paths():
-    from jaxcomm.collectives.base import ALGORITHMS
+    from jaxcomm.collectives import ALGORITHMS
 
     assert Call("collectives.base.ALGORITHMS", call=False).lookup() is ALGORITHMS
     assert Call("make_mesh", {"intra": 4})().shape == {"inter": 2, "intra": 4}

@@ -59,21 +59,22 @@ def test_stats_on_known_program(mesh, psum_program, tmp_path):
     assert st["comm_time"] == pytest.approx(max(st["step_time"] - st["compute_time"], 0.0))
     if st["comm_time"] > 0:
         assert st["bandwidth"] == pytest.approx(st["bus_bytes"] / st["comm_time"] / 1e9)
-        assert st["latency"] == pytest.approx(st["comm_time"] * 1e3)
+        assert st["exposed_ms_per_collective"] == pytest.approx(st["comm_time"] * 1e3)
     assert 0.0 <= st["exposed_comm_fraction"] <= 1.0
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["steps"] for r in lines] == [2, 4]
     assert lines[-1]["comm_bytes"] == 4 * N
+    assert lines[-1]["conditionals"] == "largest_branch"
 
 
 def test_without_twin_comm_is_the_whole_step(mesh, psum_program):
     step, _, x = psum_program
-    p = jaxcomm.CommProfiler(track_latency=False, log_interval=1000)
+    p = jaxcomm.CommProfiler(track_per_collective=False, log_interval=1000)
     p.attach(step, x, mesh=mesh)
     with p.record_step():  # no outputs given: waits for every live array
         step(x)
     st = p.get_stats()
-    assert st["exposed_comm_fraction"] is None and "latency" not in st
+    assert st["exposed_comm_fraction"] is None and "exposed_ms_per_collective" not in st
     assert st["comm_time"] == st["step_time"]
     assert st["bandwidth"] == pytest.approx(st["bus_bytes"] / st["step_time"] / 1e9)
 
@@ -109,6 +110,70 @@ def test_data_parallel_twin_drops_gradient_collectives(mesh, compression):
     st = p.get_stats()
     assert st["comm_bytes"] >= 4 * (64 * 32 + 32) / 4  # the intra reduce-scatter at least
     assert st["compute_time"] > 0 and 0.0 <= st["exposed_comm_fraction"] <= 1.0
+
+
+def test_conditional_counts_its_largest_branch_by_hand(mesh):
+    """A psum in a lax.cond is counted once, at the larger branch (bus bytes 2(p-1)/p * S)."""
+    s_bytes = 4 * N  # the local f32[N] buffer
+
+    def body(x, i):
+        x = lax.psum(x, "intra")  # unconditional, p = 4
+        return lax.cond(
+            i > 0,
+            lambda x: lax.psum(x, AXES),  # p = 8: the larger branch
+            lambda x: x + lax.psum(x[:, : N // 4], "inter").sum(),  # p = 2 on S/4
+            x,
+        )
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P(AXES), check_vma=False)
+    )
+    x = jax.device_put(np.ones((8, N), np.float32), NamedSharding(mesh, P(AXES)))
+    i = jnp.int32(1)
+    p = jaxcomm.CommProfiler(log_interval=1000)
+    p.attach(step, x, i, mesh=mesh, compute_only=lambda x, i: x * 2.0, twin_reps=1)
+    assert len(p.module.collectives) == 3  # all three are in the program
+    with p.record_step() as s:
+        s.outputs_are(step(x, i))
+    st = p.get_stats()
+    expected = 2 * 3 / 4 * s_bytes + 2 * 7 / 8 * s_bytes
+    assert st["bus_bytes"] == pytest.approx(expected)
+    assert st["comm_bytes"] == pytest.approx(2 * s_bytes)
+    assert st["num_collectives"] == 2 and st["conditionals"] == "largest_branch"
+    assert st["bus_bytes"] == pytest.approx(jaxcomm.wire_bytes(step, x, i)["total"])
+    if st["comm_time"]:
+        assert st["exposed_ms_per_collective"] == pytest.approx(st["comm_time"] / 2 * 1e3)
+
+
+def test_warmup_bytes_match_wire_bytes(mesh):
+    """int8 with warmup_steps: the warm-up lax.cond is counted as wire_bytes counts it."""
+    params = {"w": jnp.zeros((256, 64)), "b": jnp.zeros((64,))}
+
+    def loss_fn(p, batch):
+        return jnp.mean((batch["x"] @ p["w"] + p["b"] - batch["y"]) ** 2)
+
+    sync = jaxcomm.sync_gradients(compression=jaxcomm.compression.int8(), warmup_steps=5)
+    dp = jaxcomm.data_parallel(loss_fn, optax.chain(sync, optax.sgd(0.1)), mesh)
+    state = dp.init(params)
+    rng = np.random.default_rng(2)
+    batch = dp.shard_batch(
+        {
+            "x": rng.standard_normal((16, 256), dtype=np.float32),
+            "y": rng.standard_normal((16, 64), dtype=np.float32),
+        }
+    )
+    p = jaxcomm.CommProfiler(log_interval=1000)
+    p.attach(dp.step_fn(state), state, batch, mesh=mesh)
+    wb = jaxcomm.wire_bytes(dp.step_fn(state), state, batch)
+    assert wb["branches"], "the warm-up conditional is in the program"
+    every = sum(jaxcomm.wire.bus_bytes(c) for c in p.module.collectives)
+    with p.record_step() as s:
+        state, _ = s.outputs_are(dp(state, batch))
+    st = p.get_stats()
+    assert st["bus_bytes"] == pytest.approx(wb["total"]) and st["bus_bytes"] < every
+    counted = [c for c in wb["collectives"] if c["counted"]]
+    assert st["num_collectives"] == len(counted) < len(p.module.collectives)
+    assert st["comm_bytes"] == pytest.approx(sum(c["operand_bytes"] for c in counted))
 
 
 def _read_events(path):

@@ -123,7 +123,8 @@ def test_bad_file_names_field(tmp_path, doc, field):
     path.write_text(json.dumps(doc))
     with pytest.raises(T.TopologyFileError, match=field) as e:
         T.load(path)
-    assert "bad.json" in str(e.value) and "expected" in str(e.value)
+    msg = str(e.value)
+    assert "bad.json" in msg and ("expected" in msg or "must be an integer" in msg)
 
 
 def test_not_json(tmp_path):

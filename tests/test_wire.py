@@ -102,6 +102,11 @@ def test_conditional_counts_the_largest_branch(mesh):
     }
     in_branch = [c for c in wb["collectives"] if c["branch"]]
     assert len(in_branch) == 2
+    # the counted collectives: the unconditional one and the largest branch's
+    counted = [c for c in wb["collectives"] if c["counted"]]
+    assert sorted(c["axes"] for c in counted) == sorted([("intra",), AX])
+    assert wb["num_collectives"] == 2 and wb["conditionals"] == "largest_branch"
+    assert wb["operand_bytes"] == pytest.approx(2 * S)
 
 
 _ASYNC_HLO = """HloModule m, num_partitions=4

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxcomm.validate import check_int
+
 __all__ = ["digits_accuracy", "load_split", "main", "reexec_with_fake_devices"]
 
 HIDDEN = 256
@@ -101,8 +103,7 @@ def digits_accuracy(
     """
     import jaxcomm
 
-    if steps < 1:
-        raise ValueError(f"steps={steps} must be >= 1.")
+    steps = check_int("steps", steps, minimum=1)
     mesh = mesh if mesh is not None else jaxcomm.make_mesh(intra=4)
     x_tr, y_tr, x_te, y_te = load_split()
     optimizer = optimizer if optimizer is not None else optax.adam(LEARNING_RATE)

@@ -54,7 +54,7 @@ def _hierarchical_psum_slice(x, axes):
     (docs/benchmarks.md), so this probe shows what cheaper, safe intra stages give."""
     from jax import lax
 
-    from jaxcomm.collectives.base import pad_to_multiple
+    from jaxcomm.collectives import pad_to_multiple
 
     inner, outer = axes[-1], axes[:-1]
     g = lax.axis_size(inner)

@@ -13,6 +13,7 @@ from jaxcomm.collectives import halving_doubling as _hd  # noqa: F401  (register
 from jaxcomm.collectives import hierarchical as _hier  # noqa: F401  (registers 'hierarchical')
 from jaxcomm.collectives import ring as _ring  # noqa: F401  (registers 'ring')
 from jaxcomm.collectives import tree as _tree  # noqa: F401  (registers 'tree')
+from jaxcomm.collectives.auto import check_topology, fit_to_mesh
 from jaxcomm.collectives.base import (
     ALGORITHMS,
     OPS,
@@ -20,23 +21,37 @@ from jaxcomm.collectives.base import (
     axes_size,
     check_algorithm,
     check_axes,
+    check_bound,
     check_float_tree,
     check_op,
+    pad_to_multiple,
+    reduce_scatter,
     register_algorithm,
 )
 from jaxcomm.collectives.flat import flat_allreduce
 from jaxcomm.collectives.halving_doubling import halving_doubling_allreduce
-from jaxcomm.collectives.hierarchical import hierarchical_allreduce
+from jaxcomm.collectives.hierarchical import all_gather_invariant, hierarchical_allreduce
 from jaxcomm.collectives.ring import ring_allreduce
 from jaxcomm.collectives.tree import tree_allreduce
 
+# The algorithms, and the building blocks other jaxcomm packages (sync, compression,
+# bench) use: import them from here, not from the submodules.
 __all__ = [
     "ALGORITHMS",
     "OPS",
+    "all_gather_invariant",
     "allreduce",
+    "check_algorithm",
+    "check_axes",
+    "check_bound",
+    "check_float_tree",
+    "check_topology",
+    "fit_to_mesh",
     "flat_allreduce",
     "halving_doubling_allreduce",
     "hierarchical_allreduce",
+    "pad_to_multiple",
+    "reduce_scatter",
     "register_algorithm",
     "ring_allreduce",
     "tree_allreduce",
@@ -71,7 +86,8 @@ def allreduce(
       A pytree of the same structure, shapes and dtypes holding the reduced values.
 
     Raises:
-      ValueError: unknown ``algorithm`` or ``op`` (the message lists the choices).
+      ValueError: unknown ``algorithm`` or ``op`` (the message lists the choices), or
+        called outside ``jax.shard_map`` / over an axis the mesh lacks.
       TypeError: a leaf is not floating point (the message names its path), or
         ``topology`` is not a Topology.
 
@@ -84,7 +100,13 @@ def allreduce(
     check_op(op)
     axes = check_axes(axes)
     check_float_tree(tree)
-    _auto.check_topology(topology)
+    check_topology(topology)
+    check_bound(
+        axes,
+        "jaxcomm.allreduce",
+        "Call it inside jax.shard_map over a mesh with these axes (jaxcomm.make_mesh gives "
+        "('inter', 'intra')), e.g. in a step built by jaxcomm.data_parallel(...).",
+    )
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree

@@ -61,6 +61,27 @@ def check_axes(axes: str | Sequence[str]) -> tuple[str, ...]:
     return axes
 
 
+def check_bound(axes: tuple[str, ...], caller: str, fix: str) -> None:
+    """Raises ValueError unless every mesh axis in ``axes`` is bound here, i.e. the caller
+    runs inside ``jax.shard_map`` over a mesh that has these axes.
+
+    Without it, an all-reduce traced outside ``shard_map`` (or over an axis the mesh lacks)
+    fails deep inside JAX with ``NameError: unbound axis name``.
+
+    Args:
+      axes: the mesh axis names.
+      caller: what the user called, e.g. ``'jaxcomm.allreduce'``; named in the message.
+      fix: what to do instead (one sentence).
+    """
+    for a in axes:
+        try:
+            lax.axis_size(a)
+        except NameError as e:
+            raise ValueError(
+                f"{caller}(axes={axes}) was called where mesh axis {a!r} is not bound. {fix}"
+            ) from e
+
+
 def check_float_tree(tree: Any) -> None:
     """Raises TypeError naming the first leaf that is not a real floating-point array."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:

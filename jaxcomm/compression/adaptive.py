@@ -57,6 +57,7 @@ from jaxcomm.compression.base import (
 )
 from jaxcomm.compression.cast import bf16_mean
 from jaxcomm.compression.quantize import two_phase_mean
+from jaxcomm.validate import check_int
 
 __all__ = ["LADDER", "AdaptiveState", "adaptive", "set_comm_ratio"]
 
@@ -169,17 +170,13 @@ def adaptive(
         "initial_compression_ratio", initial_compression_ratio, lo, hi,
         fix="It must lie between min_compression and max_compression.",
     )  # fmt: skip
-    if isinstance(adjustment_step, bool) or not isinstance(adjustment_step, int):
-        raise ValueError(f"adjustment_step={adjustment_step!r} must be an int >= 1.")
-    if adjustment_step < 1:
-        raise ValueError(f"adjustment_step={adjustment_step} is out of range; allowed >= 1.")
+    adjustment_step = check_int("adjustment_step", adjustment_step, minimum=1)
     check_range("error_low", error_low, 0.0, 1.0, low_open=True)
     check_range("error_high", error_high, error_low, float("inf"), low_open=True)
     check_range("comm_low", comm_low, 0.0, float("inf"))
     check_range("comm_high", comm_high, comm_low, float("inf"))
-    if not isinstance(cooldown, int) or cooldown < 0:
-        raise ValueError(f"cooldown={cooldown!r} must be an int >= 0.")
-    if not isinstance(block, int) or block < 2 or block % 2:
+    cooldown = check_int("cooldown", cooldown, minimum=0)
+    if check_int("block", block, minimum=2, fix="an even number, e.g. 256") % 2:
         raise ValueError(f"block={block!r} must be an even int >= 2, e.g. 256.")
     levels = [(n, c) for n, c in LADDER if lo <= c <= hi]
     if not levels:

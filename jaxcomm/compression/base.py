@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm.collectives.base import ALGORITHMS
+from jaxcomm.collectives import ALGORITHMS
 
 __all__ = [
     "Compressor",

@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import Compressor, ReduceContext, check_range, sum_over
+from jaxcomm.validate import check_int
 
 __all__ = ["PowerSGDState", "matrix_shape", "orthogonalize", "powersgd"]
 
@@ -92,9 +93,7 @@ def powersgd(
     Example:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.powersgd(rank=4))
     """
-    if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or rank < 1:
-        raise ValueError(f"rank={rank!r} is out of range; allowed: an int >= 1, e.g. 4.")
-    rank = int(rank)
+    rank = check_int("rank", rank, minimum=1, fix="e.g. 4")
     min_rate = check_range("min_compression_rate", min_compression_rate, 1.0, float("inf"))
 
     def supports(shape: tuple[int, ...]) -> bool:

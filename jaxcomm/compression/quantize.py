@@ -35,6 +35,7 @@ from jaxcomm.compression.base import (
     axes_size,
     device_key,
 )
+from jaxcomm.validate import check_int
 
 __all__ = ["dequantize", "int4", "int8", "quantize", "quantized", "two_phase_mean"]
 
@@ -177,10 +178,7 @@ def _quantized(bits: int, block: int, stochastic: bool, error_feedback: bool) ->
 
 
 def _check_block(block: int, bits: int) -> int:
-    if isinstance(block, bool) or not isinstance(block, int):
-        raise ValueError(f"block={block!r} must be an int >= 1 (elements per scale).")
-    if block < 1:
-        raise ValueError(f"block={block} is out of range; allowed: an int >= 1, e.g. 256.")
+    block = check_int("block", block, minimum=1, fix="elements per scale, e.g. 256")
     if bits == 4 and block % 2:
         raise ValueError(
             f"block={block} must be even for int4 (two 4-bit values share a byte); use {block + 1}."

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxcomm.topology.model import PRESETS, Level, Topology, dgx_h100
+from jaxcomm.validate import check_int
 
 __all__ = ["ENV_VAR", "TopologyFileError", "detect", "from_dict", "load", "save", "to_dict"]
 
@@ -73,9 +74,8 @@ def _level(d: Any, i: int) -> Level:
         raise TopologyFileError(
             f"{where}.name: expected {_LEVEL_FIELDS['name']}, got {d['name']!r}."
         )
-    size = d["size"]
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise TopologyFileError(f"{where}.size: expected {_LEVEL_FIELDS['size']}, got {size!r}.")
+    fix = "children per group of this level"
+    size = check_int(f"{where}.size", d["size"], minimum=1, fix=fix, error=TopologyFileError)
     bw = _num(d["bandwidth_GBps"], f"{where}.bandwidth_GBps", _LEVEL_FIELDS["bandwidth_GBps"],
               minimum=0, strict=True)  # fmt: skip
     lat = _num(d["latency_us"], f"{where}.latency_us", _LEVEL_FIELDS["latency_us"],
@@ -120,12 +120,13 @@ def from_dict(d: Mapping[str, Any]) -> Topology:
                  minimum=0, strict=False)  # fmt: skip
     placement = d.get("placement")
     if placement is not None:
-        if not isinstance(placement, Sequence) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in placement
-        ):
+        if not isinstance(placement, Sequence) or isinstance(placement, str):
             raise TopologyFileError(
                 "placement: expected a list of ints, the physical slot of each node."
             )
+        fix = "placement lists the physical slot of each node"
+        for i, v in enumerate(placement):
+            check_int(f"placement[{i}]", v, minimum=0, fix=fix, error=TopologyFileError)
     try:
         return Topology(lv, gamma=gamma, placement=placement, name=str(d.get("name", "custom")))
     except ValueError as e:

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxcomm.validate import check_int
+
 __all__ = ["Level", "Topology", "cpu_local", "dgx_h100", "fat_tree", "PRESETS"]
 
 
@@ -55,8 +57,7 @@ class Level:
     oversubscription: float = 1.0
 
     def __post_init__(self):
-        if not isinstance(self.size, (int, np.integer)) or self.size < 1:
-            raise ValueError(f"Level {self.name!r}: size={self.size!r} must be an int >= 1.")
+        check_int(f"Level {self.name!r}: size", self.size, minimum=1)
         if not self.bandwidth > 0:
             raise ValueError(f"Level {self.name!r}: bandwidth={self.bandwidth!r} must be > 0.")
         if not self.latency >= 0:
@@ -90,7 +91,10 @@ class Topology:
         if self.gamma < 0:
             raise ValueError(f"Topology gamma={self.gamma!r} must be >= 0.")
         if self.placement is not None:
-            pl = tuple(int(v) for v in self.placement)
+            pl = tuple(
+                check_int(f"placement[{i}]", v, minimum=0, fix="one physical slot per node")
+                for i, v in enumerate(self.placement)
+            )
             if sorted(pl) != list(range(self.num_nodes)):
                 raise ValueError(
                     f"placement: expected a permutation of range({self.num_nodes}) "
@@ -162,11 +166,14 @@ class Topology:
         (level-1 oversubscription scales with the devices sharing them).
 
         Raises:
-          ValueError: ``nodes`` does not fill whole groups of the inner levels.
+          ValueError: ``nodes`` (or ``devices_per_node``) is not an integer >= 1, or does
+            not fill whole groups of the inner levels.
         """
-        g = self.devices_per_node if devices_per_node is None else int(devices_per_node)
+        g = self.devices_per_node
+        if devices_per_node is not None:
+            g = check_int("devices_per_node", devices_per_node, minimum=1)
         levels = [dataclasses.replace(self.levels[0], size=g)]
-        left = int(nodes)
+        left = nodes = check_int("nodes", nodes, minimum=1)
         for lv in self.levels[1:-1]:
             size = min(lv.size, left)
             levels.append(dataclasses.replace(lv, size=size))
@@ -231,18 +238,24 @@ def fat_tree(
       A :class:`Topology` with levels node / leaf / pod / cluster (or node / leaf / spine).
 
     Raises:
-      ValueError: the node count does not fill whole leaves or pods.
+      ValueError: a count is not an integer >= 1, or the node count does not fill whole
+        leaves or pods.
 
     Example:
       >>> topo = fat_tree(nodes=64, nodes_per_leaf=4, leaves_per_pod=4)
       >>> topo.num_devices
       512
     """
-    if not 1 <= nics_per_node <= devices_per_node:
-        raise ValueError(
-            f"fat_tree(nics_per_node={nics_per_node}): must be between 1 and "
-            f"devices_per_node={devices_per_node}."
-        )
+    nodes = check_int("nodes", nodes, minimum=1)
+    nodes_per_leaf = check_int("nodes_per_leaf", nodes_per_leaf, minimum=1)
+    if leaves_per_pod is not None:
+        fix = "or None for a 2-level tree"
+        leaves_per_pod = check_int("leaves_per_pod", leaves_per_pod, minimum=1, fix=fix)
+    devices_per_node = check_int("devices_per_node", devices_per_node, minimum=1)
+    nics_per_node = check_int(
+        "nics_per_node", nics_per_node, minimum=1, maximum=devices_per_node,
+        fix=f"at most devices_per_node={devices_per_node}",
+    )  # fmt: skip
     npl = min(nodes_per_leaf, nodes)
     if nodes % npl:
         raise ValueError(
@@ -332,6 +345,8 @@ def cpu_local(nodes: int = 1, devices_per_node: int = 8) -> Topology:
     Returns:
       A 2-level :class:`Topology`: shared-memory copies inside a host, 10 Gb/s between.
     """
+    nodes = check_int("nodes", nodes, minimum=1)
+    devices_per_node = check_int("devices_per_node", devices_per_node, minimum=1)
     return Topology(
         (
             Level("node", devices_per_node, 5e9, 20e-6),
