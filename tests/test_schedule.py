@@ -48,6 +48,41 @@ ENTRY %main (a: f32[1024], b: f32[64,64], c: bf16[512]) -> (f32[1024], f32[256],
 """
 
 
+# jaxlib 0.11's XLA:GPU types an async all-reduce-start as (operands..., results...), one
+# operand here and two combined there (lines as printed by jax 0.11.2 on an H200).
+GPU_HLO_0_11 = """HloModule jit_step
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %x, f32[] %y)
+}
+
+ENTRY %main (a: f32[1024], b: f32[256], c: f32[256]) -> (f32[1024], f32[256], f32[256]) {
+  %a = f32[1024]{0} parameter(0)
+  %b = f32[256]{0} parameter(1)
+  %c = f32[256]{0} parameter(2)
+  %all-reduce-start = (f32[1024]{0}, f32[1024]{0}) all-reduce-start(f32[1024]{0} %a), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %all-reduce-done = f32[1024]{0} all-reduce-done((f32[1024]{0}, f32[1024]{0}) %all-reduce-start)
+  %all-reduce-start.1 = ((f32[256]{0}, f32[256]{0}), (f32[256]{0}, f32[256]{0})) all-reduce-start(f32[256]{0} %b, f32[256]{0} %c), channel_id=2, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %all-reduce-done.1 = (f32[256]{0}, f32[256]{0}) all-reduce-done(((f32[256]{0}, f32[256]{0}), (f32[256]{0}, f32[256]{0})) %all-reduce-start.1)
+  %gte.0 = f32[256]{0} get-tuple-element(%all-reduce-done.1), index=0
+  %gte.1 = f32[256]{0} get-tuple-element(%all-reduce-done.1), index=1
+  ROOT %t = (f32[1024]{0}, f32[256]{0}, f32[256]{0}) tuple(%all-reduce-done, %gte.0, %gte.1)
+}
+"""
+
+
+def test_async_all_reduce_counts_operands_once(mesh):
+    """An (operands, results)-typed all-reduce-start counts its operands' bytes once."""
+    rep = parse_schedule(GPU_HLO_0_11, mesh=mesh)
+    rows = [
+        (s.collective.operand_bytes, s.collective.num_buffers, s.is_async)
+        for s in rep.collectives
+    ]
+    assert rows == [(4096, 1, True), (2048, 2, True)]
+
+
 def test_report_on_known_gpu_program(mesh):
     rep = parse_schedule(GPU_HLO, mesh=mesh)
     rows = [
