@@ -17,8 +17,8 @@ alongside the timed parts (``--sequential``: one after the other):
   and achieved memory bandwidth ``(bytes read + bytes written) / time`` as a fraction of
   the GPU's peak.
 * ``schedule``: the compiled schedule of a ResNet-50 data-parallel step (flat all-reduce,
-  224 px) for a 8 mocked GPUs (``jax_mock_gpu_topology=1x8x1``: 8 hosts of one GPU, since XLA requires the
-  mock's GPUs per host to equal the real machine's; mock NCCL: compiled,
+  224 px) for 8 mocked GPUs (``jax_mock_gpu_topology=1x8x1``: 8 hosts of one GPU, since XLA
+  requires the mock's GPUs per host to equal the real machine's; mock NCCL: compiled,
   never run) with ``overlap_options``, all-reduce combine thresholds 0 / 1 MiB / 30 MiB and
   XLA defaults (``python -m jaxcomm.bench schedule``): collectives, async start/done
   pairs, compute between each pair, bytes.
@@ -196,7 +196,7 @@ def _kernels(args: argparse.Namespace, emit: _Emit) -> None:
     import jax.numpy as jnp
 
     from jaxcomm.compression.powersgd import matrix_shape, orthogonalize, powersgd
-    from jaxcomm.compression.quantize import dequantize, quantize
+    from jaxcomm.compression.quantize import dequantize, quantize, uniform_dither
     from jaxcomm.compression.sparse import select_topk
     from jaxcomm.models import gradient_shapes
 
@@ -247,6 +247,17 @@ def _kernels(args: argparse.Namespace, emit: _Emit) -> None:
         emit(kernels=results)
 
     record("copy (x * 2)", lambda x: x * 2.0, (x,), 8 * N)
+    # The random bits of stochastic rounding alone: threefry (what quantize used before)
+    # against the per-element hash it uses now.
+    record(
+        "uniform [0,1), threefry (jax.random.uniform)",
+        lambda k: jax.random.uniform(k, x.shape, jnp.float32),
+        (key,),
+        4 * N,
+    )
+    record(
+        "uniform [0,1), hash (uniform_dither)", lambda k: uniform_dither(k, x.shape), (key,), 4 * N
+    )
     q8n, s8 = jax.jit(lambda x: quantize(x, 8, block, None))(x)
     record(
         "int8 quantize, nearest", lambda x: quantize(x, 8, block, None), (x,), 4 * N + N + scales

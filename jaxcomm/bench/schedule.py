@@ -5,10 +5,10 @@ report (:mod:`jaxcomm.schedule`) for each option set: XLA defaults, the overlap 
 (latency-hiding scheduler), and all-reduce combine thresholds of 0, 1 MiB and 30 MiB.
 
 * GPU variant (a GPU is present, or ``--variant gpu``): the GPU client mocks an 8-GPU
-  topology (``jax_mock_gpu_topology``, default ``1x8x1``: 8 hosts x 1 GPU, mock NCCL; XLA requires the mock's GPUs per host to
-  equal the real machine's GPUs, so one lent GPU mocks 8 hosts of one GPU), so one
-  real GPU compiles the 8-device program; async start/done pairs and the compute scheduled
-  between them show the overlap.
+  topology (``jax_mock_gpu_topology``, default ``1x8x1``: 8 hosts x 1 GPU, mock NCCL; XLA
+  requires the mock's GPUs per host to equal the real machine's, so one lent GPU mocks 8
+  hosts of one GPU), so one real GPU compiles the 8-device program; async start/done
+  pairs and the compute scheduled between them show the overlap.
 * CPU variant (no GPU): 8 fake CPU devices. XLA:CPU collectives are synchronous and its
   all-reduce combiner ignores the GPU thresholds, so the CPU table shows bucket counts and
   sizes only (with ``--no-cpu-combiner``, which is on by default, the CPU combiner is off so
