@@ -77,8 +77,7 @@ def test_async_all_reduce_counts_operands_once(mesh):
     """An (operands, results)-typed all-reduce-start counts its operands' bytes once."""
     rep = parse_schedule(GPU_HLO_0_11, mesh=mesh)
     rows = [
-        (s.collective.operand_bytes, s.collective.num_buffers, s.is_async)
-        for s in rep.collectives
+        (s.collective.operand_bytes, s.collective.num_buffers, s.is_async) for s in rep.collectives
     ]
     assert rows == [(4096, 1, True), (2048, 2, True)]
 
