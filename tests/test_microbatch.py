@@ -279,3 +279,20 @@ def test_microbatch_step_type_checks_where_plain_step_does(mesh, batches, algori
         plain, _ = _typed_step(dp, state, False)(state, batch)
         for a, b in zip(jax.tree.leaves(typed), jax.tree.leaves(plain), strict=True):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_readme_microbatch_section_runs(capsys):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    blocks = [
+        re.search(rf"## {title}.*?```python\n(.*?)```", text, re.S).group(1)
+        for title in ("Quick start", "Microbatches: accumulate locally or overlap")
+    ]
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert int(namespace["state"].step) == 1
+    assert namespace["wire_local"] == namespace["wire_one"] > 0
+    assert "bytes per device per step" in capsys.readouterr().out
