@@ -1,5 +1,8 @@
 """data_parallel(..., microbatches=N): accumulate='local' (reduce once) and 'overlap'."""
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +12,6 @@ from jax.sharding import PartitionSpec as P
 from mlp import mlp_init, mlp_logits, mlp_loss
 
 import jaxcomm
-from jaxcomm.sync import SyncGradientsState
 from jaxcomm.wire import bus_bytes
 
 
@@ -90,18 +92,18 @@ def test_indivisible_batch(mesh, batches):
         dp(state, batches[0])  # 8 examples per device
 
 
-def test_readme_overlap_section_runs(capsys):
-    import pathlib
-    import re
-
+def _run_readme(section: str) -> dict:
+    """Runs the README's quick start, then the first python block of ``section``."""
     text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    blocks = [
-        re.search(rf"## {title}.*?```python\n(.*?)```", text, re.S).group(1)
-        for title in ("Quick start", "Overlap and batching")
-    ]
     namespace: dict = {}
-    for block in blocks:
+    for title in ("Quick start", section):
+        block = re.search(rf"## {re.escape(title)}.*?```python\n(.*?)```", text, re.S).group(1)
         exec(compile(block, "README.md", "exec"), namespace)
+    return namespace
+
+
+def test_readme_overlap_section_runs(capsys):
+    namespace = _run_readme("Overlap and batching")
     assert int(namespace["state"].step) == 1
     out = capsys.readouterr().out
     assert "all collectives synchronous" in out and "reduce-scatter" in out
@@ -192,7 +194,9 @@ def test_local_accumulation_reduces_once(mesh, batches, algorithm, compressor):
         sl, ml = local(sl, b)
     for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(sl.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    count = jax.tree.leaves(sl.opt_state, is_leaf=lambda x: isinstance(x, SyncGradientsState))[0]
+    count = jax.tree.leaves(
+        sl.opt_state, is_leaf=lambda x: isinstance(x, jaxcomm.SyncGradientsState)
+    )[0]
     assert int(count.count) == 2  # one synchronisation per step
 
     # (c) replicas agree bitwise after 2 steps, in both modes.
@@ -200,7 +204,9 @@ def test_local_accumulation_reduces_once(mesh, batches, algorithm, compressor):
     for b in batches[:2]:
         so, _ = overlap(so, b)
     assert replicas_equal(so, overlap.state_specs(so))
-    count = jax.tree.leaves(so.opt_state, is_leaf=lambda x: isinstance(x, SyncGradientsState))[0]
+    count = jax.tree.leaves(
+        so.opt_state, is_leaf=lambda x: isinstance(x, jaxcomm.SyncGradientsState)
+    )[0]
     assert int(count.count) == 2 * N  # overlap: one synchronisation per microbatch
 
 
@@ -282,17 +288,7 @@ def test_microbatch_step_type_checks_where_plain_step_does(mesh, batches, algori
 
 
 def test_readme_microbatch_section_runs(capsys):
-    import pathlib
-    import re
-
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    blocks = [
-        re.search(rf"## {title}.*?```python\n(.*?)```", text, re.S).group(1)
-        for title in ("Quick start", "Microbatches: accumulate locally or overlap")
-    ]
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)
+    namespace = _run_readme("Microbatches: accumulate locally or overlap")
     assert int(namespace["state"].step) == 1
     assert namespace["wire_local"] == namespace["wire_one"] > 0
     assert "bytes per device per step" in capsys.readouterr().out
