@@ -166,9 +166,17 @@ def _step_bytes(dp, state, batch, trip_count):
     )
 
 
+@pytest.fixture(scope="module")
+def metrics_bytes(mesh, batches):
+    """Bytes of a step without gradient communication: the metrics' pmean alone."""
+    dp = jaxcomm.data_parallel(_loss, optax.sgd(0.1), mesh, has_aux=True, require_sync=False)
+    state = dp.init(_init(jax.random.key(0)))
+    return jaxcomm.wire_bytes(dp.step_fn(state), state, dp.shard_batch(batches[0]))["total"]
+
+
 @pytest.mark.parametrize("compressor", list(COMPRESSORS))
 @pytest.mark.parametrize("algorithm", ["flat", "hierarchical"])
-def test_local_accumulation_reduces_once(mesh, batches, algorithm, compressor):
+def test_local_accumulation_reduces_once(mesh, batches, metrics_bytes, algorithm, compressor):
     params = _init(jax.random.key(1))
     one, local = _dp(mesh, algorithm, compressor, 1), _dp(mesh, algorithm, compressor, N)
     overlap = _dp(mesh, algorithm, compressor, N, "overlap")
@@ -177,11 +185,7 @@ def test_local_accumulation_reduces_once(mesh, batches, algorithm, compressor):
 
     # (a) bytes from the compiled HLO: local == microbatches=1 == 1/N of overlap (the
     # gradient part; the metrics' pmean is the same in all three).
-    metrics_only = jaxcomm.data_parallel(
-        _loss, optax.sgd(0.1), mesh, has_aux=True, require_sync=False
-    )
-    sm = metrics_only.init(params)
-    m = jaxcomm.wire_bytes(metrics_only.step_fn(sm), sm, batch)["total"]
+    m = metrics_bytes
     b1 = jaxcomm.wire_bytes(one.step_fn(s1), s1, batch)["total"]
     bl = jaxcomm.wire_bytes(local.step_fn(sl), sl, batch)["total"]
     bo = _step_bytes(overlap, so, batch, N - 1)
@@ -248,6 +252,17 @@ def test_overlap_keeps_error_feedback_per_microbatch(mesh, batches):
     assert abs(lhs - rhs) < 1e-5 * scale
     # the same relation fails if the residual were dropped between microbatches
     assert abs(lhs - N * sum(float(jnp.sum(g)) for g in g_full)) > 1e-3 * scale
+
+
+@pytest.mark.parametrize("accumulate", ["local", "overlap"])
+def test_compute_only_twin_has_no_gradient_collectives(mesh, batches, metrics_bytes, accumulate):
+    """The profiler's twin (traced under sync.pre_reduced) keeps only the metrics' pmean in
+    both modes: 'overlap' reduces through sync_gradients' own update, which passes through."""
+    dp = _dp(mesh, "flat", "int8", N, accumulate)
+    state = dp.init(_init(jax.random.key(4)))
+    twin = jaxcomm.profiler.compute_only_step(dp, state, batches[0])
+    wire = jaxcomm.wire.summarize(jaxcomm.hlo.parse_collectives(twin.as_text(), mesh))
+    assert wire["total"] == metrics_bytes
 
 
 def _typed_step(dp, state, check_vma):
