@@ -254,6 +254,22 @@ def test_overlap_keeps_error_feedback_per_microbatch(mesh, batches):
     assert abs(lhs - N * sum(float(jnp.sum(g)) for g in g_full)) > 1e-3 * scale
 
 
+def test_bf16_params_keep_their_dtype(mesh, batches):
+    """bf16 gradients are summed in f32 and handed to the optimizer in bf16."""
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _init(jax.random.key(5)))
+    out = {}
+    for n, accumulate in ((1, "local"), (N, "local"), (N, "overlap")):
+        dp = _dp(mesh, "flat", "none", n, accumulate)
+        state, _ = dp(dp.init(params), batches[0])
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.params))
+        out[n, accumulate] = state.params
+    for key in ((N, "local"), (N, "overlap")):
+        for a, b in zip(jax.tree.leaves(out[1, "local"]), jax.tree.leaves(out[key]), strict=True):
+            np.testing.assert_allclose(
+                np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2
+            )
+
+
 @pytest.mark.parametrize("accumulate", ["local", "overlap"])
 def test_compute_only_twin_has_no_gradient_collectives(mesh, batches, metrics_bytes, accumulate):
     """The profiler's twin (traced under sync.pre_reduced) keeps only the metrics' pmean in
