@@ -157,13 +157,30 @@ def _dp(mesh, algorithm, compressor, n, accumulate="local", **kw):
     )
 
 
-def _step_bytes(dp, state, batch, trip_count):
+def _compile(dp, state, batch):
+    """The step compiled once (ahead of time, run and read from the same executable) and
+    its collectives."""
+    compiled = dp.step_fn(state).lower(state, batch).compile()
+    return compiled, jaxcomm.hlo.parse_collectives(compiled.as_text(), dp.mesh)
+
+
+def _step_bytes(mod, trip_count):
     """Bytes one device sends per step: collectives in the scan body count once per
     iteration (``wire_bytes`` counts a loop body once)."""
-    mod = jaxcomm.hlo.collectives(dp.step_fn(state), state, batch, mesh=dp.mesh)
     return sum(
         bus_bytes(c) * (1 if c.computation == mod.entry else trip_count) for c in mod.collectives
     )
+
+
+def _run(compiled, dp, state, batches):
+    for b in batches:  # one step in flight at a time on CPU, as DataParallel.__call__ does
+        state, _ = jax.block_until_ready(compiled(state, dp.shard_batch(b)))
+    return state
+
+
+def _sync_count(state) -> int:
+    is_sync = lambda x: isinstance(x, jaxcomm.SyncGradientsState)  # noqa: E731
+    return int(jax.tree.leaves(state.opt_state, is_leaf=is_sync)[0].count)
 
 
 @pytest.fixture(scope="module")
@@ -183,35 +200,30 @@ def test_local_accumulation_reduces_once(mesh, batches, metrics_bytes, algorithm
     batch = one.shard_batch(batches[0])
     s1, sl, so = one.init(params), local.init(params), overlap.init(params)
 
-    # (a) bytes from the compiled HLO: local == microbatches=1 == 1/N of overlap (the
-    # gradient part; the metrics' pmean is the same in all three).
+    (c1, mod1), (cl, modl) = _compile(one, s1, batch), _compile(local, sl, batch)
+    co, modo = _compile(overlap, so, batch)
+
+    # (a) bytes from the compiled HLO (jaxcomm.wire.summarize, what wire_bytes returns):
+    # local == microbatches=1 == 1/N of overlap in the gradient part (the metrics' pmean
+    # is the same in all three).
     m = metrics_bytes
-    b1 = jaxcomm.wire_bytes(one.step_fn(s1), s1, batch)["total"]
-    bl = jaxcomm.wire_bytes(local.step_fn(sl), sl, batch)["total"]
-    bo = _step_bytes(overlap, so, batch, N - 1)
+    b1 = jaxcomm.wire.summarize(mod1)["total"]
+    bl = jaxcomm.wire.summarize(modl)["total"]
+    bo = _step_bytes(modo, N - 1)
     assert bl == b1 and bl > m
     assert (bl - m) * N == pytest.approx(bo - m, rel=1e-9)
 
     # (b) same result as microbatches=1: the compressor sees the same mean gradient.
-    for b in batches[:2]:
-        s1, _ = one(s1, b)
-        sl, ml = local(sl, b)
+    s1, sl = _run(c1, one, s1, batches[:2]), _run(cl, local, sl, batches[:2])
     for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(sl.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    count = jax.tree.leaves(
-        sl.opt_state, is_leaf=lambda x: isinstance(x, jaxcomm.SyncGradientsState)
-    )[0]
-    assert int(count.count) == 2  # one synchronisation per step
+    assert _sync_count(sl) == 2  # one synchronisation per step
 
     # (c) replicas agree bitwise after 2 steps, in both modes.
     assert replicas_equal(sl, local.state_specs(sl))
-    for b in batches[:2]:
-        so, _ = overlap(so, b)
+    so = _run(co, overlap, so, batches[:2])
     assert replicas_equal(so, overlap.state_specs(so))
-    count = jax.tree.leaves(
-        so.opt_state, is_leaf=lambda x: isinstance(x, jaxcomm.SyncGradientsState)
-    )[0]
-    assert int(count.count) == 2 * N  # overlap: one synchronisation per microbatch
+    assert _sync_count(so) == 2 * N  # overlap: one synchronisation per microbatch
 
 
 def test_overlap_keeps_error_feedback_per_microbatch(mesh, batches):
