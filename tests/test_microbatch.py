@@ -293,30 +293,33 @@ def test_compute_only_twin_has_no_gradient_collectives(mesh, batches, metrics_by
     assert wire["total"] == metrics_bytes
 
 
-def _typed_step(dp, state, check_vma):
-    """The step of ``dp`` with shard_map's replication typing on or off."""
-    specs = dp.state_specs(state)
-    mapped = jax.shard_map(
-        dp._local_step,
-        mesh=dp.mesh,
-        in_specs=(specs, P(dp.axes)),
-        out_specs=(specs, P()),
-        check_vma=check_vma,
-    )
-    return jax.jit(mapped)
+def _typed_step(monkeypatch, dp, state, check_vma):
+    """``dp.step_fn(state)`` built with shard_map's replication typing on or off (whatever
+    the builder passes)."""
+    shard_map = jax.shard_map
+
+    def typed_shard_map(f, **kw):
+        return shard_map(f, **{**kw, "check_vma": check_vma})
+
+    with monkeypatch.context() as m:
+        m.setattr(jax, "shard_map", typed_shard_map)
+        return dp.step_fn(state)
 
 
 @pytest.mark.parametrize("compressor", list(COMPRESSORS))
 @pytest.mark.parametrize("algorithm", ["flat", "hierarchical"])
-def test_microbatch_step_type_checks_where_plain_step_does(mesh, batches, algorithm, compressor):
+def test_microbatch_step_type_checks_where_plain_step_does(
+    monkeypatch, mesh, batches, algorithm, compressor
+):
     """Under check_vma=True the accumulation adds no untyped value: wherever the
     microbatches=1 step proves replication, both modes do and give the same bits as with
     check_vma=False."""
     params = _init(jax.random.key(3))
     one = _dp(mesh, algorithm, compressor, 1)
     batch = one.shard_batch(batches[0])
+    state = one.init(params)
     try:
-        _typed_step(one, one.init(params), True).lower(one.init(params), batch)
+        _typed_step(monkeypatch, one, state, True).lower(state, batch)
     except ValueError as e:
         if "can't be statically inferred" not in str(e):
             raise
@@ -324,8 +327,8 @@ def test_microbatch_step_type_checks_where_plain_step_does(mesh, batches, algori
     for accumulate in ("local", "overlap"):
         dp = _dp(mesh, algorithm, compressor, N, accumulate)
         state = dp.init(params)
-        typed, _ = _typed_step(dp, state, True)(state, batch)
-        plain, _ = _typed_step(dp, state, False)(state, batch)
+        typed = jax.block_until_ready(_typed_step(monkeypatch, dp, state, True)(state, batch))
+        plain = jax.block_until_ready(_typed_step(monkeypatch, dp, state, False)(state, batch))
         for a, b in zip(jax.tree.leaves(typed), jax.tree.leaves(plain), strict=True):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
