@@ -91,7 +91,8 @@ _SYNC_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 _PRE_REDUCED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "jaxcomm_pre_reduced", default=False
 )
-# Trace-time record of the gradient reducers of sync_gradients (for the microbatch loop).
+# Trace-time record of the stateful gradient reducers of sync_gradients (for the microbatch
+# loop of data_parallel(..., accumulate='overlap')).
 _REDUCERS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "jaxcomm_reducers", default=None
 )
@@ -112,8 +113,9 @@ def sync_probe():
 
 
 def reducer_probe():
-    """Context manager yielding a list that gets the ``grads -> reduced grads`` function of
-    each traced ``sync_gradients`` (used by ``data_parallel(..., microbatches=N)``)."""
+    """Context manager yielding a list that gets the stateful reducer
+    ``(grads, SyncGradientsState) -> (reduced grads, SyncGradientsState)`` of each traced
+    ``sync_gradients`` (its own update; used by ``jaxcomm.microbatch`` in 'overlap' mode)."""
     return _scoped(_REDUCERS, [])
 
 
@@ -303,13 +305,9 @@ def sync_gradients(
         check_bound(axes, "sync_gradients", _UNBOUND_FIX)
         reducers = _REDUCERS.get()
         if reducers is not None:
-            if compression is not None:
-                raise NotImplementedError(
-                    "data_parallel(microbatches=N) with sync_gradients(compression=...) is not "
-                    "supported yet: the compressor's state would have to be threaded through "
-                    "the microbatch scan. Use microbatches=1 with compression, or none."
-                )
-            reducers.append(reduce_tree)
+            # The microbatch loop calls this very update once per microbatch, threading the
+            # state (count, compressor state) through its scan.
+            reducers.append(update)
         if _PRE_REDUCED.get():
             # Gradients were reduced already (microbatch loop), or this is the profiler's
             # compute-only twin: no collective at all, compressor state untouched.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -16,8 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import check_axes
 from jaxcomm.mesh import DATA_AXES
+from jaxcomm.microbatch import accumulate_gradients, check_accumulate
 from jaxcomm.state import stack_local, state_partition_specs, unstack_local
-from jaxcomm.sync import pre_reduced, reducer_probe, sync_probe
+from jaxcomm.sync import sync_probe
 from jaxcomm.validate import check_int
 
 __all__ = ["DataParallel", "TrainState", "data_parallel"]
@@ -70,8 +70,10 @@ class DataParallel:
         donate: bool,
         require_sync: bool,
         microbatches: int = 1,
+        accumulate: str = "local",
     ):
         microbatches = check_int("microbatches", microbatches, minimum=1, fix="1 turns it off")
+        check_accumulate(accumulate)
         if microbatches > 1 and with_model_state:
             raise ValueError(
                 "microbatches > 1 with with_model_state=True is not supported: model state "
@@ -94,6 +96,7 @@ class DataParallel:
         self.compiler_options = dict(compiler_options or {})
         self._donate = donate
         self.microbatches = microbatches
+        self.accumulate = accumulate
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.batch_sharding = NamedSharding(mesh, P(axes))
         self.replicated = NamedSharding(mesh, P())
@@ -180,6 +183,7 @@ class DataParallel:
     # -- step -------------------------------------------------------------------------
     def _local_step(self, state: TrainState, batch: Any):
         opt_state = unstack_local(state.opt_state)
+        update = self.optimizer.update
         if self._with_model_state:
 
             def loss(p):
@@ -190,7 +194,17 @@ class DataParallel:
             )
             model_state = _pmean_floats(model_state, self.axes)
         elif self.microbatches > 1:
-            value, aux, grads = self._microbatch_grads(state, opt_state, batch)
+            value, aux, grads, update = accumulate_gradients(
+                self._loss_fn,
+                self.optimizer,
+                state.params,
+                opt_state,
+                batch,
+                microbatches=self.microbatches,
+                accumulate=self.accumulate,
+                has_aux=self._has_aux,
+                axes=self.axes,
+            )
             model_state = state.model_state
         else:
             out, grads = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)(
@@ -198,8 +212,8 @@ class DataParallel:
             )
             value, aux = out if self._has_aux else (out, {})
             model_state = state.model_state
-        with sync_probe() as calls, self._maybe_pre_reduced():
-            updates, opt_state = self.optimizer.update(grads, opt_state, state.params)
+        with sync_probe() as calls:
+            updates, opt_state = update(grads, opt_state, state.params)
         if self._require_sync and not calls:
             raise ValueError(
                 "the optimizer passed to data_parallel never synchronises gradients, so "
@@ -211,72 +225,6 @@ class DataParallel:
         metrics = jax.tree.map(lambda m: lax.pmean(jnp.asarray(m, jnp.float32), self.axes), metrics)
         new_state = TrainState(state.step + 1, params, stack_local(opt_state), model_state)
         return new_state, metrics
-
-    def _maybe_pre_reduced(self):
-        return pre_reduced() if self.microbatches > 1 else contextlib.nullcontext()
-
-    def _microbatch_grads(self, state: TrainState, opt_state: Any, batch: Any):
-        """Mean loss, aux and *reduced* gradients over ``self.microbatches`` microbatches.
-
-        1. Find the optimizer's gradient reducer (the all-reduce of ``sync_gradients``) by
-           tracing its update abstractly.
-        2. ``lax.scan`` over microbatches 1..N-1; the body computes the gradient of
-           microbatch i+1 and reduces the (carried) gradient of microbatch i. The two have
-           no data dependency, so the reduction is in flight while the next microbatch
-           computes (async collectives on GPU; pipelined with
-           ``xla.overlap_options(pipeline=('all-reduce',))``).
-        3. Reduce the last microbatch's gradient after the loop; average over microbatches.
-
-        The optimizer then runs once, with ``sync_gradients`` passing the reduced gradients
-        through. For a mean loss over equal microbatches this equals the one-batch step.
-        """
-        n = self.microbatches
-        params = state.params
-        abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), params)
-        with reducer_probe() as reducers:
-            jax.eval_shape(lambda g, s: self.optimizer.update(g, s, params), abstract, opt_state)
-        if len(reducers) != 1:
-            raise ValueError(
-                f"data_parallel(microbatches={n}) needs exactly one jaxcomm.sync_gradients in "
-                f"the optimizer (found {len(reducers)}): it reduces each microbatch's "
-                "gradient as the next one computes."
-            )
-        reduce = reducers[0]
-
-        def split(x):
-            x = jnp.asarray(x)
-            if x.ndim == 0 or x.shape[0] % n:
-                raise ValueError(
-                    f"data_parallel(microbatches={n}): the per-device batch leading dimension "
-                    f"{x.shape[0] if x.ndim else '()'} does not divide by {n}. Use a global "
-                    f"batch that is a multiple of {n * self.num_devices}."
-                )
-            return x.reshape(n, x.shape[0] // n, *x.shape[1:])
-
-        mbs = jax.tree.map(split, batch)
-        grad_fn = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)
-
-        def grad_of(mb):
-            out, g = grad_fn(params, mb)
-            value, aux = out if self._has_aux else (out, {})
-            return g, (value, dict(aux or {}))
-
-        g0, stats0 = grad_of(jax.tree.map(lambda x: x[0], mbs))
-
-        def body(carry, mb):
-            acc, pending, stats = carry
-            g, st = grad_of(mb)  # microbatch i+1 computes ...
-            acc = jax.tree.map(jnp.add, acc, reduce(pending))  # ... while i is reduced
-            stats = jax.tree.map(jnp.add, stats, st)
-            return (acc, g, stats), None
-
-        zeros = jax.tree.map(jnp.zeros_like, g0)
-        rest = jax.tree.map(lambda x: x[1:], mbs)
-        (acc, last, stats), _ = lax.scan(body, (zeros, g0, stats0), rest)
-        acc = jax.tree.map(jnp.add, acc, reduce(last))
-        grads = jax.tree.map(lambda a: (a / n).astype(a.dtype), acc)
-        value, aux = jax.tree.map(lambda v: v / n, stats)
-        return value, aux, grads
 
     def step_fn(self, state: TrainState) -> Callable:
         """The jitted ``(state, batch) -> (state, metrics)`` for states shaped like ``state``."""
@@ -326,6 +274,7 @@ def data_parallel(
     donate: bool = False,
     require_sync: bool = True,
     microbatches: int = 1,
+    accumulate: str = "local",
 ) -> DataParallel:
     """Builds a data-parallel train step over ``mesh``.
 
@@ -349,12 +298,19 @@ def data_parallel(
       compiler_options: XLA options for this step only (``jaxcomm.xla`` builds them).
       donate: donate the input state's buffers to the output.
       require_sync: raise if the optimizer never calls ``sync_gradients``.
-      microbatches: split each device's batch into this many microbatches and accumulate
-        their gradients in a ``lax.scan`` in which the all-reduce of microbatch i is issued
-        while microbatch i+1 computes (overlap by construction, for backends where the
-        scheduler alone does not overlap). The loss must be a mean over the batch; the
-        result then equals ``microbatches=1``. Costs one extra gradient of memory (the
-        gradient in flight); not supported with ``with_model_state``.
+      microbatches: split each device's batch into this many microbatches, run one after
+        the other in a ``lax.scan`` (activation memory of one microbatch), and accumulate
+        their gradients as ``accumulate`` says. The loss must be a mean over the batch; the
+        result then equals ``microbatches=1`` (to f32 rounding; with a compressor, in
+        'local' mode). Not supported with ``with_model_state``.
+      accumulate: how microbatch gradients reach the optimizer (``jaxcomm.microbatch``):
+        ``'local'`` (default) sums them on each device in f32 and synchronises once per
+        step -- the bytes of ``microbatches=1``, with any compressor, error feedback and
+        warm-up; ``'overlap'`` reduces microbatch i while microbatch i+1 computes -- ``N``
+        reductions per step (``N`` times the bytes, compressor state threaded through the
+        scan, ``SyncGradientsState.count`` advancing per reduction), one extra gradient of
+        memory, and never a shorter step than 'local' in the simple model (``N C + R``
+        vs ``C + (N-1) max(C, R) + R``), hence the default.
 
     Returns:
       A :class:`DataParallel`: ``state = dp.init(params)``, then
@@ -378,4 +334,5 @@ def data_parallel(
         donate=donate,
         require_sync=require_sync,
         microbatches=microbatches,
+        accumulate=accumulate,
     )

@@ -64,6 +64,13 @@ def _parse(argv):
         help="JSON dict of XLA options added to every option set "
         "(e.g. '{\"xla_gpu_autotune_level\": 0}' for faster GPU compiles)",
     )
+    p.add_argument(
+        "--accumulate",
+        choices=("local", "overlap"),
+        default="overlap",
+        help="with --microbatches: 'overlap' (default here: the schedule of per-microbatch "
+        "reductions is what this report studies) or 'local' (one reduction per step)",
+    )
     p.add_argument("--rows", action="store_true", help="print every collective, not only totals")
     p.add_argument("--json", default=None, help="write the reports here (after each option set)")
     return p.parse_args(argv)
@@ -217,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         jaxcomm.sync_gradients(algorithm=args.algorithm, bucket_bytes=bucket), optax.sgd(0.1)
     )
     dp = jaxcomm.data_parallel(
-        loss, tx, mesh, with_model_state=with_state, microbatches=args.microbatches
+        loss,
+        tx,
+        mesh,
+        with_model_state=with_state,
+        microbatches=args.microbatches,
+        accumulate=args.accumulate,
     )
     state = jax.eval_shape(dp.init, params, stats)
     state = _abstract(state, dp.state_shardings(state))
@@ -230,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         f"variant={variant} devices={len(jax.devices())} ({jax.devices()[0].platform}) "
         f"mesh={dict(mesh.shape)} model={args.model} params={n_params} "
         f"algorithm={args.algorithm} bucket_bytes={bucket} microbatches={args.microbatches} "
+        f"accumulate={args.accumulate} "
         f"jax={jax.__version__} python={platform.python_version()}"
     )
     try:  # extras are a convenience (e.g. faster compiles): drop them if this XLA lacks them
