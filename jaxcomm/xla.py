@@ -189,17 +189,29 @@ def overlap_options(
             raise XlaOptionError(
                 f"pipeline kind {kind!r} is not supported; choose from {sorted(_PIPELINE_FLAGS)}."
             )
-        old, new = _PIPELINE_FLAGS[kind]
-        if flag_available(new):
-            opts[new] = "on"
-        elif flag_available(old):
-            opts[old] = True
-        else:
-            raise XlaOptionError(
-                f"the installed jaxlib has neither {old!r} nor {new!r}; it cannot pipeline "
-                f"{kind}. Drop {kind!r} from pipeline=."
-            )
+        opts.update(_pipeline_option(kind))
     return check_options(opts)
+
+
+# Spellings of "on" for the enum flags xla_gpu_pipeline_<kind>: XLA_FLAGS takes 'on', but
+# jax.jit's compiler_options set the proto field, whose enum value names differ ('on' was
+# refused by jaxlib 0.11.2 on an H200: "'on' is not a valid enum value").
+_PIPELINE_ON = ("on", "PIPELINE_ON", "PIPELINE_MODE_ON", "ON")
+
+
+def _pipeline_option(kind: str) -> dict[str, Any]:
+    """The installed XLA's option that pipelines collectives of ``kind`` (cached per name)."""
+    old, new = _PIPELINE_FLAGS[kind]
+    if flag_available(new):
+        for value in _PIPELINE_ON:
+            if _probe(new, value) is None:
+                return {new: value}
+    if flag_available(old):
+        return {old: True}
+    raise XlaOptionError(
+        f"the installed jaxlib accepts neither {old!r} nor {new!r} (tried values "
+        f"{list(_PIPELINE_ON)}); it cannot pipeline {kind}. Drop {kind!r} from pipeline=."
+    )
 
 
 def combine_options(
