@@ -269,3 +269,12 @@ def test_part_over_its_limit_is_killed_and_reported(tmp_path):
     assert res["status"] == "timeout"
     assert res["seconds"] < 10
     assert "killed after" in res["error"]
+
+
+def test_limit_overrides_one_part(tmp_path, fake_run, capsys):
+    assert gpu.main(["--out", str(tmp_path), "--parts", "step", "--limit", "step=300"]) == 0
+    parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    assert parts["step"]["timeout_s"] == 300
+    with pytest.raises(SystemExit):
+        gpu.main(["--out", str(tmp_path), "--limit", "nope=3"])
+    assert "PART=SECONDS" in capsys.readouterr().err

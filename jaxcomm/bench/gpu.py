@@ -702,8 +702,21 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="for testing the command's plumbing only: run on CPU with tiny sizes",
     )
+    p.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="PART=SECONDS",
+        help="override a part's time limit (repeatable), e.g. step=330",
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.limits = {}
+    for item in args.limit:
+        name, _, secs = item.partition("=")
+        if name not in _BY_NAME or not secs.replace(".", "", 1).isdigit():
+            p.error(f"--limit {item!r}: use PART=SECONDS with PART one of {list(_BY_NAME)}")
+        args.limits[name] = float(secs)
     if args.allow_cpu:  # tiny sizes: the plumbing, not the numbers
         args.kernel_model = "resnet-tiny"
         args.schedule_model, args.schedule_image_size, args.schedule_batch = "resnet-tiny", 32, 2
@@ -822,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         part = _BY_NAME[name]
         print(f"[{time.perf_counter() - t_start:6.1f} s] {name} ...", flush=True)
-        run = _Running(part, args, argv, min(part.timeout_s, left))
+        run = _Running(part, args, argv, min(args.limits.get(part.name, part.timeout_s), left))
         if name in bg:
             running[name] = run
             continue
