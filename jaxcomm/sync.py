@@ -33,7 +33,7 @@ from jax import lax
 
 from jaxcomm import cost
 from jaxcomm.buckets import AutoBuckets, check_bucket_bytes, plan_buckets
-from jaxcomm.collectives import allreduce
+from jaxcomm.collectives import all_gather_invariant, allreduce
 from jaxcomm.collectives.auto import check_topology, fit_to_mesh
 from jaxcomm.collectives.base import (
     check_algorithm,
@@ -42,7 +42,6 @@ from jaxcomm.collectives.base import (
     pad_to_multiple,
     reduce_scatter,
 )
-from jaxcomm.collectives.hierarchical import all_gather_invariant
 from jaxcomm.compression.base import Compressor, ReduceContext
 from jaxcomm.mesh import DATA_AXES, INTRA
 from jaxcomm.policy import LeafPlan
@@ -339,6 +338,7 @@ def sync_gradients(
                 algorithm=algorithm,
                 step=state.count,
                 key=jax.random.fold_in(jax.random.key(seed), state.count),
+                data_axes=axes,
             )
             buffers = plan.pack(leaves)
 

@@ -16,7 +16,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives.base import check_axes
 from jaxcomm.mesh import DATA_AXES
-from jaxcomm.state import stack_local, state_partition_specs, unstack_local
+from jaxcomm.replicas import check_replicas as _check_replicas
+from jaxcomm.state import (
+    leaf_specs,
+    marked_per_device,
+    stack_leaves,
+    unstack_leaves,
+    varying_axes,
+)
 from jaxcomm.sync import pre_reduced, reducer_probe, sync_probe
 
 __all__ = ["DataParallel", "TrainState", "data_parallel"]
@@ -28,8 +35,10 @@ class TrainState(NamedTuple):
     Attributes:
       step: int32 scalar, number of steps taken.
       params: model parameters, replicated.
-      opt_state: optimizer state; replicated except subtrees marked ``PerDevice``, which
-        carry a leading axis of one entry per device, sharded along the data axes.
+      opt_state: optimizer state; replicated except its per-device leaves (marked
+        ``PerDevice``, or typed varying over the data axes by shard_map, such as
+        ``optax.MultiSteps``' ``acc_grads``), which carry a leading axis of one entry per
+        device, sharded along the data axes (``DataParallel.per_device_paths`` lists them).
       model_state: non-trained model state such as batch-norm statistics (replicated,
         averaged across devices every step), or ``None``.
     """
@@ -69,7 +78,19 @@ class DataParallel:
         donate: bool,
         require_sync: bool,
         microbatches: int = 1,
+        check_replicas: int | None = None,
     ):
+        if check_replicas is None:
+            check_replicas = 0
+        if (
+            isinstance(check_replicas, bool)
+            or not isinstance(check_replicas, int | np.integer)
+            or check_replicas < 0
+        ):
+            raise ValueError(
+                f"check_replicas={check_replicas!r} is out of range; allowed: an int >= 0 "
+                "(N: compare the replicas every N steps; 0 or None: off)."
+            )
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches={microbatches!r} must be a positive int (1: off).")
         if microbatches > 1 and with_model_state:
@@ -97,7 +118,12 @@ class DataParallel:
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.batch_sharding = NamedSharding(mesh, P(axes))
         self.replicated = NamedSharding(mesh, P())
+        self._stacked = NamedSharding(mesh, P(axes))
+        self.check_replicas = int(check_replicas)
         self._compiled_step: Any = None
+        self._opt_layout: list[bool] | None = None  # per optimizer-state leaf: per device?
+        self._opt_paths: list[str] = []
+        self._calls = 0
 
     # -- state ------------------------------------------------------------------------
     def state_specs(self, state: TrainState) -> TrainState:
@@ -105,9 +131,98 @@ class DataParallel:
         return TrainState(
             step=P(),
             params=jax.tree.map(lambda _: P(), state.params),
-            opt_state=state_partition_specs(state.opt_state, self.axes),
+            opt_state=leaf_specs(state.opt_state, self._layout(state.params), self.axes),
             model_state=jax.tree.map(lambda _: P(), state.model_state),
         )
+
+    @property
+    def per_device_paths(self) -> list[str]:
+        """Paths (``jax.tree_util.keystr``) of the optimizer-state leaves stored per device
+        (known after :meth:`init` or the first step)."""
+        flags = self._opt_layout or []
+        return [p for p, f in zip(self._opt_paths, flags, strict=True) if f]
+
+    def _layout(self, params: Any) -> list[bool]:
+        if self._opt_layout is None:
+            self._opt_layout = self._infer_layout(params)
+        return self._opt_layout
+
+    def _infer_layout(self, params: Any) -> list[bool]:
+        """Which optimizer-state leaves are per device, from shard_map's replication types.
+
+        A leaf is per device if it is marked ``PerDevice``, or if shard_map types it as
+        varying over the data axes after ``init`` or after ``update`` with per-device
+        gradients. ``update`` is traced abstractly (no compute, no compile) until the set
+        is stable, because a per-device input can make further leaves vary. The update
+        itself must come out invariant, or params would diverge: that is refused here.
+        """
+        axes = frozenset(self.axes)
+        params = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype, sharding=self.replicated), params
+        )
+        rec: dict[str, Any] = {}
+
+        def init_probe(p):
+            s = self.optimizer.init(p)
+            flat, treedef = jax.tree_util.tree_flatten_with_path(s)
+            rec["treedef"] = treedef
+            rec["paths"] = [jax.tree_util.keystr(k) for k, _ in flat]
+            rec["local"] = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
+            rec["vary"] = [bool(varying_axes(x) & axes) for _, x in flat]
+            rec["marked"] = marked_per_device(s)
+            return jnp.zeros(())
+
+        jax.eval_shape(self._probe_map(init_probe, (P(),)), params)
+        per = [m or v for m, v in zip(rec["marked"], rec["vary"], strict=True)]
+        local = jax.tree.unflatten(rec["treedef"], rec["local"])
+        for _ in range(len(per) + 1):
+
+            def update_probe(p, s, per=per):
+                s = unstack_leaves(s, per)
+                g = jax.tree.map(jnp.zeros_like, p)
+                if self.microbatches == 1:  # gradients of the local batch: per device
+                    g = lax.pcast(g, self.axes, to="varying")
+                with sync_probe(), self._maybe_pre_reduced():
+                    u, s2 = self.optimizer.update(g, s, p)
+                rec["next"] = [bool(varying_axes(x) & axes) for x in jax.tree.leaves(s2)]
+                rec["updates"] = [
+                    (jax.tree_util.keystr(k), sorted(varying_axes(x) & axes))
+                    for k, x in jax.tree_util.tree_flatten_with_path(u)[0]
+                ]
+                return jnp.zeros(())
+
+            def glob_leaf(x, f):
+                if f:
+                    shape, sharding = (self.num_devices, *x.shape), self._stacked
+                else:
+                    shape, sharding = x.shape, self.replicated
+                return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+
+            glob = jax.tree.map(glob_leaf, local, jax.tree.unflatten(rec["treedef"], per))
+            specs = leaf_specs(local, per, self.axes)
+            jax.eval_shape(self._probe_map(update_probe, (P(), specs)), params, glob)
+            nxt = [a or b for a, b in zip(per, rec["next"], strict=True)]
+            if nxt == per:
+                break
+            per = nxt
+        varying = [(k, v) for k, v in rec["updates"] if v]
+        if varying:
+            path, vma = varying[0]
+            raise ValueError(
+                f"data_parallel: the optimizer's update of params{path} (and "
+                f"{len(varying) - 1} more leaves) varies over mesh axes {tuple(vma)}: it is "
+                "computed from each device's own gradients with no synchronising collective "
+                "after them, so params would differ across devices. Put "
+                "jaxcomm.sync_gradients() in the optax.chain before the transforms whose "
+                "output must agree, e.g. optax.chain(jaxcomm.sync_gradients(), "
+                "optax.adamw(1e-3)); if you reduce gradients yourself (require_sync=False), "
+                "use a collective whose result is replicated (lax.psum, jaxcomm.allreduce)."
+            )
+        self._opt_paths = rec["paths"]
+        return per
+
+    def _probe_map(self, fn: Callable, in_specs: tuple) -> Callable:
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P(), check_vma=True)
 
     def state_shardings(self, state: TrainState) -> TrainState:
         return jax.tree.map(
@@ -125,25 +240,12 @@ class DataParallel:
         params = jax.device_put(params, self.replicated)
         if model_state is not None:
             model_state = jax.device_put(model_state, self.replicated)
-        # The structure (which subtrees are PerDevice) comes from an abstract run inside
-        # shard_map, so that init may use lax.axis_index.
-        abstract = jax.eval_shape(
-            jax.shard_map(
-                self.optimizer.init,
-                mesh=self.mesh,
-                in_specs=(P(),),
-                out_specs=P(),
-                check_vma=False,
-            ),
-            params,
-        )
-        opt_specs = state_partition_specs(abstract, self.axes)
+        per = self._layout(params)
         init_fn = jax.shard_map(
-            lambda p: stack_local(self.optimizer.init(p)),
+            lambda p: stack_leaves(self.optimizer.init(p), per),
             mesh=self.mesh,
             in_specs=(P(),),
-            out_specs=opt_specs,
-            check_vma=False,
+            out_specs=self._init_specs(params, per),
         )
         opt_state = jax.jit(init_fn)(params)
         return TrainState(
@@ -152,6 +254,16 @@ class DataParallel:
             opt_state=opt_state,
             model_state=model_state,
         )
+
+    def _init_specs(self, params: Any, per: list[bool]) -> Any:
+        local = jax.eval_shape(
+            jax.shard_map(
+                self.optimizer.init, mesh=self.mesh, in_specs=(P(),), out_specs=P(),
+                check_vma=False,
+            ),
+            params,
+        )  # fmt: skip
+        return leaf_specs(local, per, self.axes)
 
     # -- batch ------------------------------------------------------------------------
     def shard_batch(self, batch: Any) -> Any:
@@ -178,15 +290,25 @@ class DataParallel:
         return jax.tree.map(put, batch)
 
     # -- step -------------------------------------------------------------------------
+    def _varying_params(self, params: Any) -> Any:
+        """``params`` typed varying over the data axes (a no-op at run time).
+
+        Under ``check_vma=True``, the gradient with respect to an *invariant* input is
+        reduced by JAX itself (the transpose of the implicit ``pvary`` is a ``psum``);
+        differentiating with respect to a varying copy yields each device's own gradient,
+        which ``sync_gradients`` then reduces with the configured algorithm.
+        """
+        return lax.pcast(params, self.axes, to="varying")
+
     def _local_step(self, state: TrainState, batch: Any):
-        opt_state = unstack_local(state.opt_state)
+        opt_state = unstack_leaves(state.opt_state, self._opt_layout)
         if self._with_model_state:
 
             def loss(p):
                 return self._loss_fn(p, state.model_state, batch)
 
             (value, (model_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(
-                state.params
+                self._varying_params(state.params)
             )
             model_state = _pmean_floats(model_state, self.axes)
         elif self.microbatches > 1:
@@ -194,7 +316,7 @@ class DataParallel:
             model_state = state.model_state
         else:
             out, grads = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)(
-                state.params, batch
+                self._varying_params(state.params), batch
             )
             value, aux = out if self._has_aux else (out, {})
             model_state = state.model_state
@@ -209,7 +331,9 @@ class DataParallel:
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": value, **dict(aux or {})}
         metrics = jax.tree.map(lambda m: lax.pmean(jnp.asarray(m, jnp.float32), self.axes), metrics)
-        new_state = TrainState(state.step + 1, params, stack_local(opt_state), model_state)
+        new_state = TrainState(
+            state.step + 1, params, stack_leaves(opt_state, self._opt_layout), model_state
+        )
         return new_state, metrics
 
     def _maybe_pre_reduced(self):
@@ -231,10 +355,12 @@ class DataParallel:
         through. For a mean loss over equal microbatches this equals the one-batch step.
         """
         n = self.microbatches
-        params = state.params
+        params = self._varying_params(state.params)
         abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), params)
         with reducer_probe() as reducers:
-            jax.eval_shape(lambda g, s: self.optimizer.update(g, s, params), abstract, opt_state)
+            jax.eval_shape(
+                lambda g, s: self.optimizer.update(g, s, state.params), abstract, opt_state
+            )
         if len(reducers) != 1:
             raise ValueError(
                 f"data_parallel(microbatches={n}) needs exactly one jaxcomm.sync_gradients in "
@@ -270,7 +396,8 @@ class DataParallel:
             stats = jax.tree.map(jnp.add, stats, st)
             return (acc, g, stats), None
 
-        zeros = jax.tree.map(jnp.zeros_like, g0)
+        # Invariant zeros: the sum of reduced (invariant) gradients stays typed invariant.
+        zeros = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), g0)
         rest = jax.tree.map(lambda x: x[1:], mbs)
         (acc, last, stats), _ = lax.scan(body, (zeros, g0, stats0), rest)
         acc = jax.tree.map(jnp.add, acc, reduce(last))
@@ -279,16 +406,20 @@ class DataParallel:
         return value, aux, grads
 
     def step_fn(self, state: TrainState) -> Callable:
-        """The jitted ``(state, batch) -> (state, metrics)`` for states shaped like ``state``."""
+        """The jitted ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
+
+        Runs under ``jax.shard_map(..., check_vma=True)``: every output typed replicated
+        (``P()``: step, params, model state, the optimizer state that is not per device)
+        must be invariant over the data axes in shard_map's type system, or tracing fails.
+        That is the proof that replicas agree; ``check_replicas=N`` checks the values too.
+        """
         specs = self.state_specs(state)
         mapped = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
             in_specs=(specs, P(self.axes)),
             out_specs=(specs, P()),
-            # ring/tree collectives built from ppermute are replicated in value but not in
-            # shard_map's type system; the sync probe above guards against missing syncs.
-            check_vma=False,
+            check_vma=True,
         )
         return jax.jit(
             mapped,
@@ -307,6 +438,9 @@ class DataParallel:
             # 40 s termination abort), so CPU runs keep one step in flight. GPU and TPU
             # keep asynchronous dispatch.
             jax.block_until_ready(out)
+        self._calls += 1
+        if self.check_replicas and self._calls % self.check_replicas == 0:
+            _check_replicas(out[0], mesh=self.mesh, what=f"state (step {self._calls})")
         return out
 
     def lower(self, state: TrainState, batch: Any):
@@ -326,14 +460,21 @@ def data_parallel(
     donate: bool = False,
     require_sync: bool = True,
     microbatches: int = 1,
+    check_replicas: int | None = None,
 ) -> DataParallel:
     """Builds a data-parallel train step over ``mesh``.
 
     The batch is split along its leading axis over ``axes``; params, model state and
     ordinary optimizer state are replicated; optimizer state wrapped in
-    ``jaxcomm.PerDevice`` is sharded along ``axes``. Each device computes the gradient of
-    ``loss_fn`` on its shard; the optimizer (which must contain ``jaxcomm.sync_gradients``)
-    averages them.
+    ``jaxcomm.PerDevice``, or whose value depends on each device's own gradients (shard_map
+    types it varying, e.g. ``optax.MultiSteps``' accumulators), is stored per device,
+    sharded along ``axes``. Each device computes the gradient of ``loss_fn`` on its shard;
+    the optimizer (which must contain ``jaxcomm.sync_gradients``) averages them.
+
+    Replicas agree by construction: the step runs under shard_map's replication check
+    (``check_vma=True``), which proves at trace time that everything stored replicated is
+    invariant across devices; an optimizer whose update is not (no sync before it) is
+    refused with an error naming the leaf.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``-> (loss, metrics)`` with
@@ -355,6 +496,10 @@ def data_parallel(
         scheduler alone does not overlap). The loss must be a mean over the batch; the
         result then equals ``microbatches=1``. Costs one extra gradient of memory (the
         gradient in flight); not supported with ``with_model_state``.
+      check_replicas: every this many steps, compare every replicated leaf of the state
+        across devices by its bits (hashes exchanged between processes) and raise
+        ``jaxcomm.ReplicaDivergenceError`` naming the leaf and the devices that differ.
+        ``0``/``None``: off. Costs a device-to-host copy of the state each time.
 
     Returns:
       A :class:`DataParallel`: ``state = dp.init(params)``, then
@@ -378,4 +523,5 @@ def data_parallel(
         donate=donate,
         require_sync=require_sync,
         microbatches=microbatches,
+        check_replicas=check_replicas,
     )

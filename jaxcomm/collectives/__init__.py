@@ -26,13 +26,14 @@ from jaxcomm.collectives.base import (
 )
 from jaxcomm.collectives.flat import flat_allreduce
 from jaxcomm.collectives.halving_doubling import halving_doubling_allreduce
-from jaxcomm.collectives.hierarchical import hierarchical_allreduce
+from jaxcomm.collectives.hierarchical import all_gather_invariant, hierarchical_allreduce
 from jaxcomm.collectives.ring import ring_allreduce
 from jaxcomm.collectives.tree import tree_allreduce
 
 __all__ = [
     "ALGORITHMS",
     "OPS",
+    "all_gather_invariant",
     "allreduce",
     "flat_allreduce",
     "halving_doubling_allreduce",
@@ -63,9 +64,9 @@ def allreduce(
       op: 'sum' or 'mean'.
       topology: a ``jaxcomm.topology.Topology`` that ``algorithm='auto'`` plans with
         (``jaxcomm.cost.choose`` per packed buffer); None: ``jaxcomm.topology.detect()``.
-        Other algorithms ignore it. 'ring', 'tree', 'halving_doubling' (and 'auto' when it
-        picks one of them) return values shard_map types as varying: use
-        ``check_vma=False`` in your ``shard_map``.
+        Other algorithms ignore it. Every algorithm's result is typed invariant over
+        ``axes`` by shard_map's replication check (``check_vma=True``), so it may leave a
+        ``shard_map`` with ``out_specs=P()``.
 
     Returns:
       A pytree of the same structure, shapes and dtypes holding the reduced values.
