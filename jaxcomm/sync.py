@@ -45,6 +45,7 @@ from jaxcomm.collectives.base import (
 from jaxcomm.compression.base import Compressor, ReduceContext
 from jaxcomm.mesh import DATA_AXES, INTRA
 from jaxcomm.policy import LeafPlan
+from jaxcomm.state import marked_per_device, varying_axes
 from jaxcomm.topology import detect
 
 __all__ = [
@@ -140,6 +141,28 @@ def _predicted_seconds(algorithm: str, axes: tuple[str, ...], topology: Any):
     topo = fit_to_mesh(topo, int(np.prod(sizes)) // g, g)
     name = algorithm if algorithm in cost.ALGORITHMS else "auto"
     return lambda nbytes: cost.predict(name, nbytes, topo)
+
+
+def _check_shared_state(name: str, cstate: Any, axes: tuple[str, ...]) -> None:
+    """Refuses compressor state that varies across devices without a ``PerDevice`` mark.
+
+    Such state (a level, a skip flag, a shared factor) steers later steps; if it differed
+    between devices they would run different ``lax.switch`` branches or skip different
+    steps. Inside ``shard_map(check_vma=True)`` its type says whether it can differ; with
+    the check off nothing is known and nothing is refused.
+    """
+    marked = marked_per_device(cstate)
+    flat = jax.tree_util.tree_flatten_with_path(cstate)[0]
+    for (path, x), per in zip(flat, marked, strict=True):
+        vary = sorted(varying_axes(x) & set(axes))
+        if vary and not per:
+            raise ValueError(
+                f"compressor {name!r}: its state field {jax.tree_util.keystr(path)} varies "
+                f"over mesh axes {vary} but is not marked jaxcomm.PerDevice. State that steers "
+                "later steps must be the same on every device: reduce the signals it is "
+                "computed from over every data axis (compression.base.decision_axes), or wrap "
+                "genuinely per-device state (error-feedback residuals) in PerDevice."
+            )
 
 
 def sync_gradients(
@@ -361,6 +384,7 @@ def sync_gradients(
             else:
                 reduced, cstate, ok = compressed(buffers, cstate)
             plan.unpack(reduced, out)
+            _check_shared_state(compression.name, cstate, axes)
         if compression.finite is not None:
             # fp16 overflow: skip the whole step (all leaves), counted in the state.
             out = [jnp.where(ok, o, jnp.zeros_like(o)) for o in out]

@@ -57,6 +57,29 @@ def _pmean_floats(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(f, tree)
 
 
+def _accumulators(opt_state: Any) -> list[bool]:
+    """Flags the leaves of ``optax.MultiSteps``' ``acc_grads`` (one flag per leaf).
+
+    They hold each device's own gradient sums. MultiSteps passes them through a
+    ``lax.cond`` whose branches must agree in type, so the fixed point of the layout
+    inference cannot discover them from an invariant start: they are per device from the
+    outset.
+    """
+
+    def visit(node):
+        if isinstance(node, optax.MultiStepsState):
+            return node._replace(
+                **{
+                    f: jax.tree.map(lambda _, f=f: f == "acc_grads", getattr(node, f))
+                    for f in node._fields
+                }
+            )
+        return jax.tree.map(lambda _: False, node)
+
+    flags = jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
+    return jax.tree.leaves(flags)
+
+
 class DataParallel:
     """A compiled data-parallel train step; build it with :func:`data_parallel`.
 
@@ -169,7 +192,9 @@ class DataParallel:
             rec["paths"] = [jax.tree_util.keystr(k) for k, _ in flat]
             rec["local"] = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
             rec["vary"] = [bool(varying_axes(x) & axes) for _, x in flat]
-            rec["marked"] = marked_per_device(s)
+            rec["marked"] = [
+                a or b for a, b in zip(marked_per_device(s), _accumulators(s), strict=True)
+            ]
             return jnp.zeros(())
 
         jax.eval_shape(self._probe_map(init_probe, (P(),)), params)
@@ -200,7 +225,21 @@ class DataParallel:
 
             glob = jax.tree.map(glob_leaf, local, jax.tree.unflatten(rec["treedef"], per))
             specs = leaf_specs(local, per, self.axes)
-            jax.eval_shape(self._probe_map(update_probe, (P(), specs)), params, glob)
+            try:
+                jax.eval_shape(self._probe_map(update_probe, (P(), specs)), params, glob)
+            except (TypeError, ValueError) as e:
+                if "manual axis types" not in str(e) and "vma" not in str(e):
+                    raise
+                raise ValueError(
+                    "data_parallel: the optimizer's update does not type-check under "
+                    "shard_map's replication check: a branch or decision depends on each "
+                    "device's own gradients, so devices could take different branches (and "
+                    "some would skip the sync's collectives). A common cause is a wrapper "
+                    "around jaxcomm.sync_gradients that decides from the raw gradients, e.g. "
+                    "optax.apply_if_finite(optax.chain(jaxcomm.sync_gradients(), ...)): put "
+                    "it after the sync instead, optax.chain(jaxcomm.sync_gradients(), "
+                    f"optax.apply_if_finite(...)). JAX says: {e}"
+                ) from e
             nxt = [a or b for a, b in zip(per, rec["next"], strict=True)]
             if nxt == per:
                 break
