@@ -207,8 +207,9 @@ class DataParallel:
                 g = jax.tree.map(jnp.zeros_like, p)
                 if self.microbatches == 1:  # gradients of the local batch: per device
                     g = lax.pcast(g, self.axes, to="varying")
-                with sync_probe(), self._maybe_pre_reduced():
+                with sync_probe() as calls, self._maybe_pre_reduced():
                     u, s2 = self.optimizer.update(g, s, p)
+                self._check_synced(calls)
                 rec["next"] = [bool(varying_axes(x) & axes) for x in jax.tree.leaves(s2)]
                 rec["updates"] = [
                     (jax.tree_util.keystr(k), sorted(varying_axes(x) & axes))
@@ -361,12 +362,7 @@ class DataParallel:
             model_state = state.model_state
         with sync_probe() as calls, self._maybe_pre_reduced():
             updates, opt_state = self.optimizer.update(grads, opt_state, state.params)
-        if self._require_sync and not calls:
-            raise ValueError(
-                "the optimizer passed to data_parallel never synchronises gradients, so "
-                "params would drift apart across devices. Put jaxcomm.sync_gradients() first "
-                "in the optax.chain, or pass require_sync=False if you reduce them yourself."
-            )
+        self._check_synced(calls)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": value, **dict(aux or {})}
         metrics = jax.tree.map(lambda m: lax.pmean(jnp.asarray(m, jnp.float32), self.axes), metrics)
@@ -374,6 +370,14 @@ class DataParallel:
             state.step + 1, params, stack_leaves(opt_state, self._opt_layout), model_state
         )
         return new_state, metrics
+
+    def _check_synced(self, calls: list) -> None:
+        if self._require_sync and not calls:
+            raise ValueError(
+                "the optimizer passed to data_parallel never synchronises gradients, so "
+                "params would drift apart across devices. Put jaxcomm.sync_gradients() first "
+                "in the optax.chain, or pass require_sync=False if you reduce them yourself."
+            )
 
     def _maybe_pre_reduced(self):
         return pre_reduced() if self.microbatches > 1 else contextlib.nullcontext()
