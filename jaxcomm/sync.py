@@ -45,7 +45,7 @@ from jaxcomm.collectives.base import (
 from jaxcomm.compression.base import Compressor, ReduceContext
 from jaxcomm.mesh import DATA_AXES, INTRA
 from jaxcomm.policy import LeafPlan
-from jaxcomm.state import marked_per_device, varying_axes
+from jaxcomm.state import PerDevice, marked_per_device, varying_axes
 from jaxcomm.topology import detect
 
 __all__ = [
@@ -141,6 +141,27 @@ def _predicted_seconds(algorithm: str, axes: tuple[str, ...], topology: Any):
     topo = fit_to_mesh(topo, int(np.prod(sizes)) // g, g)
     name = algorithm if algorithm in cost.ALGORITHMS else "auto"
     return lambda nbytes: cost.predict(name, nbytes, topo)
+
+
+def _vary_per_device(cstate: Any, axes: tuple[str, ...]) -> Any:
+    """Types ``PerDevice`` leaves as varying over ``axes`` (inside shard_map; free at run
+    time), so that state carried through ``lax.scan`` / ``lax.cond`` keeps one type: the
+    update makes residuals varying, and a carry must not change type."""
+    try:
+        for a in axes:
+            lax.axis_size(a)
+    except NameError:
+        return cstate  # outside shard_map (abstract init for specs): nothing to type
+
+    def vary(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(
+        lambda n: PerDevice(jax.tree.map(vary, n.value)) if isinstance(n, PerDevice) else n,
+        cstate,
+        is_leaf=lambda n: isinstance(n, PerDevice),
+    )
 
 
 def _check_shared_state(name: str, cstate: Any, axes: tuple[str, ...]) -> None:
@@ -299,7 +320,9 @@ def sync_gradients(
                     f"jax.shard_map over axes {axes} (jaxcomm.data_parallel does), because "
                     "its per-device state is one intra-node shard."
                 ) from e
-        return SyncGradientsState(count, compression.init(plan.buffer_specs(inner)))
+        return SyncGradientsState(
+            count, _vary_per_device(compression.init(plan.buffer_specs(inner)), axes)
+        )
 
     def reduce_compressed(buffers, cstate, ctx: ReduceContext):
         if compress_stage == "all":

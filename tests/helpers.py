@@ -15,6 +15,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm.state import state_partition_specs
+
 AX = ("inter", "intra")
 
 
@@ -42,6 +44,16 @@ def sharded(fn, mesh, *, in_specs: Any = None, out_specs: Any = None, check_vma:
 def run_sharded(fn, mesh, *args, in_specs: Any = None, out_specs: Any = None, check_vma=True):
     """Runs ``fn`` on the per-device values of ``args`` inside ``shard_map`` over ``mesh``."""
     return sharded(fn, mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)(*args)
+
+
+def state_specs(init, mesh, axes: tuple[str, ...] = AX) -> Any:
+    """PartitionSpecs of the state ``init()`` builds inside ``shard_map``: leaves inside
+    ``jaxcomm.PerDevice`` get ``P(axes)`` (stacked per device), the others ``P()``."""
+    # Only the structure and shapes are needed: per-device leaves may be typed varying.
+    abstract = jax.eval_shape(
+        jax.shard_map(init, mesh=mesh, in_specs=(), out_specs=P(), check_vma=False)
+    )
+    return state_partition_specs(abstract, axes)
 
 
 def _bits(a: Any) -> bytes:
