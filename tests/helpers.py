@@ -31,14 +31,23 @@ def replicated(mesh, x: Any) -> Any:
     return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), x)
 
 
-def sharded(fn, mesh, *, in_specs: Any = None, out_specs: Any = None, check_vma: bool = True):
-    """``jax.jit(jax.shard_map(fn, ...))``, replication check on by default; ``in_specs``
+def shard(fn, mesh, *, in_specs: Any = None, out_specs: Any = None, check_vma: bool = True):
+    """``jax.shard_map(fn, ...)`` with the replication check on by default; ``in_specs``
     default ``P(AX)`` (inputs split over the devices), ``out_specs`` default ``P()``."""
     in_specs = P(AX) if in_specs is None else in_specs
     out_specs = P() if out_specs is None else out_specs
-    return jax.jit(
-        jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
-    )
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+
+
+def sharded(fn, mesh, *, compiler_options=None, **specs):
+    """``jax.jit(shard(fn, mesh, **specs))``, with optional per-function XLA options."""
+    return jax.jit(shard(fn, mesh, **specs), compiler_options=compiler_options)
+
+
+def abstract_per_device(mesh, shape: tuple[int, ...], dtype=np.float32) -> jax.ShapeDtypeStruct:
+    """A ``ShapeDtypeStruct`` of ``(devices, *shape)`` split over ``AX`` (for lowering)."""
+    n = mesh.devices.size
+    return jax.ShapeDtypeStruct((n, *shape), dtype, sharding=NamedSharding(mesh, P(AX)))
 
 
 def run_sharded(fn, mesh, *args, in_specs: Any = None, out_specs: Any = None, check_vma=True):
