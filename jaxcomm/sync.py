@@ -51,6 +51,7 @@ from jaxcomm.topology import detect
 __all__ = [
     "COMPRESS_STAGES",
     "SyncGradientsState",
+    "is_pre_reduced",
     "pre_reduced",
     "reducer_probe",
     "sync_gradients",
@@ -118,6 +119,12 @@ def pre_reduced():
     """Context manager inside which ``sync_gradients`` passes gradients through (they were
     reduced already, or this is the profiler's compute-only twin)."""
     return _scoped(_PRE_REDUCED, True)
+
+
+def is_pre_reduced() -> bool:
+    """Whether :func:`pre_reduced` is active (``data_parallel`` then builds a step whose
+    params may differ across devices, so it cannot run shard_map's replication check)."""
+    return _PRE_REDUCED.get()
 
 
 def _check_bound(axes: tuple[str, ...]) -> None:

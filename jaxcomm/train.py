@@ -24,7 +24,7 @@ from jaxcomm.state import (
     unstack_leaves,
     varying_axes,
 )
-from jaxcomm.sync import pre_reduced, reducer_probe, sync_probe
+from jaxcomm.sync import is_pre_reduced, pre_reduced, reducer_probe, sync_probe
 
 __all__ = ["DataParallel", "TrainState", "data_parallel"]
 
@@ -198,6 +198,11 @@ class DataParallel:
             return jnp.zeros(())
 
         jax.eval_shape(self._probe_map(init_probe, (P(),)), params)
+        self._opt_paths = rec["paths"]
+        if not self._require_sync:
+            # The user reduces (or, for a compute-only twin, skips) the gradients: nothing
+            # is proven, so only explicit marks decide (and check_replicas=N checks values).
+            return rec["marked"]
         per = [m or v for m, v in zip(rec["marked"], rec["vary"], strict=True)]
         local = jax.tree.unflatten(rec["treedef"], rec["local"])
         for _ in range(len(per) + 1):
@@ -255,10 +260,9 @@ class DataParallel:
                 "after them, so params would differ across devices. Put "
                 "jaxcomm.sync_gradients() in the optax.chain before the transforms whose "
                 "output must agree, e.g. optax.chain(jaxcomm.sync_gradients(), "
-                "optax.adamw(1e-3)); if you reduce gradients yourself (require_sync=False), "
-                "use a collective whose result is replicated (lax.psum, jaxcomm.allreduce)."
+                "optax.adamw(1e-3)). If you reduce the gradients yourself, pass "
+                "require_sync=False (replication is then not proven; use check_replicas=N)."
             )
-        self._opt_paths = rec["paths"]
         return per
 
     def _probe_map(self, fn: Callable, in_specs: tuple) -> Callable:
@@ -462,7 +466,9 @@ class DataParallel:
             mesh=self.mesh,
             in_specs=(specs, P(self.axes)),
             out_specs=(specs, P()),
-            check_vma=True,
+            # Off only where params are meant to drift: require_sync=False (the user's own
+            # reduction, or an experiment's compute-only twin) and the profiler's twin.
+            check_vma=self._require_sync and not is_pre_reduced(),
         )
         return jax.jit(
             mapped,
@@ -532,7 +538,10 @@ def data_parallel(
         its float leaves are averaged across devices every step.
       compiler_options: XLA options for this step only (``jaxcomm.xla`` builds them).
       donate: donate the input state's buffers to the output.
-      require_sync: raise if the optimizer never calls ``sync_gradients``.
+      require_sync: raise if the optimizer never calls ``sync_gradients``. ``False`` (you
+        reduce gradients yourself, or time a compute-only twin) also runs the step without
+        shard_map's replication check and takes per-device state from ``PerDevice`` marks
+        only: replication is then not proven, use ``check_replicas``.
       microbatches: split each device's batch into this many microbatches and accumulate
         their gradients in a ``lax.scan`` in which the all-reduce of microbatch i is issued
         while microbatch i+1 computes (overlap by construction, for backends where the
