@@ -86,6 +86,8 @@ class DataParallel:
     Attributes:
       mesh: the device mesh.
       axes: data-parallel axis names.
+      check_replicas: compare replicas every this many steps (0: off).
+      per_device_paths: optimizer-state leaves stored per device (after ``init``).
     """
 
     def __init__(
