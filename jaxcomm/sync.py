@@ -240,6 +240,8 @@ def sync_gradients(
         precision inside a node (reduce-scatter over the innermost axis, compressed mean
         over the outer axes, all-gather) -- the slow inter-node links carry compressed
         bytes, the fast intra-node links full precision. Needs two or more axes.
+        Decisions every device must share (fp16's overflow skip, adaptive's level) are
+        still reduced over all ``axes``.
       seed: seed of the compressors' randomness (stochastic rounding, random-k); the key
         of a step is ``fold_in(key(seed), count)``.
 
