@@ -181,6 +181,22 @@ def test_apply_if_finite_around_the_sync_is_refused(mesh, params):
         dp.init(params)
 
 
+def test_compressor_state_that_varies_unmarked_is_refused(mesh, params):
+    # State that steers later steps must be invariant; a compressor that keeps a local
+    # value without a PerDevice mark is refused (it would be silently per device).
+    def init(specs):
+        return jnp.zeros(())
+
+    def reduce(xs, state, ctx):
+        return [jax.lax.pmean(x, ctx.axes) for x in xs], jnp.sum(xs[0])  # local sum
+
+    comp = C.Compressor("local-state", init, reduce)
+    sync = jaxcomm.sync_gradients(compression=comp, min_size=1)
+    dp = jaxcomm.data_parallel(mlp_loss, optax.chain(sync, optax.sgd(0.1)), mesh)
+    with pytest.raises(ValueError, match=r"'local-state'.*not marked jaxcomm.PerDevice"):
+        dp.init(params)
+
+
 # -- one test per divergence of the old step --------------------------------------------
 def _linear_loss(p, batch):
     """Gradient of params['w'] is the local batch mean of batch['g']: fully controlled."""
