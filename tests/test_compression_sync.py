@@ -6,8 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import AX, assert_replicas_equal, assert_rows_equal, per_device, sharded, state_specs
-from jax.sharding import NamedSharding
+from helpers import (
+    AX,
+    abstract_per_device,
+    assert_replicas_equal,
+    assert_rows_equal,
+    per_device,
+    sharded,
+    state_specs,
+)
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -66,8 +73,7 @@ def test_policy_small_leaves_uncompressed_and_predicate(mesh):
 
 
 def test_warmup_zero_compiles_no_uncompressed_branch(mesh):
-    g = jax.ShapeDtypeStruct((8, 64, 48), jnp.float32, sharding=NamedSharding(mesh, P(AX)))
-    args = ({"w": g, "b": jax.ShapeDtypeStruct((8, 48), jnp.float32, sharding=g.sharding)},)
+    args = ({"w": abstract_per_device(mesh, (64, 48)), "b": abstract_per_device(mesh, (48,))},)
     no_warm = _runner(mesh, jaxcomm.sync_gradients(compression=C.int8(), min_size=1024))
     mod = jaxcomm.hlo.collectives(no_warm, *args, mesh=mesh)
     assert " conditional(" not in mod.text and not mod.branches

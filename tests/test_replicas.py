@@ -18,9 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_replicas_equal, train
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from helpers import assert_replicas_equal, per_device, replicated, train
 from mlp import mlp_init, mlp_loss
 
 import jaxcomm
@@ -308,8 +306,8 @@ def test_check_replicas_names_the_leaf_and_the_devices(mesh, params):
 
 
 def test_check_replicas_passes_sharded_leaves_and_equal_copies(mesh):
-    x = jax.device_put(np.arange(8.0), NamedSharding(mesh, P(("inter", "intra"))))
-    y = jax.device_put(np.ones(3), NamedSharding(mesh, P()))
+    x = per_device(mesh, np.arange(8.0))
+    y = replicated(mesh, np.ones(3))
     jaxcomm.check_replicas({"sharded": x, "replicated": y}, mesh=mesh)
 
 
