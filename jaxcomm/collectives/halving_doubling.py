@@ -1,6 +1,6 @@
 """Recursive halving-doubling all-reduce (Rabenseifner) from ``lax.ppermute``.
 
-Reduce-scatter by recursive halving (``lg p`` ppermutes), then one all-gather
+Reduce-scatter by recursive halving (``lg q`` ppermutes), then one all-gather
 (``all_gather_invariant``) in place of recursive doubling: ``2(p-1)/p n`` bytes per device
 (bandwidth-optimal, like a ring). Partners are ``rank XOR 2^k`` with the distance
 doubling, so the first and largest exchange (``n/2`` bytes) is between neighbours in the

@@ -1,4 +1,4 @@
-"""Ring all-reduce from ``lax.ppermute``: reduce-scatter, then all-gather, p-1 steps each.
+"""Ring all-reduce: a ``lax.ppermute`` ring reduce-scatter (p-1 steps), then one all-gather.
 
 The mesh axes passed in are one linearised ring of ``p`` devices (rank
 ``lax.axis_index(axes)``, row-major over the axes), so with ``('inter', 'intra')`` the ring
