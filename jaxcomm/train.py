@@ -255,9 +255,10 @@ class DataParallel:
         varying = [(k, v) for k, v in rec["updates"] if v]
         if varying:
             path, vma = varying[0]
+            more = f" (and {len(varying) - 1} more leaves)" if len(varying) > 1 else ""
             raise ValueError(
-                f"data_parallel: the optimizer's update of params{path} (and "
-                f"{len(varying) - 1} more leaves) varies over mesh axes {tuple(vma)}: it is "
+                f"data_parallel: the optimizer's update of params{path}{more} varies over "
+                f"mesh axes {tuple(vma)}: it is "
                 "computed from each device's own gradients with no synchronising collective "
                 "after them, so params would differ across devices. Put "
                 "jaxcomm.sync_gradients() in the optax.chain before the transforms whose "
