@@ -5,6 +5,7 @@ from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduc
 from jaxcomm.distributed import init_distributed
 from jaxcomm.mesh import DATA_AXES, make_mesh
 from jaxcomm.profiler import CommProfiler
+from jaxcomm.replicas import ReplicaDivergenceError, check_replicas
 from jaxcomm.state import PerDevice
 from jaxcomm.sync import SyncGradientsState, sync_gradients
 from jaxcomm.train import DataParallel, TrainState, data_parallel
@@ -17,10 +18,12 @@ __all__ = [
     "DATA_AXES",
     "DataParallel",
     "PerDevice",
+    "ReplicaDivergenceError",
     "SyncGradientsState",
     "TrainState",
     "allreduce",
     "buckets",
+    "check_replicas",
     "collectives",
     "compression",
     "cost",

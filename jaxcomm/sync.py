@@ -48,12 +48,14 @@ from jaxcomm.collectives import (
 from jaxcomm.compression.base import Compressor, ReduceContext
 from jaxcomm.mesh import DATA_AXES, INTRA
 from jaxcomm.policy import LeafPlan
+from jaxcomm.state import PerDevice, marked_per_device, varying_axes
 from jaxcomm.topology import detect
 from jaxcomm.validate import check_int
 
 __all__ = [
     "COMPRESS_STAGES",
     "SyncGradientsState",
+    "is_pre_reduced",
     "pre_reduced",
     "reducer_probe",
     "sync_gradients",
@@ -131,6 +133,12 @@ _UNBOUND_FIX = (
 )
 
 
+def is_pre_reduced() -> bool:
+    """Whether :func:`pre_reduced` is active (``data_parallel`` then builds a step whose
+    params may differ across devices, so it cannot run shard_map's replication check)."""
+    return _PRE_REDUCED.get()
+
+
 def _predicted_seconds(algorithm: str, axes: tuple[str, ...], topology: Any):
     """``nbytes -> seconds`` of one all-reduce over ``axes`` from ``jaxcomm.cost`` (inside
     shard_map): the topology (given, or detected) fitted to the mesh as 'auto' does."""
@@ -140,6 +148,49 @@ def _predicted_seconds(algorithm: str, axes: tuple[str, ...], topology: Any):
     topo = fit_to_mesh(topo, int(np.prod(sizes)) // g, g)
     name = algorithm if algorithm in cost.ALGORITHMS else "auto"
     return lambda nbytes: cost.predict(name, nbytes, topo)
+
+
+def _vary_per_device(cstate: Any, axes: tuple[str, ...]) -> Any:
+    """Types ``PerDevice`` leaves as varying over ``axes`` (inside shard_map; free at run
+    time), so that state carried through ``lax.scan`` / ``lax.cond`` keeps one type: the
+    update makes residuals varying, and a carry must not change type."""
+    try:
+        for a in axes:
+            lax.axis_size(a)
+    except NameError:
+        return cstate  # outside shard_map (abstract init for specs): nothing to type
+
+    def vary(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(
+        lambda n: PerDevice(jax.tree.map(vary, n.value)) if isinstance(n, PerDevice) else n,
+        cstate,
+        is_leaf=lambda n: isinstance(n, PerDevice),
+    )
+
+
+def _check_shared_state(name: str, cstate: Any, axes: tuple[str, ...]) -> None:
+    """Refuses compressor state that varies across devices without a ``PerDevice`` mark.
+
+    Such state (a level, a skip flag, a shared factor) steers later steps; if it differed
+    between devices they would run different ``lax.switch`` branches or skip different
+    steps. Inside ``shard_map(check_vma=True)`` its type says whether it can differ; with
+    the check off nothing is known and nothing is refused.
+    """
+    marked = marked_per_device(cstate)
+    flat = jax.tree_util.tree_flatten_with_path(cstate)[0]
+    for (path, x), per in zip(flat, marked, strict=True):
+        vary = sorted(varying_axes(x) & set(axes))
+        if vary and not per:
+            raise ValueError(
+                f"compressor {name!r}: its state field {jax.tree_util.keystr(path)} varies "
+                f"over mesh axes {vary} but is not marked jaxcomm.PerDevice. State that steers "
+                "later steps must be the same on every device: reduce the signals it is "
+                "computed from over every data axis (compression.base.decision_axes), or wrap "
+                "genuinely per-device state (error-feedback residuals) in PerDevice."
+            )
 
 
 def sync_gradients(
@@ -189,6 +240,8 @@ def sync_gradients(
         precision inside a node (reduce-scatter over the innermost axis, compressed mean
         over the outer axes, all-gather) -- the slow inter-node links carry compressed
         bytes, the fast intra-node links full precision. Needs two or more axes.
+        Decisions every device must share (fp16's overflow skip, adaptive's level) are
+        still reduced over all ``axes``.
       seed: seed of the compressors' randomness (stochastic rounding, random-k); the key
         of a step is ``fold_in(key(seed), count)``.
 
@@ -275,7 +328,9 @@ def sync_gradients(
                     f"jax.shard_map over axes {axes} (jaxcomm.data_parallel does), because "
                     "its per-device state is one intra-node shard."
                 ) from e
-        return SyncGradientsState(count, compression.init(plan.buffer_specs(inner)))
+        return SyncGradientsState(
+            count, _vary_per_device(compression.init(plan.buffer_specs(inner)), axes)
+        )
 
     def reduce_compressed(buffers, cstate, ctx: ReduceContext):
         if compress_stage == "all":
@@ -333,6 +388,7 @@ def sync_gradients(
                 algorithm=algorithm,
                 step=state.count,
                 key=jax.random.fold_in(jax.random.key(seed), state.count),
+                data_axes=axes,
             )
             buffers = plan.pack(leaves)
 
@@ -355,6 +411,7 @@ def sync_gradients(
             else:
                 reduced, cstate, ok = compressed(buffers, cstate)
             plan.unpack(reduced, out)
+            _check_shared_state(compression.name, cstate, axes)
         if compression.finite is not None:
             # fp16 overflow: skip the whole step (all leaves), counted in the state.
             out = [jnp.where(ok, o, jnp.zeros_like(o)) for o in out]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -16,8 +17,15 @@ from jax.sharding import PartitionSpec as P
 from jaxcomm.collectives import check_axes
 from jaxcomm.mesh import DATA_AXES
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
-from jaxcomm.state import stack_local, state_partition_specs, unstack_local
-from jaxcomm.sync import sync_probe
+from jaxcomm.replicas import check_replicas as _check_replicas
+from jaxcomm.state import (
+    leaf_specs,
+    marked_per_device,
+    stack_leaves,
+    unstack_leaves,
+    varying_axes,
+)
+from jaxcomm.sync import is_pre_reduced, pre_reduced, sync_probe
 from jaxcomm.validate import check_int
 
 __all__ = ["DataParallel", "TrainState", "data_parallel"]
@@ -29,8 +37,10 @@ class TrainState(NamedTuple):
     Attributes:
       step: int32 scalar, number of steps taken.
       params: model parameters, replicated.
-      opt_state: optimizer state; replicated except subtrees marked ``PerDevice``, which
-        carry a leading axis of one entry per device, sharded along the data axes.
+      opt_state: optimizer state; replicated except its per-device leaves (marked
+        ``PerDevice``, or typed varying over the data axes by shard_map, such as
+        ``optax.MultiSteps``' ``acc_grads``), which carry a leading axis of one entry per
+        device, sharded along the data axes (``DataParallel.per_device_paths`` lists them).
       model_state: non-trained model state such as batch-norm statistics (replicated,
         averaged across devices every step), or ``None``.
     """
@@ -49,12 +59,37 @@ def _pmean_floats(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(f, tree)
 
 
+def _accumulators(opt_state: Any) -> list[bool]:
+    """Flags the leaves of ``optax.MultiSteps``' ``acc_grads`` (one flag per leaf).
+
+    They hold each device's own gradient sums. MultiSteps passes them through a
+    ``lax.cond`` whose branches must agree in type, so the fixed point of the layout
+    inference cannot discover them from an invariant start: they are per device from the
+    outset.
+    """
+
+    def visit(node):
+        if isinstance(node, optax.MultiStepsState):
+            return node._replace(
+                **{
+                    f: jax.tree.map(lambda _, f=f: f == "acc_grads", getattr(node, f))
+                    for f in node._fields
+                }
+            )
+        return jax.tree.map(lambda _: False, node)
+
+    flags = jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
+    return jax.tree.leaves(flags)
+
+
 class DataParallel:
     """A compiled data-parallel train step; build it with :func:`data_parallel`.
 
     Attributes:
       mesh: the device mesh.
       axes: data-parallel axis names.
+      check_replicas: compare replicas every this many steps (0: off).
+      per_device_paths: optimizer-state leaves stored per device (after ``init``).
     """
 
     def __init__(
@@ -71,7 +106,14 @@ class DataParallel:
         require_sync: bool,
         microbatches: int = 1,
         accumulate: str = "local",
+        check_replicas: int | None = None,
     ):
+        check_replicas = check_int(
+            "check_replicas",
+            0 if check_replicas is None else check_replicas,
+            minimum=0,
+            fix="N compares the replicas every N steps; 0 or None turns it off",
+        )
         microbatches = check_int("microbatches", microbatches, minimum=1, fix="1 turns it off")
         check_accumulate(accumulate)
         if microbatches > 1 and with_model_state:
@@ -100,7 +142,12 @@ class DataParallel:
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.batch_sharding = NamedSharding(mesh, P(axes))
         self.replicated = NamedSharding(mesh, P())
+        self._stacked = NamedSharding(mesh, P(axes))
+        self.check_replicas = int(check_replicas)
         self._compiled_step: Any = None
+        self._opt_layout: list[bool] | None = None  # per optimizer-state leaf: per device?
+        self._opt_paths: list[str] = []
+        self._calls = 0
 
     # -- state ------------------------------------------------------------------------
     def state_specs(self, state: TrainState) -> TrainState:
@@ -108,9 +155,120 @@ class DataParallel:
         return TrainState(
             step=P(),
             params=jax.tree.map(lambda _: P(), state.params),
-            opt_state=state_partition_specs(state.opt_state, self.axes),
+            opt_state=leaf_specs(state.opt_state, self._layout(state.params), self.axes),
             model_state=jax.tree.map(lambda _: P(), state.model_state),
         )
+
+    @property
+    def per_device_paths(self) -> list[str]:
+        """Paths (``jax.tree_util.keystr``) of the optimizer-state leaves stored per device
+        (known after :meth:`init` or the first step)."""
+        flags = self._opt_layout or []
+        return [p for p, f in zip(self._opt_paths, flags, strict=True) if f]
+
+    def _layout(self, params: Any) -> list[bool]:
+        if self._opt_layout is None:
+            self._opt_layout = self._infer_layout(params)
+        return self._opt_layout
+
+    def _infer_layout(self, params: Any) -> list[bool]:
+        """Which optimizer-state leaves are per device, from shard_map's replication types.
+
+        A leaf is per device if it is marked ``PerDevice``, or if shard_map types it as
+        varying over the data axes after ``init`` or after ``update`` with per-device
+        gradients. ``update`` is traced abstractly (no compute, no compile) until the set
+        is stable, because a per-device input can make further leaves vary. The update
+        itself must come out invariant, or params would diverge: that is refused here.
+        """
+        axes = frozenset(self.axes)
+        params = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype, sharding=self.replicated), params
+        )
+        rec: dict[str, Any] = {}
+
+        def init_probe(p):
+            s = self.optimizer.init(p)
+            flat, treedef = jax.tree_util.tree_flatten_with_path(s)
+            rec["treedef"] = treedef
+            rec["paths"] = [jax.tree_util.keystr(k) for k, _ in flat]
+            rec["local"] = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
+            rec["vary"] = [bool(varying_axes(x) & axes) for _, x in flat]
+            rec["marked"] = [
+                a or b for a, b in zip(marked_per_device(s), _accumulators(s), strict=True)
+            ]
+            return jnp.zeros(())
+
+        jax.eval_shape(self._probe_map(init_probe, (P(),)), params)
+        self._opt_paths = rec["paths"]
+        if not self._require_sync:
+            # The user reduces (or, for a compute-only twin, skips) the gradients: nothing
+            # is proven, so only explicit marks decide (and check_replicas=N checks values).
+            return rec["marked"]
+        per = [m or v for m, v in zip(rec["marked"], rec["vary"], strict=True)]
+        local = jax.tree.unflatten(rec["treedef"], rec["local"])
+        for _ in range(len(per) + 1):
+
+            def update_probe(p, s, per=per):
+                s = unstack_leaves(s, per)
+                g = jax.tree.map(jnp.zeros_like, p)
+                if not self._overlapped:  # gradients of the local batch(es): per device
+                    g = lax.pcast(g, self.axes, to="varying")
+                with sync_probe() as calls, self._maybe_pre_reduced():
+                    u, s2 = self.optimizer.update(g, s, p)
+                self._check_synced(calls)
+                rec["next"] = [bool(varying_axes(x) & axes) for x in jax.tree.leaves(s2)]
+                rec["updates"] = [
+                    (jax.tree_util.keystr(k), sorted(varying_axes(x) & axes))
+                    for k, x in jax.tree_util.tree_flatten_with_path(u)[0]
+                ]
+                return jnp.zeros(())
+
+            def glob_leaf(x, f):
+                if f:
+                    shape, sharding = (self.num_devices, *x.shape), self._stacked
+                else:
+                    shape, sharding = x.shape, self.replicated
+                return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+
+            glob = jax.tree.map(glob_leaf, local, jax.tree.unflatten(rec["treedef"], per))
+            specs = leaf_specs(local, per, self.axes)
+            try:
+                jax.eval_shape(self._probe_map(update_probe, (P(), specs)), params, glob)
+            except (TypeError, ValueError) as e:
+                if "manual axis types" not in str(e) and "vma" not in str(e):
+                    raise
+                raise ValueError(
+                    "data_parallel: the optimizer's update does not type-check under "
+                    "shard_map's replication check: a branch or decision depends on each "
+                    "device's own gradients, so devices could take different branches (and "
+                    "some would skip the sync's collectives). A common cause is a wrapper "
+                    "around jaxcomm.sync_gradients that decides from the raw gradients, e.g. "
+                    "optax.apply_if_finite(optax.chain(jaxcomm.sync_gradients(), ...)): put "
+                    "it after the sync instead, optax.chain(jaxcomm.sync_gradients(), "
+                    f"optax.apply_if_finite(...)). JAX says: {e}"
+                ) from e
+            nxt = [a or b for a, b in zip(per, rec["next"], strict=True)]
+            if nxt == per:
+                break
+            per = nxt
+        varying = [(k, v) for k, v in rec["updates"] if v]
+        if varying:
+            path, vma = varying[0]
+            more = f" (and {len(varying) - 1} more leaves)" if len(varying) > 1 else ""
+            raise ValueError(
+                f"data_parallel: the optimizer's update of params{path}{more} varies over "
+                f"mesh axes {tuple(vma)}: it is "
+                "computed from each device's own gradients with no synchronising collective "
+                "after them, so params would differ across devices. Put "
+                "jaxcomm.sync_gradients() in the optax.chain before the transforms whose "
+                "output must agree, e.g. optax.chain(jaxcomm.sync_gradients(), "
+                "optax.adamw(1e-3)). If you reduce the gradients yourself, pass "
+                "require_sync=False (replication is then not proven; use check_replicas=N)."
+            )
+        return per
+
+    def _probe_map(self, fn: Callable, in_specs: tuple) -> Callable:
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P(), check_vma=True)
 
     def state_shardings(self, state: TrainState) -> TrainState:
         return jax.tree.map(
@@ -128,25 +286,12 @@ class DataParallel:
         params = jax.device_put(params, self.replicated)
         if model_state is not None:
             model_state = jax.device_put(model_state, self.replicated)
-        # The structure (which subtrees are PerDevice) comes from an abstract run inside
-        # shard_map, so that init may use lax.axis_index.
-        abstract = jax.eval_shape(
-            jax.shard_map(
-                self.optimizer.init,
-                mesh=self.mesh,
-                in_specs=(P(),),
-                out_specs=P(),
-                check_vma=False,
-            ),
-            params,
-        )
-        opt_specs = state_partition_specs(abstract, self.axes)
+        per = self._layout(params)
         init_fn = jax.shard_map(
-            lambda p: stack_local(self.optimizer.init(p)),
+            lambda p: stack_leaves(self.optimizer.init(p), per),
             mesh=self.mesh,
             in_specs=(P(),),
-            out_specs=opt_specs,
-            check_vma=False,
+            out_specs=self._init_specs(params, per),
         )
         opt_state = jax.jit(init_fn)(params)
         return TrainState(
@@ -155,6 +300,16 @@ class DataParallel:
             opt_state=opt_state,
             model_state=model_state,
         )
+
+    def _init_specs(self, params: Any, per: list[bool]) -> Any:
+        local = jax.eval_shape(
+            jax.shard_map(
+                self.optimizer.init, mesh=self.mesh, in_specs=(P(),), out_specs=P(),
+                check_vma=False,
+            ),
+            params,
+        )  # fmt: skip
+        return leaf_specs(local, per, self.axes)
 
     # -- batch ------------------------------------------------------------------------
     def shard_batch(self, batch: Any) -> Any:
@@ -181,8 +336,18 @@ class DataParallel:
         return jax.tree.map(put, batch)
 
     # -- step -------------------------------------------------------------------------
+    def _varying_params(self, params: Any) -> Any:
+        """``params`` typed varying over the data axes (a no-op at run time).
+
+        Under ``check_vma=True``, the gradient with respect to an *invariant* input is
+        reduced by JAX itself (the transpose of the implicit ``pvary`` is a ``psum``);
+        differentiating with respect to a varying copy yields each device's own gradient,
+        which ``sync_gradients`` then reduces with the configured algorithm.
+        """
+        return lax.pcast(params, self.axes, to="varying")
+
     def _local_step(self, state: TrainState, batch: Any):
-        opt_state = unstack_local(state.opt_state)
+        opt_state = unstack_leaves(state.opt_state, self._opt_layout)
         update = self.optimizer.update
         if self._with_model_state:
 
@@ -190,7 +355,7 @@ class DataParallel:
                 return self._loss_fn(p, state.model_state, batch)
 
             (value, (model_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(
-                state.params
+                self._varying_params(state.params)
             )
             model_state = _pmean_floats(model_state, self.axes)
         elif self.microbatches > 1:
@@ -208,35 +373,54 @@ class DataParallel:
             model_state = state.model_state
         else:
             out, grads = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)(
-                state.params, batch
+                self._varying_params(state.params), batch
             )
             value, aux = out if self._has_aux else (out, {})
             model_state = state.model_state
         with sync_probe() as calls:
             updates, opt_state = update(grads, opt_state, state.params)
+        self._check_synced(calls)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": value, **dict(aux or {})}
+        metrics = jax.tree.map(lambda m: lax.pmean(jnp.asarray(m, jnp.float32), self.axes), metrics)
+        new_state = TrainState(
+            state.step + 1, params, stack_leaves(opt_state, self._opt_layout), model_state
+        )
+        return new_state, metrics
+
+    def _check_synced(self, calls: list) -> None:
         if self._require_sync and not calls:
             raise ValueError(
                 "the optimizer passed to data_parallel never synchronises gradients, so "
                 "params would drift apart across devices. Put jaxcomm.sync_gradients() first "
                 "in the optax.chain, or pass require_sync=False if you reduce them yourself."
             )
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": value, **dict(aux or {})}
-        metrics = jax.tree.map(lambda m: lax.pmean(jnp.asarray(m, jnp.float32), self.axes), metrics)
-        new_state = TrainState(state.step + 1, params, stack_local(opt_state), model_state)
-        return new_state, metrics
+
+    @property
+    def _overlapped(self) -> bool:
+        """Whether the gradients reach the optimizer reduced already ('overlap' mode)."""
+        return self.microbatches > 1 and self.accumulate == "overlap"
+
+    def _maybe_pre_reduced(self):
+        return pre_reduced() if self._overlapped else contextlib.nullcontext()
 
     def step_fn(self, state: TrainState) -> Callable:
-        """The jitted ``(state, batch) -> (state, metrics)`` for states shaped like ``state``."""
+        """The jitted ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
+
+        Runs under ``jax.shard_map(..., check_vma=True)``: every output typed replicated
+        (``P()``: step, params, model state, the optimizer state that is not per device)
+        must be invariant over the data axes in shard_map's type system, or tracing fails.
+        That is the proof that replicas agree; ``check_replicas=N`` checks the values too.
+        """
         specs = self.state_specs(state)
         mapped = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
             in_specs=(specs, P(self.axes)),
             out_specs=(specs, P()),
-            # ring/tree collectives built from ppermute are replicated in value but not in
-            # shard_map's type system; the sync probe above guards against missing syncs.
-            check_vma=False,
+            # Off only where params are meant to drift: require_sync=False (the user's own
+            # reduction, or an experiment's compute-only twin) and the profiler's twin.
+            check_vma=self._require_sync and not is_pre_reduced(),
         )
         return jax.jit(
             mapped,
@@ -255,6 +439,9 @@ class DataParallel:
             # 40 s termination abort), so CPU runs keep one step in flight. GPU and TPU
             # keep asynchronous dispatch.
             jax.block_until_ready(out)
+        self._calls += 1
+        if self.check_replicas and self._calls % self.check_replicas == 0:
+            _check_replicas(out[0], mesh=self.mesh, what=f"state (step {self._calls})")
         return out
 
     def lower(self, state: TrainState, batch: Any):
@@ -275,14 +462,21 @@ def data_parallel(
     require_sync: bool = True,
     microbatches: int = 1,
     accumulate: str = "local",
+    check_replicas: int | None = None,
 ) -> DataParallel:
     """Builds a data-parallel train step over ``mesh``.
 
     The batch is split along its leading axis over ``axes``; params, model state and
     ordinary optimizer state are replicated; optimizer state wrapped in
-    ``jaxcomm.PerDevice`` is sharded along ``axes``. Each device computes the gradient of
-    ``loss_fn`` on its shard; the optimizer (which must contain ``jaxcomm.sync_gradients``)
-    averages them.
+    ``jaxcomm.PerDevice``, or whose value depends on each device's own gradients (shard_map
+    types it varying, e.g. ``optax.MultiSteps``' accumulators), is stored per device,
+    sharded along ``axes``. Each device computes the gradient of ``loss_fn`` on its shard;
+    the optimizer (which must contain ``jaxcomm.sync_gradients``) averages them.
+
+    Replicas agree by construction: the step runs under shard_map's replication check
+    (``check_vma=True``), which proves at trace time that everything stored replicated is
+    invariant across devices; an optimizer whose update is not (no sync before it) is
+    refused with an error naming the leaf.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``-> (loss, metrics)`` with
@@ -297,7 +491,10 @@ def data_parallel(
         its float leaves are averaged across devices every step.
       compiler_options: XLA options for this step only (``jaxcomm.xla`` builds them).
       donate: donate the input state's buffers to the output.
-      require_sync: raise if the optimizer never calls ``sync_gradients``.
+      require_sync: raise if the optimizer never calls ``sync_gradients``. ``False`` (you
+        reduce gradients yourself, or time a compute-only twin) also runs the step without
+        shard_map's replication check and takes per-device state from ``PerDevice`` marks
+        only: replication is then not proven, use ``check_replicas``.
       microbatches: split each device's batch into this many microbatches, run one after
         the other in a ``lax.scan`` (activation memory of one microbatch), and accumulate
         their gradients as ``accumulate`` says. The loss must be a mean over the batch; the
@@ -311,6 +508,10 @@ def data_parallel(
         scan, ``SyncGradientsState.count`` advancing per reduction), one extra gradient of
         memory, and never a shorter step than 'local' in the simple model (``N C + R``
         vs ``C + (N-1) max(C, R) + R``), hence the default.
+      check_replicas: every this many steps, compare every replicated leaf of the state
+        across devices by its bits (hashes exchanged between processes) and raise
+        ``jaxcomm.ReplicaDivergenceError`` naming the leaf and the devices that differ.
+        ``0``/``None``: off. Costs a device-to-host copy of the state each time.
 
     Returns:
       A :class:`DataParallel`: ``state = dp.init(params)``, then
@@ -335,4 +536,5 @@ def data_parallel(
         require_sync=require_sync,
         microbatches=microbatches,
         accumulate=accumulate,
+        check_replicas=check_replicas,
     )

@@ -60,6 +60,19 @@ hier = reduce_fn("hierarchical")
 for _ in range(5):
     for shard in hier(big).addressable_shards:
         np.testing.assert_allclose(np.asarray(shard.data)[0], big_want, rtol=1e-4, atol=1e-4)
+# check_replicas across processes: digests of every device's copy are exchanged, so every
+# process sees a divergence that lives only on process 1's devices.
+ok = jax.device_put(np.arange(5, dtype=np.float32), NamedSharding(mesh, P()))
+jaxcomm.check_replicas({"ok": ok}, mesh=mesh)
+copies = [jax.device_put(np.arange(5, dtype=np.float32) + (me == 1), s.device)
+          for s in ok.addressable_shards]  # fmt: skip
+bad = jax.make_array_from_single_device_arrays((5,), ok.sharding, copies)
+try:
+    jaxcomm.check_replicas({"bad": bad}, mesh=mesh)
+    raise SystemExit("check_replicas missed a divergence on process 1")
+except jaxcomm.ReplicaDivergenceError as e:
+    assert e.paths == ["['bad']"], e.paths
+    assert f"inter={nproc - 1}" in str(e) or nproc == 1, str(e)
 print(f"CHECK_OK process={me} mesh={dict(mesh.shape)}", flush=True)
 
 sig = os.environ.get("JC_TEST_PEER_SIGNAL")

@@ -1,5 +1,6 @@
-"""Ring, tree and halving-doubling equal psum, compile to the expected collective-permutes,
-and 'auto' runs what the cost model picks. (tests/test_allreduce.py also runs every
+"""Ring, tree and halving-doubling equal psum, compile to the expected collective-permutes
+plus one all-gather (which makes the result typed invariant under ``check_vma=True``), and
+'auto' runs what the cost model picks. (tests/test_allreduce.py also runs every
 registered algorithm on pytrees in f32/bf16/f16.)"""
 
 import math
@@ -9,15 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
+from helpers import AX, abstract_per_device, assert_replicas_equal, per_device, sharded
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import cost
 from jaxcomm import topology as T
 from jaxcomm.collectives import ALGORITHMS, fit_to_mesh
-
-AX = ("inter", "intra")
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +32,20 @@ def line6():
 
 
 def expected_permutes(algorithm: str, p: int) -> int:
+    """Collective-permutes besides the one all-gather: the ring's reduce-scatter, the
+    tree's reduce and scatter, halving-doubling's halving (and its fold)."""
     if algorithm == "ring":
-        return 2 * (p - 1)
+        return p - 1
     if algorithm == "tree":
         return 2 * math.ceil(math.log2(p))
     q = 1 << (p.bit_length() - 1)
-    return 2 * int(math.log2(q)) + (2 if q != p else 0)
+    return int(math.log2(q)) + (1 if q != p else 0)
 
 
 def _compile(mesh, fn, x):
-    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AX), out_specs=P(AX), check_vma=False))
+    # check_vma=True: the result over ('inter', 'intra') must be typed invariant, or the
+    # out_specs P() of the all-axes cases below fail to trace.
+    f = sharded(fn, mesh, out_specs=P(AX))
     compiled = f.lower(x).compile()
     return compiled, jaxcomm.hlo.parse_collectives(compiled.as_text(), mesh)
 
@@ -67,40 +70,54 @@ def test_equals_psum_and_permute_count(request, algorithm, mesh_name, axes):
     nd = mesh.devices.size
     p = int(np.prod([mesh.shape[a] for a in axes]))
     x = np.random.default_rng(p).normal(size=(nd, 13)).astype(np.float32)  # 13: not / p
-    xs = jax.device_put(x, NamedSharding(mesh, P(AX)))
+    xs = per_device(mesh, x)
     compiled, mod = _compile(mesh, lambda v: ALGORITHMS[algorithm](v[0], axes)[None], xs)
     np.testing.assert_allclose(np.asarray(compiled(xs)), _reference(x, mesh, axes), atol=1e-5)
     kinds = [c.kind for c in mod.collectives]
-    assert set(kinds) == {"collective-permute"}
-    assert len(kinds) == expected_permutes(algorithm, p)
+    assert kinds.count("all-gather") == 1
+    assert kinds.count("collective-permute") == expected_permutes(algorithm, p)
+    assert len(kinds) == expected_permutes(algorithm, p) + 1
+    if axes == AX:  # typed invariant: it may leave shard_map replicated, bit-equal
+        out = sharded(lambda v: ALGORITHMS[algorithm](v[0], axes), mesh)(xs)
+        assert assert_replicas_equal(out) == 1
 
 
 def test_ring_moves_to_next_rank_only(mesh):
-    # 20 elements -> padded to 24, chunks of 3 elements: each step moves one chunk.
-    xs = jax.device_put(np.ones((8, 20), np.float32), NamedSharding(mesh, P(AX)))
+    # 20 elements -> padded to 24, chunks of 3 elements: each step moves one chunk; the
+    # all-gather collects one chunk from each of the 8 devices.
+    xs = per_device(mesh, np.ones((8, 20), np.float32))
     _, mod = _compile(mesh, lambda v: ALGORITHMS["ring"](v[0], AX)[None], xs)
     for c in mod.collectives:
+        if c.kind == "all-gather":
+            assert c.result_elements == 24 and c.dtype == "f32"
+            continue
         assert sorted(c.source_target_pairs) == [(i, (i + 1) % 8) for i in range(8)]
         assert c.result_elements == 3 and c.dtype == "f32"
 
 
-def test_tree_sends_whole_buffer_along_binomial_edges(mesh):
-    xs = jax.device_put(np.ones((8, 20), np.float32), NamedSharding(mesh, P(AX)))
+def test_tree_reduces_whole_buffers_and_scatters_halves_along_binomial_edges(mesh):
+    xs = per_device(mesh, np.ones((8, 20), np.float32))
     _, mod = _compile(mesh, lambda v: ALGORITHMS["tree"](v[0], AX)[None], xs)
-    pairs = sorted(tuple(sorted(c.source_target_pairs)) for c in mod.collectives)
+    permutes = [c for c in mod.collectives if c.kind == "collective-permute"]
+    got = sorted((tuple(sorted(c.source_target_pairs)), c.result_elements) for c in permutes)
     reduce = [((1, 0), (3, 2), (5, 4), (7, 6)), ((2, 0), (6, 4)), ((4, 0),)]
-    bcast = [tuple(sorted((t, s) for s, t in step)) for step in reduce]
-    assert pairs == sorted(reduce + bcast)
-    assert all(c.result_elements == 20 for c in mod.collectives)
+    scatter = [tuple(sorted((t, s) for s, t in step)) for step in reduce]
+    # 20 elements -> chunks of 3: the reduce moves all 20, the scatter 3, 6, 12 (k chunks).
+    want = [(r, 20) for r in reduce] + list(zip(scatter, [3, 6, 12], strict=True))
+    assert got == sorted(want)
+    (gather,) = [c for c in mod.collectives if c.kind == "all-gather"]
+    assert gather.result_elements == 24
 
 
 def test_halving_doubling_big_exchanges_stay_in_node(mesh):
     # Distance doubling: partners rank^1, rank^2 share a node ('intra'); only rank^4 crosses
-    # ('inter'), once in the reduce-scatter and once in the all-gather, with n/8 elements.
-    xs = jax.device_put(np.ones((8, 64), np.float32), NamedSharding(mesh, P(AX)))
+    # ('inter'), with n/8 elements; then one all-gather of the 8 segments.
+    xs = per_device(mesh, np.ones((8, 64), np.float32))
     _, mod = _compile(mesh, lambda v: ALGORITHMS["halving_doubling"](v[0], AX)[None], xs)
-    by_axes = sorted((c.axes, c.result_elements) for c in mod.collectives)
-    assert by_axes == sorted([(("intra",), 32), (("intra",), 16), (("inter",), 8)] * 2)
+    permutes = [c for c in mod.collectives if c.kind == "collective-permute"]
+    by_axes = sorted((c.axes, c.result_elements) for c in permutes)
+    assert by_axes == sorted([(("intra",), 32), (("intra",), 16), (("inter",), 8)])
+    assert [c.result_elements for c in mod.collectives if c.kind == "all-gather"] == [64]
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling"])
@@ -108,17 +125,14 @@ def test_non_power_of_two_pytree_bf16(mesh6, algorithm):
     rng = np.random.default_rng(2)
     trees = [{"s": np.float32(rng.normal()), "v": rng.normal(size=(5, 3))} for _ in range(6)]
     trees = [jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), t) for t in trees]
-    stacked = jax.tree.map(
-        lambda *xs: jax.device_put(jnp.stack(xs), NamedSharding(mesh6, P(AX))), *trees
-    )
+    stacked = per_device(mesh6, jax.tree.map(lambda *xs: jnp.stack(xs), *trees))
 
     def f(t):
         local = jax.tree.map(lambda a: a[0], t)
         return jaxcomm.allreduce(local, algorithm=algorithm, op="mean")
 
-    out = jax.jit(jax.shard_map(f, mesh=mesh6, in_specs=P(AX), out_specs=P(), check_vma=False))(
-        stacked
-    )
+    out = sharded(f, mesh6)(stacked)
+    assert_replicas_equal(out)
     for key in ("s", "v"):
         ref = np.mean([np.asarray(t[key], np.float64) for t in trees], axis=0)
         assert out[key].dtype == jnp.bfloat16 and out[key].shape == ref.shape
@@ -133,7 +147,7 @@ def test_auto_runs_what_the_cost_model_picks(line6):
     small, large = cost.choose(4, fitted), cost.choose(4 << 20, fitted)
     assert small in ("halving_doubling", "tree") and large in ("ring", "hierarchical")
     for n, name in ((1, small), (1 << 20, large)):
-        xs = jax.device_put(np.ones((6, n), np.float32), NamedSharding(line6, P(AX)))
+        xs = per_device(line6, np.ones((6, n), np.float32))
         compiled, mod = _compile(
             line6, lambda v: jaxcomm.allreduce(v[0], op="sum", algorithm="auto",
                                                topology=topo)[None], xs
@@ -141,7 +155,7 @@ def test_auto_runs_what_the_cost_model_picks(line6):
         if name == "hierarchical":
             assert {c.kind for c in mod.collectives} == {"reduce-scatter", "all-gather"}
         else:
-            assert len(mod.collectives) == expected_permutes(name, 6)
+            assert len(mod.collectives) == expected_permutes(name, 6) + 1
         np.testing.assert_allclose(np.asarray(compiled(xs)), 6.0)
 
 
@@ -150,15 +164,13 @@ def test_sync_gradients_auto_with_topology(mesh):
         algorithm="auto", topology=T.fat_tree(2, 2, None, devices_per_node=4)
     )
     g = np.random.default_rng(3).normal(size=(8, 11)).astype(np.float32)
-    gs = jax.device_put(g, NamedSharding(mesh, P(AX)))
+    gs = per_device(mesh, g)
 
     def step(v):
         upd, _ = tx.update({"w": v[0]}, tx.init(None))
         return upd["w"][None]
 
-    out = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(AX), out_specs=P(AX), check_vma=False))(
-        gs
-    )
+    out = sharded(step, mesh, out_specs=P(AX))(gs)
     np.testing.assert_allclose(np.asarray(out), np.broadcast_to(g.mean(0), g.shape), atol=1e-6)
 
 
@@ -171,7 +183,7 @@ def test_bad_topology_argument():
 
 @pytest.mark.parametrize("algorithm", ["ring", "auto"])
 def test_data_parallel_step_matches_flat(mesh, algorithm):
-    # The train step runs with check_vma=False, so ppermute-built results pass through it.
+    # The train step runs with check_vma=True: ppermute-built results must end invariant.
     rng = np.random.default_rng(4)
     params = {"w": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32), "b": jnp.zeros(3)}
     batch = {"x": rng.normal(size=(16, 6)).astype(np.float32),
@@ -183,9 +195,20 @@ def test_data_parallel_step_matches_flat(mesh, algorithm):
     out = {}
     for alg in ("flat", algorithm):
         tx = optax.chain(jaxcomm.sync_gradients(algorithm=alg), optax.sgd(0.1))
-        dp = jaxcomm.data_parallel(loss, tx, mesh)
+        dp = jaxcomm.data_parallel(loss, tx, mesh, check_replicas=1)
         state, _ = dp(dp.init(params), batch)
+        assert_replicas_equal(state)
         out[alg] = state.params
     for k in params:
         np.testing.assert_allclose(out[algorithm][k], out["flat"][k], rtol=1e-5, atol=1e-6)
     assert not np.allclose(out["flat"]["w"], params["w"])  # the step did update
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling"])
+def test_invariant_all_gather_moves_no_more_bytes(mesh, algorithm):
+    # Replacing the ppermute all-gather phase by one all-gather keeps the bandwidth-optimal
+    # 2 (p-1)/p n bytes per device (wire_bytes: permutes at S, the all-gather at (p-1)/p S).
+    n = 8 * 1024
+    fn = sharded(lambda v: ALGORITHMS[algorithm](v[0], AX), mesh)
+    wb = jaxcomm.wire_bytes(fn, abstract_per_device(mesh, (n,)))
+    assert wb["total"] == pytest.approx(2 * 7 / 8 * n * 4)

@@ -4,13 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from helpers import AX, assert_replicas_equal, per_device, run_sharded
 
 import jaxcomm
 from jaxcomm.collectives import ALGORITHMS
 
-AXES = ("inter", "intra")
+AXES = AX
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
 
 
@@ -25,19 +24,19 @@ def _random_tree(rng, dtype):
 
 def _per_device(tree, mesh):
     # Stack 8 different per-device trees along a leading axis, sharded over both axes.
-    return jax.tree.map(
-        lambda *xs: jax.device_put(np.stack(xs), NamedSharding(mesh, P(AXES))), *tree
-    )
+    return per_device(mesh, jax.tree.map(lambda *xs: np.stack(xs), *tree))
 
 
 def _run(mesh, stacked, **kw):
+    """allreduce under check_vma=True with out_specs=P(): typed replicated, and bit-equal."""
+
     def f(t):
         local = jax.tree.map(lambda x: x[0], t)
         return jaxcomm.allreduce(local, **kw)
 
-    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AXES), out_specs=P(), check_vma=False))(
-        stacked
-    )
+    out = run_sharded(f, mesh, stacked)
+    assert_replicas_equal(out)
+    return out
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
@@ -67,20 +66,17 @@ def test_allreduce_equals_psum(mesh, algorithm):
     def ref(t):
         return jax.lax.psum(jax.tree.map(lambda x: x[0], t), AXES)
 
-    want = jax.jit(jax.shard_map(ref, mesh=mesh, in_specs=P(AXES), out_specs=P()))(stacked)
+    want = run_sharded(ref, mesh, stacked)
     np.testing.assert_allclose(out["a"], want["a"], rtol=1e-6, atol=1e-6)
 
 
-def test_hierarchical_passes_replication_check(mesh):
-    # all_gather(to='invarying') lets users keep shard_map's check_vma=True with out_specs=P().
-    x = jax.device_put(np.ones((8, 10), np.float32), NamedSharding(mesh, P(AXES)))
-    f = jax.shard_map(
-        lambda v: jaxcomm.allreduce(v[0], algorithm="hierarchical", op="sum"),
-        mesh=mesh,
-        in_specs=P(AXES),
-        out_specs=P(),
-    )
-    np.testing.assert_array_equal(jax.jit(f)(x), np.full((10,), 8.0))
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_every_algorithm_passes_the_replication_check(mesh, algorithm):
+    # Each ends in a collective typed invariant (all_gather(to='invarying'), psum), so user
+    # code keeps shard_map's check_vma=True with out_specs=P().
+    x = per_device(mesh, np.ones((8, 10), np.float32))
+    out = run_sharded(lambda v: jaxcomm.allreduce(v[0], algorithm=algorithm, op="sum"), mesh, x)
+    np.testing.assert_array_equal(out, np.full((10,), 8.0))
 
 
 def test_empty_tree_and_scalars(mesh):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from helpers import per_device, sharded
 
 import jaxcomm
 from jaxcomm.buckets import AutoBuckets, exposed_seconds, plan_buckets
@@ -67,10 +67,7 @@ def _sync_fn(mesh, tx, combine=False):
         g = jax.tree.map(lambda x: x[0], g)
         return tx.update(g, tx.init(g))[0]
 
-    return jax.jit(
-        jax.shard_map(local, mesh=mesh, in_specs=P(AXES), out_specs=P(), check_vma=False),
-        compiler_options=options,
-    )
+    return sharded(local, mesh, compiler_options=options)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +79,7 @@ def grads(mesh):
         "w1": rng.normal(size=(8, 7, 100)).astype(jnp.bfloat16),
         "w2": rng.normal(size=(8, 2500)).astype(np.float32),
     }
-    return jax.device_put(tree, jax.NamedSharding(mesh, P(AXES)))
+    return per_device(mesh, tree)
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))

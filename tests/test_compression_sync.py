@@ -6,14 +6,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
+from helpers import (
+    AX,
+    abstract_per_device,
+    assert_replicas_equal,
+    assert_rows_equal,
+    per_device,
+    sharded,
+    state_specs,
+)
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.state import stack_local, state_partition_specs, unstack_local
+from jaxcomm.state import stack_local, unstack_local
 
 C = jaxcomm.compression
-AX = ("inter", "intra")
 
 
 def _grads(seed=0, scale=1.0):
@@ -27,10 +34,7 @@ def _grads(seed=0, scale=1.0):
 def _runner(mesh, tx, steps=1):
     """jit(shard_map) running ``steps`` updates in a lax.scan; returns (outs, state)."""
     example = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
-    abstract = jax.eval_shape(
-        jax.shard_map(lambda: tx.init(example), mesh=mesh, in_specs=(), out_specs=P())
-    )
-    sspecs = state_partition_specs(abstract, AX)
+    sspecs = state_specs(lambda: tx.init(example), mesh)
 
     def local(g):
         g = jax.tree.map(lambda x: x[0], g)
@@ -43,39 +47,33 @@ def _runner(mesh, tx, steps=1):
         state, outs = jax.lax.scan(body, state, None, length=steps)
         return jax.tree.map(lambda x: x[None], outs), stack_local(state)
 
-    fn = jax.jit(
-        jax.shard_map(local, mesh=mesh, in_specs=P(AX), out_specs=(P(AX), sspecs), check_vma=False)
-    )
-    return fn
+    return sharded(local, mesh, out_specs=(P(AX), sspecs))
 
 
 def _call(fn, *args):
+    """Runs ``fn``; its per-device outputs (the reduced gradients) must agree bitwise."""
     outs, state = fn(*args)
+    assert_rows_equal(outs)
     return jax.tree.map(np.asarray, outs), state
-
-
-def _put(mesh, tree):
-    return jax.device_put(tree, NamedSharding(mesh, P(AX)))
 
 
 def test_policy_small_leaves_uncompressed_and_predicate(mesh):
     g = _grads()
     # min_size: 'b' (48 elements) goes in full precision, 'w' through int4
     fn = _runner(mesh, jaxcomm.sync_gradients(compression=C.int4(), min_size=1024))
-    outs, _ = _call(fn, _put(mesh, g))
+    outs, _ = _call(fn, per_device(mesh, g))
     np.testing.assert_allclose(outs["b"][0, 0], g["b"].mean(0), rtol=1e-5, atol=1e-6)
     w_err = np.abs(outs["w"][0, 0] - g["w"].mean(0)).max()
     assert 1e-3 < w_err < 0.5  # compressed: int4 error, bounded
     # a predicate compressing only 'b' (min_size ignored): the reverse
     pred = jaxcomm.sync_gradients(compression=C.int4(), compress_leaf=lambda path, x: "b" in path)
-    outs, _ = _call(_runner(mesh, pred), _put(mesh, g))
+    outs, _ = _call(_runner(mesh, pred), per_device(mesh, g))
     np.testing.assert_allclose(outs["w"][0, 0], g["w"].mean(0), rtol=1e-5, atol=1e-6)
     assert np.abs(outs["b"][0, 0] - g["b"].mean(0)).max() > 1e-3
 
 
 def test_warmup_zero_compiles_no_uncompressed_branch(mesh):
-    g = jax.ShapeDtypeStruct((8, 64, 48), jnp.float32, sharding=NamedSharding(mesh, P(AX)))
-    args = ({"w": g, "b": jax.ShapeDtypeStruct((8, 48), jnp.float32, sharding=g.sharding)},)
+    args = ({"w": abstract_per_device(mesh, (64, 48)), "b": abstract_per_device(mesh, (48,))},)
     no_warm = _runner(mesh, jaxcomm.sync_gradients(compression=C.int8(), min_size=1024))
     mod = jaxcomm.hlo.collectives(no_warm, *args, mesh=mesh)
     assert " conditional(" not in mod.text and not mod.branches
@@ -94,7 +92,7 @@ def test_warmup_zero_compiles_no_uncompressed_branch(mesh):
 def test_warmup_sends_uncompressed_then_compressed(mesh):
     g = _grads(1)
     fn = _runner(mesh, jaxcomm.sync_gradients(compression=C.int4(), warmup_steps=2), steps=3)
-    outs, state = _call(fn, _put(mesh, g))
+    outs, state = _call(fn, per_device(mesh, g))
     ref = g["w"].mean(0)
     np.testing.assert_allclose(outs["w"][0, 0], ref, rtol=1e-5, atol=1e-6)  # step 0
     np.testing.assert_allclose(outs["w"][0, 1], ref, rtol=1e-5, atol=1e-6)  # step 1
@@ -106,12 +104,12 @@ def test_inter_stage_only_compresses_across_nodes(mesh):
     g = _grads(2)
     tx = jaxcomm.sync_gradients(compression=C.int8(), compress_stage="inter")
     fn = _runner(mesh, tx)
-    outs, _ = _call(fn, _put(mesh, g))
+    outs, _ = _call(fn, per_device(mesh, g))
     ref = g["w"].mean(0)
     rel = np.linalg.norm(outs["w"][0, 0] - ref) / np.linalg.norm(ref)
     assert rel < 0.02
     np.testing.assert_array_equal(outs["w"][0, 0], outs["w"][5, 0])
-    mod = jaxcomm.hlo.collectives(fn, _put(mesh, g), mesh=mesh)
+    mod = jaxcomm.hlo.collectives(fn, per_device(mesh, g), mesh=mesh)
     by = {(c.kind, c.axes, c.dtype) for c in mod.collectives if c.operand_elements >= 600}
     # full precision inside a node, int8 bytes between nodes
     assert ("reduce-scatter", ("intra",), "f32") in by
@@ -124,12 +122,12 @@ def test_fp16_overflow_skips_the_whole_step_and_counts(mesh):
     g = _grads(3)
     g["w"][3, 0, 0] = 1e9  # 1e9 / 8 > 65504: the fp16 sum overflows
     tx = jaxcomm.sync_gradients(compression=C.fp16(), min_size=1024)
-    outs, state = _call(_runner(mesh, tx, steps=2), _put(mesh, g))
+    outs, state = _call(_runner(mesh, tx, steps=2), per_device(mesh, g))
     np.testing.assert_array_equal(outs["w"], 0.0)
     np.testing.assert_array_equal(outs["b"], 0.0)  # the uncompressed leaf is skipped too
     assert int(state.compression.overflow_steps) == 2
     g["w"][3, 0, 0] = 1.0
-    outs, state = _call(_runner(mesh, tx, steps=1), _put(mesh, g))
+    outs, state = _call(_runner(mesh, tx, steps=1), per_device(mesh, g))
     np.testing.assert_allclose(outs["w"][0, 0], g["w"].mean(0), rtol=2e-3, atol=2e-3)
     assert int(state.compression.overflow_steps) == 0
 
@@ -137,10 +135,7 @@ def test_fp16_overflow_skips_the_whole_step_and_counts(mesh):
 def _adaptive_levels(mesh, comp, steps, comm_ratio=None, scale=1.0):
     tx = jaxcomm.sync_gradients(compression=comp, min_size=1024)
     example = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
-    abstract = jax.eval_shape(
-        jax.shard_map(lambda: tx.init(example), mesh=mesh, in_specs=(), out_specs=P())
-    )
-    sspecs = state_partition_specs(abstract, AX)
+    sspecs = state_specs(lambda: tx.init(example), mesh)
 
     def local(g, ratio):
         g = jax.tree.map(lambda x: x[0], g)
@@ -155,16 +150,11 @@ def _adaptive_levels(mesh, comp, steps, comm_ratio=None, scale=1.0):
         state, levels = jax.lax.scan(body, state, None, length=steps)
         return levels[None], stack_local(state)
 
-    fn = jax.jit(
-        jax.shard_map(
-            local, mesh=mesh, in_specs=(P(AX), P()), out_specs=(P(AX), sspecs), check_vma=False
-        )
-    )
+    fn = sharded(local, mesh, in_specs=(P(AX), P()), out_specs=(P(AX), sspecs))
     ratio = jnp.float32(-1.0 if comm_ratio is None else comm_ratio)
-    levels, state = fn(_put(mesh, _grads(4, scale)), ratio)
+    levels, state = fn(per_device(mesh, _grads(4, scale)), ratio)
     levels = np.asarray(levels)
-    # every device took the same decisions (pmean-ed signals)
-    np.testing.assert_array_equal(levels, np.broadcast_to(levels[0], levels.shape))
+    assert_rows_equal(levels)  # every device took the same decisions (pmean-ed signals)
     return levels[0], state
 
 
@@ -212,7 +202,7 @@ def test_per_device_state_in_the_train_state(mesh):
 
     params = {"w": jnp.zeros((32, 64))}
     tx = optax.chain(jaxcomm.sync_gradients(compression=C.topk(0.1)), optax.sgd(0.1))
-    dp = jaxcomm.data_parallel(loss, tx, mesh)
+    dp = jaxcomm.data_parallel(loss, tx, mesh, check_replicas=1)
     state = dp.init(params)
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(16, 32)), "y": rng.normal(size=(16, 64))}
@@ -227,44 +217,27 @@ def test_per_device_state_in_the_train_state(mesh):
     res_np = np.asarray(res)
     assert not np.allclose(res_np[0], res_np[1])  # per device
     assert np.isfinite(float(m["loss"]))
-    # the params stay replicated and identical
-    assert state.params["w"].sharding.is_fully_replicated
+    # the params (and all other replicated leaves) hold the same bits on every device
+    assert assert_replicas_equal(state) > 0
 
 
 def test_scan_equals_separate_jitted_steps(mesh):
     """Several steps in one lax.scan equal the same steps through separate jit calls."""
     tx = jaxcomm.sync_gradients(compression=C.powersgd(rank=2), min_size=16)
     g = _grads(5)
-    outs_scan, state_scan = _call(_runner(mesh, tx, steps=3), _put(mesh, g))
+    outs_scan, state_scan = _call(_runner(mesh, tx, steps=3), per_device(mesh, g))
 
-    abstract = jax.eval_shape(
-        jax.shard_map(
-            lambda: tx.init({"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}),
-            mesh=mesh,
-            in_specs=(),
-            out_specs=P(),
-        )
-    )
-    sspecs = state_partition_specs(abstract, AX)
-    init = jax.jit(
-        jax.shard_map(
-            lambda g: stack_local(tx.init(jax.tree.map(lambda x: x[0], g))),
-            mesh=mesh,
-            in_specs=P(AX),
-            out_specs=sspecs,
-        )
+    sspecs = state_specs(lambda: tx.init({"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}), mesh)
+    init = sharded(
+        lambda g: stack_local(tx.init(jax.tree.map(lambda x: x[0], g))), mesh, out_specs=sspecs
     )
 
     def one(g, s):
         out, s = tx.update(jax.tree.map(lambda x: x[0], g), unstack_local(s))
         return jax.tree.map(lambda x: x[None], out), stack_local(s)
 
-    step = jax.jit(
-        jax.shard_map(
-            one, mesh=mesh, in_specs=(P(AX), sspecs), out_specs=(P(AX), sspecs), check_vma=False
-        )
-    )
-    gs = _put(mesh, g)
+    step = sharded(one, mesh, in_specs=(P(AX), sspecs), out_specs=(P(AX), sspecs))
+    gs = per_device(mesh, g)
     s = init(gs)
     for t in range(3):
         out, s = step(gs, s)

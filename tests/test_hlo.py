@@ -1,8 +1,6 @@
 """The compiled HLO holds the collectives each algorithm promises."""
 
-import jax
-import numpy as np
-from jax.sharding import PartitionSpec as P
+from helpers import abstract_per_device, sharded
 
 import jaxcomm
 from jaxcomm.hlo import parse_replica_groups
@@ -11,15 +9,8 @@ AXES = ("inter", "intra")
 
 
 def _module(mesh, algorithm, n=1000):
-    f = jax.shard_map(
-        lambda x: jaxcomm.allreduce(x[0], algorithm=algorithm, op="sum"),
-        mesh=mesh,
-        in_specs=P(AXES),
-        out_specs=P(),
-        check_vma=False,
-    )
-    arg = jax.ShapeDtypeStruct((8, n), np.float32, sharding=jax.NamedSharding(mesh, P(AXES)))
-    return jaxcomm.hlo.collectives(jax.jit(f), arg, mesh=mesh)
+    f = sharded(lambda x: jaxcomm.allreduce(x[0], algorithm=algorithm, op="sum"), mesh)
+    return jaxcomm.hlo.collectives(f, abstract_per_device(mesh, (n,)), mesh=mesh)
 
 
 def test_hierarchical_hlo_stages(mesh):

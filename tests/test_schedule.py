@@ -2,8 +2,7 @@
 # ruff: noqa: E501
 
 import jax
-import numpy as np
-from jax.sharding import PartitionSpec as P
+from helpers import abstract_per_device, sharded
 
 import jaxcomm
 from jaxcomm.schedule import parse_schedule
@@ -113,12 +112,8 @@ def test_report_on_compiled_cpu_step(mesh):
     def local(x, y):
         return jaxcomm.allreduce(x[0], algorithm="hierarchical", op="sum"), jax.lax.psum(y[0], AXES)
 
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(AXES), out_specs=P(), check_vma=False))
-    sh = jax.NamedSharding(mesh, P(AXES))
-    args = (
-        jax.ShapeDtypeStruct((8, 4096), np.float32, sharding=sh),
-        jax.ShapeDtypeStruct((8, 100), np.float32, sharding=sh),
-    )
+    f = sharded(local, mesh)
+    args = (abstract_per_device(mesh, (4096,)), abstract_per_device(mesh, (100,)))
     rep = jaxcomm.schedule.schedule_report(
         f, *args, mesh=mesh, compiler_options=jaxcomm.xla.disable_passes("cpu-all-reduce-combiner")
     )

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_replicas_equal
 from mlp import mlp_init, mlp_loss
 
 import jaxcomm
@@ -27,7 +28,7 @@ def test_twenty_steps_equal_single_device(mesh, data, algorithm):
     params0 = _mlp_init(jax.random.key(0))
     tx = optax.adam(1e-2)
     dp = jaxcomm.data_parallel(
-        _loss, optax.chain(jaxcomm.sync_gradients(algorithm=algorithm), tx), mesh
+        _loss, optax.chain(jaxcomm.sync_gradients(algorithm=algorithm), tx), mesh, check_replicas=5
     )
     state = dp.init(params0)
     ref_p, ref_s = params0, tx.init(params0)
@@ -46,14 +47,14 @@ def test_twenty_steps_equal_single_device(mesh, data, algorithm):
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_p), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert int(state.step) == 20
+    assert assert_replicas_equal(state) > 0
 
 
 def test_optimizer_without_sync_is_refused(mesh, data):
     x, y = data
     dp = jaxcomm.data_parallel(_loss, optax.sgd(0.1), mesh)
-    state = dp.init(_mlp_init(jax.random.key(0)))
-    with pytest.raises(ValueError, match="never synchronises"):
-        dp(state, {"x": x[0], "y": y[0]})
+    with pytest.raises(ValueError, match="never synchronises"):  # refused when built
+        dp.init(_mlp_init(jax.random.key(0)))
 
 
 def test_batch_not_divisible(mesh, data):
@@ -98,13 +99,15 @@ def test_per_device_state_is_sharded_and_local(mesh, data):
 
     x, y = data
     tx = optax.chain(jaxcomm.sync_gradients(), per_device_counter(), optax.sgd(0.1))
-    dp = jaxcomm.data_parallel(_loss, tx, mesh)
+    dp = jaxcomm.data_parallel(_loss, tx, mesh, check_replicas=1)
     state = dp.init(_mlp_init(jax.random.key(0)))
     state, _ = dp(state, {"x": x[0], "y": y[0]})
     seen = state.opt_state[1].seen.value
     assert seen.shape == (8, 2)
     assert seen.sharding.spec[0] == ("inter", "intra")
     np.testing.assert_array_equal(seen[:, 0], np.arange(8) + 1)
+    assert dp.per_device_paths == ["[1].seen.value"]
+    assert_replicas_equal(state)
 
 
 def test_flax_nnx_model(mesh, data):
@@ -128,7 +131,7 @@ def test_flax_nnx_model(mesh, data):
 
     x, y = data
     tx = optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.5))
-    dp = jaxcomm.data_parallel(loss_fn, tx, mesh)
+    dp = jaxcomm.data_parallel(loss_fn, tx, mesh, check_replicas=1)
     state = dp.init(params)
     losses = []
     for _ in range(5):

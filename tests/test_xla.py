@@ -3,9 +3,8 @@
 import os
 
 import jax
-import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from helpers import abstract_per_device, shard
 
 import jaxcomm
 from jaxcomm import xla
@@ -73,8 +72,8 @@ def test_options_apply_per_function_only(mesh):
     def local(a, b):
         return jax.lax.psum(a[0], axes), jax.lax.psum(b[0], axes)
 
-    f = jax.shard_map(local, mesh=mesh, in_specs=P(axes), out_specs=P(), check_vma=False)
-    arg = jax.ShapeDtypeStruct((8, 64), np.float32, sharding=jax.NamedSharding(mesh, P(axes)))
+    f = shard(local, mesh)
+    arg = abstract_per_device(mesh, (64,))
     split = jaxcomm.hlo.collectives(
         jax.jit(f, compiler_options=xla.disable_passes("cpu-all-reduce-combiner")), arg, arg
     )

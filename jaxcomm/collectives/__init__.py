@@ -78,9 +78,9 @@ def allreduce(
       op: 'sum' or 'mean'.
       topology: a ``jaxcomm.topology.Topology`` that ``algorithm='auto'`` plans with
         (``jaxcomm.cost.choose`` per packed buffer); None: ``jaxcomm.topology.detect()``.
-        Other algorithms ignore it. 'ring', 'tree', 'halving_doubling' (and 'auto' when it
-        picks one of them) return values shard_map types as varying: use
-        ``check_vma=False`` in your ``shard_map``.
+        Other algorithms ignore it. Every algorithm's result is typed invariant over
+        ``axes`` by shard_map's replication check (``check_vma=True``), so it may leave a
+        ``shard_map`` with ``out_specs=P()``.
 
     Returns:
       A pytree of the same structure, shapes and dtypes holding the reduced values.

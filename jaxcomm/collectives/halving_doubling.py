@@ -1,18 +1,20 @@
 """Recursive halving-doubling all-reduce (Rabenseifner) from ``lax.ppermute``.
 
-Reduce-scatter by recursive halving, all-gather by recursive doubling: ``2 lg p`` messages
-(latency-optimal, like a tree) and ``2(p-1)/p n`` bytes per device (bandwidth-optimal, like
-a ring). Partners are ``rank XOR 2^k`` with the distance doubling, so the first and largest
-exchange (``n/2`` bytes) is between neighbours in the mesh (the same node), and only the
-small late exchanges cross the network.
+Reduce-scatter by recursive halving (``lg q`` ppermutes), then one all-gather
+(``all_gather_invariant``) in place of recursive doubling: ``2(p-1)/p n`` bytes per device
+(bandwidth-optimal, like a ring). Partners are ``rank XOR 2^k`` with the distance
+doubling, so the first and largest exchange (``n/2`` bytes) is between neighbours in the
+mesh (the same node), and only the small late exchanges cross the network.
+
+Why an all-gather and not recursive doubling: a value built from ppermutes is typed
+*varying* by shard_map's replication check (``check_vma=True``); the all-gather moves the
+same ``(p-1)/p n`` bytes per device and its result is typed invariant (see
+docs/architecture.md, "Replication invariant"). The backend picks its schedule.
 
 For ``p`` not a power of two, ``rem = p - 2^floor(lg p)`` ranks fold first: among the first
 ``2 rem`` ranks each even rank sends its buffer to the odd rank after it and sits out; the
-survivors run the power-of-two algorithm and hand the result back at the end (two extra
-messages of ``n`` bytes).
-
-The result is equal on every device but "varying" in shard_map's type system: call it under
-``jax.shard_map(..., check_vma=False)``.
+survivors run the halving; the all-gather then spans all ``p`` ranks (the folded ranks
+send a segment nobody uses, ``rem/q n`` bytes extra, in place of the unfold's ``n``).
 
 References:
   Rabenseifner, "Optimization of Collective Reduction Operations" (ICCS 2004);
@@ -28,13 +30,14 @@ import numpy as np
 from jax import lax
 
 from jaxcomm.collectives.base import axes_size, pad_to_multiple, register_algorithm
+from jaxcomm.collectives.hierarchical import all_gather_invariant
 
 __all__ = ["halving_doubling_allreduce"]
 
 
 @register_algorithm("halving_doubling")
 def halving_doubling_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Sums a 1-D ``x`` over ``axes`` by recursive halving then recursive doubling.
+    """Sums a 1-D ``x`` over ``axes`` by recursive halving then an all-gather.
 
     1. (p not a power of two) Fold: even ranks ``< 2 rem`` send ``x`` to ``rank + 1``,
        which adds it. The ``q = 2^floor(lg p)`` survivors get new ranks ``0..q-1``.
@@ -42,9 +45,8 @@ def halving_doubling_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array
        rank whose bit ``k`` is 0 keeps the lower half of its current segment and sends the
        upper half (the partner does the opposite); add what arrives. Each survivor ends
        with ``1/q`` of the sum.
-    3. All-gather, ``k = lg q - 1 .. 0``: exchange segments with the same partners and
-       concatenate in bit order, doubling the segment each step.
-    4. (p not a power of two) Unfold: the odd ranks ``< 2 rem`` send the result back.
+    3. All-gather every rank's segment (typed invariant); survivor ``new`` holds segment
+       ``bitreverse(new)``, so a static reorder of the gathered segments gives the sum.
 
     Args:
       x: 1-D per-device array (inside ``jax.shard_map``).
@@ -75,13 +77,9 @@ def halving_doubling_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array
         upper = bit == 1
         recv = lax.ppermute(jnp.where(upper, lo, hi), axes, perms[k])
         buf = jnp.where(upper, hi, lo) + recv
-    for k in reversed(range(len(bits))):  # step 3
-        recv = lax.ppermute(buf, axes, perms[k])
-        upper = bits[k] == 1
-        buf = jnp.where(upper, jnp.concatenate([recv, buf]), jnp.concatenate([buf, recv]))
-    out = buf[:n]
-    if rem:  # step 4
-        back = lax.ppermute(out, axes, [(2 * i + 1, 2 * i) for i in range(rem)])
-        folded = (rank < 2 * rem) & (rank % 2 == 0)
-        out = jnp.where(folded, back, out)
-    return out
+    # Step 3. Segment s (in address order) was kept by the survivor whose new rank is s
+    # with its lg q bits reversed (bit k of new rank picks the half at halving step k).
+    lg = len(bits)
+    owner = [survivors[int(format(s, f"0{lg}b")[::-1], 2) if lg else 0] for s in range(q)]
+    gathered = all_gather_invariant(buf[None], axes)  # (p, n_pad / q), row = old rank
+    return gathered[np.asarray(owner)].reshape(-1)[:n]

@@ -14,13 +14,24 @@ from jax import lax
 from jaxcomm.collectives.base import pad_to_multiple, reduce_scatter, register_algorithm
 
 
-def all_gather_invariant(x: jax.Array, axis: str) -> jax.Array:
-    # ``to='invarying'`` tells shard_map's replication check that the gathered value is
-    # the same on every device of ``axis`` (it is), so callers may use ``out_specs=P()``.
-    try:
-        return lax.all_gather(x, axis, tiled=True, to="invarying")
-    except (TypeError, ValueError):  # a jax without the ``to=`` keyword values
-        return lax.all_gather(x, axis, tiled=True)
+def all_gather_invariant(x: jax.Array, axes: str | tuple[str, ...], *, axis: int = 0) -> jax.Array:
+    """Tiled all-gather of ``x`` over ``axes`` whose result shard_map types as invariant.
+
+    ``lax.all_gather(..., to='invarying')`` tells shard_map's replication check
+    (``check_vma=True``) that the gathered value is the same on every device of ``axes``
+    (it is), so callers may return it with ``out_specs=P()``. Pieces are concatenated in
+    the order of ``lax.axis_index(axes)`` (row-major over ``axes``). The wire is that of a
+    plain all-gather.
+
+    Args:
+      x: the per-device piece (inside ``jax.shard_map``).
+      axes: a mesh axis name or a tuple of them.
+      axis: the dimension along which the pieces are concatenated.
+
+    Returns:
+      The concatenation of every device's ``x`` along ``axis``.
+    """
+    return lax.all_gather(x, axes, axis=axis, tiled=True, to="invarying")
 
 
 @register_algorithm("hierarchical")

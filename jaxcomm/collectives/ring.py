@@ -1,13 +1,16 @@
-"""Ring all-reduce from ``lax.ppermute``: reduce-scatter, then all-gather, p-1 steps each.
+"""Ring all-reduce: a ``lax.ppermute`` ring reduce-scatter (p-1 steps), then one all-gather.
 
 The mesh axes passed in are one linearised ring of ``p`` devices (rank
 ``lax.axis_index(axes)``, row-major over the axes), so with ``('inter', 'intra')`` the ring
 walks the devices of a node before crossing to the next node: ``p/g`` edges of the ring
 leave a node, and with ``make_mesh(topology=...)`` consecutive nodes share a leaf.
 
-The result is equal on every device but "varying" in shard_map's type system (it is built
-from ppermutes): call it under ``jax.shard_map(..., check_vma=False)`` (as
-``jaxcomm.data_parallel`` does).
+The reduce-scatter phase is ``p-1`` ppermutes; the all-gather phase is one all-gather
+(``all_gather_invariant``) instead of ``p-1`` more ppermutes: the same ``(p-1)/p n`` bytes
+per device, and its result is typed *invariant* by shard_map's replication check
+(``check_vma=True``), which a value built from ppermutes can never be (see
+docs/architecture.md, "Replication invariant"). The backend picks the all-gather's own
+schedule (NCCL: a ring; XLA:CPU: direct copies).
 
 References:
   Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
@@ -21,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm.collectives.base import axes_size, pad_to_multiple, register_algorithm
+from jaxcomm.collectives.hierarchical import all_gather_invariant
 
 __all__ = ["ring_allreduce"]
 
@@ -35,7 +39,8 @@ def _roll_chunks(chunks: jax.Array, shift: jax.Array) -> jax.Array:
 
 @register_algorithm("ring")
 def ring_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Sums a 1-D ``x`` over ``axes`` with a ring of ``2(p-1)`` neighbour exchanges.
+    """Sums a 1-D ``x`` over ``axes``: a ring reduce-scatter (``p-1`` neighbour exchanges),
+    then an all-gather.
 
     1. Pad ``x`` to ``p`` equal chunks and rotate them so that local position ``j`` holds
        chunk ``(rank + j) mod p``; every rank then sends and adds at the same static
@@ -43,9 +48,9 @@ def ring_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     2. Reduce-scatter: at step ``s`` send position ``-s`` to the next rank and add the
        received chunk into position ``-s-1``. After ``p-1`` steps position ``1`` holds the
        full sum of chunk ``rank + 1``.
-    3. All-gather: at step ``s`` send position ``1-s`` and overwrite position ``-s`` with
-       the received chunk.
-    4. Rotate back and drop the padding.
+    3. All-gather the position-1 chunks (rank ``r`` holds chunk ``r + 1``), rotate by one
+       chunk and drop the padding. The result is identical on every device and typed
+       invariant over ``axes``.
 
     Args:
       x: 1-D per-device array (inside ``jax.shard_map``).
@@ -67,6 +72,5 @@ def ring_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     for s in range(p - 1):
         j = (-s - 1) % p
         chunks[j] = chunks[j] + lax.ppermute(chunks[(-s) % p], axes, perm)
-    for s in range(p - 1):
-        chunks[(-s) % p] = lax.ppermute(chunks[(1 - s) % p], axes, perm)
-    return _roll_chunks(jnp.stack(chunks), rank).reshape(-1)[:n]
+    gathered = all_gather_invariant(chunks[1][None], axes)  # row r: chunk (r + 1) mod p
+    return jnp.roll(gathered, 1, axis=0).reshape(-1)[:n]

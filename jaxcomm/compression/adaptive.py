@@ -10,8 +10,9 @@ whose compression lies in ``[min_compression, max_compression]`` form the ladder
 start is the one nearest ``initial_compression_ratio``. All levels share one per-device
 error-feedback residual, so switching levels never drops gradient.
 
-**Signals**, reduced with ``pmean`` over the data axes so every device sees the same
-numbers and picks the same level:
+**Signals**, reduced with ``pmean`` over *every* data axis of the step (also with
+``compress_stage='inter'``, where the compressed reduction spans the outer axes only) so
+every device sees the same numbers and picks the same level:
 
 * ``error``: the relative norm of the residual, ``||c - C(c)|| / ||c||`` with ``c = g + e``,
   averaged over the window of ``adjustment_step`` steps;
@@ -52,6 +53,7 @@ from jaxcomm.compression.base import (
     ReduceContext,
     axes_size,
     check_range,
+    decision_axes,
     device_key,
     sum_over,
 )
@@ -204,7 +206,9 @@ def adaptive(
         cs = ef.corrected(xs, state.residual)
         branches = [lambda cs, f=f: f(cs, ctx) for f in fns]
         out, sent = lax.switch(state.level, branches, cs)
-        err = lax.pmean(ef.relative_error(cs, sent), ctx.axes)
+        # Over every data axis (not ctx.axes, the outer axes only with
+        # compress_stage='inter'): all devices must pick the same lax.switch branch.
+        err = lax.pmean(ef.relative_error(cs, sent), decision_axes(ctx))
         err_sum = state.error_sum + err
         steps = state.window_steps + 1
         decide = steps >= adjustment_step

@@ -31,6 +31,7 @@ __all__ = [
     "ReduceContext",
     "axes_size",
     "check_range",
+    "decision_axes",
     "device_key",
     "sum_over",
 ]
@@ -45,12 +46,25 @@ class ReduceContext(NamedTuple):
       step: int32 scalar, the number of synchronised steps before this one.
       key: a PRNG key that is the **same on every device** (derived from the sync seed and
         ``step``); fold in :func:`device_key` for per-device randomness.
+      data_axes: every data-parallel axis of the step (``()``: the same as ``axes``). With
+        ``compress_stage='inter'``, ``axes`` are the outer axes only and each device of a
+        node holds a different shard, so a decision that must be the same on every
+        device (fp16's overflow skip, adaptive's level) is reduced over
+        :func:`decision_axes`, never over ``axes`` alone.
     """
 
     axes: tuple[str, ...]
     algorithm: str
     step: jax.Array
     key: jax.Array
+    data_axes: tuple[str, ...] = ()
+
+
+def decision_axes(ctx: ReduceContext) -> tuple[str, ...]:
+    """The axes over which a compressor reduces the signals of a shared decision: all data
+    axes of the step, so that every device takes the same decision (same ``lax.switch``
+    branch, same skip)."""
+    return ctx.data_axes or ctx.axes
 
 
 def _any_shape(shape: tuple[int, ...]) -> bool:

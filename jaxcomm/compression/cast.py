@@ -16,11 +16,13 @@ through any registered algorithm (flat, hierarchical, ...) in the low precision.
   ``gradient_predivide_factor``, each device divides by the world size *before* the cast,
   so the sum is the mean and only a mean above 65504 (or one pre-divided value above it)
   overflows. **Choice: skip and count** (like ``optax.apply_if_finite``). When the summed
-  result holds an inf or NaN (the all-reduce spreads it to every device, so all devices
-  agree), ``sync_gradients`` returns an all-zero update for the whole step (every leaf,
-  compressed or not) and ``Fp16State.overflow_steps`` is incremented. The update is never
-  a silent inf. A zero update is an exact skip for SGD; for Adam-like transforms it is a
-  step with a zero gradient (moments decay by one step).
+  result holds an inf or NaN on any device (one ``pmin`` over every data axis of the
+  step, so that with ``compress_stage='inter'``, where each device of a node sums a
+  different shard, all devices still take one decision), ``sync_gradients`` returns an
+  all-zero update for the whole step (every leaf, compressed or not) and
+  ``Fp16State.overflow_steps`` is incremented. The update is never a silent inf. A zero
+  update is an exact skip for SGD; for Adam-like transforms it is a step with a zero
+  gradient (moments decay by one step).
 
 References:
   Micikevicius et al., "Mixed Precision Training" (ICLR 2018); Horovod ``Compression.fp16``
@@ -35,11 +37,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression.base import (
     Compressor,
     ReduceContext,
     as_f32,
     axes_size,
+    decision_axes,
     sum_over,
 )
 
@@ -66,7 +70,7 @@ def bf16_exchange_mean(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, 
     words = lax.all_to_all(lax.bitcast_convert_type(lo, jnp.uint16), axes, 0, 0, tiled=True)
     chunk = as_f32(lax.bitcast_convert_type(words, jnp.bfloat16)).sum(0) / p
     chunk_lo = chunk.astype(jnp.bfloat16)
-    full = lax.all_gather(lax.bitcast_convert_type(chunk_lo, jnp.uint16), axes, tiled=True)
+    full = all_gather_invariant(lax.bitcast_convert_type(chunk_lo, jnp.uint16), axes)
     i = lax.axis_index(axes)
     sent = as_f32(lo)
     sent = lax.dynamic_update_slice(sent, (sent[i] + p * (as_f32(chunk_lo) - chunk))[None], (i, 0))
@@ -158,7 +162,10 @@ def fp16() -> Compressor:
             s = sum_over((as_f32(x) / n).astype(jnp.float16), ctx.axes, ctx.algorithm)
             finite = finite & jnp.all(jnp.isfinite(s))
             out.append(s.astype(jnp.result_type(x)))
-        # The sum is identical on every device, so every device takes the same decision.
+        # One decision for all devices: with compress_stage='inter' each device of a node
+        # summed a different shard, so an overflow in one shard must skip the step
+        # everywhere (a pmin over every data axis, not over ctx.axes alone).
+        finite = lax.pmin(finite.astype(jnp.int32), decision_axes(ctx)) > 0
         out = [jnp.where(finite, o, jnp.zeros_like(o)) for o in out]
         new = Fp16State(state.overflow_steps + (~finite).astype(jnp.int32), finite)
         return out, new

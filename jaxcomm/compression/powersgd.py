@@ -30,7 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm.compression import error_feedback as ef
-from jaxcomm.compression.base import Compressor, ReduceContext, check_range, sum_over
+from jaxcomm.compression.base import (
+    Compressor,
+    ReduceContext,
+    check_range,
+    decision_axes,
+    sum_over,
+)
 from jaxcomm.validate import check_int
 
 __all__ = ["PowerSGDState", "matrix_shape", "orthogonalize", "powersgd"]
@@ -120,11 +126,17 @@ def powersgd(
         qs = list(state.q)
         if not warm_start:
             qs = [_fresh_q(ctx.key, i, q.shape[0], q.shape[1]) for i, q in enumerate(qs)]
-        n_dev = int(np.prod([jax.lax.axis_size(a) for a in ctx.axes]))
+        # Over every data axis: with compress_stage='inter' the matrices arrive averaged
+        # over the inner axis (equal within a node, but typed varying there through the
+        # per-device residual), and a mean over the outer axes alone would leave P and Q
+        # typed varying. The mean over all axes has the same value and is provably
+        # replicated; through 'hierarchical' its inter-node share is 1/g of the factors.
+        axes = decision_axes(ctx)
+        n_dev = int(np.prod([jax.lax.axis_size(a) for a in axes]))
 
         def mean_all(parts):  # one all-reduce for all matrices of this phase
             flat = jnp.concatenate([x.reshape(-1) for x in parts])
-            flat = sum_over(flat, ctx.axes, ctx.algorithm) / n_dev
+            flat = sum_over(flat, axes, ctx.algorithm) / n_dev
             out, off = [], 0
             for x in parts:
                 out.append(flat[off : off + x.size].reshape(x.shape))

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
     Compressor,
@@ -202,7 +203,7 @@ def two_phase_mean(
     err2 = dequantize(q2, s2, bits, block)[0] - shard
     i = lax.axis_index(axes)
     local = lax.dynamic_update_slice(local, (local[i] + p * err2)[None], (i, 0))
-    gathered = lax.all_gather(_to_bytes(q2, s2), axes, axis=0, tiled=True)  # (p, bytes)
+    gathered = all_gather_invariant(_to_bytes(q2, s2), axes)  # (p, bytes), typed invariant
     q2, s2 = _from_bytes(gathered, q2.shape[1], bits)
     mean = dequantize(q2, s2, bits, block).reshape(-1)[:n]
     local = local.reshape(-1)[:n]

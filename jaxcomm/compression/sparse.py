@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
     Compressor,
@@ -138,8 +139,8 @@ def topk(
                 flat, k, method=m, sample=sample, key=jax.random.fold_in(key, i)
             )
             # The wire: p x k indices and values.
-            all_idx = lax.all_gather(idx, ctx.axes, tiled=True)
-            all_vals = lax.all_gather(vals, ctx.axes, tiled=True)
+            all_idx = all_gather_invariant(idx, ctx.axes)
+            all_vals = all_gather_invariant(vals, ctx.axes)
             total = jnp.zeros((n + 1,), jnp.float32).at[all_idx].add(all_vals)[:n]
             out.append((total / p).reshape(c.shape).astype(jnp.result_type(xs[i])))
             mine = jnp.zeros((n + 1,), jnp.float32).at[idx].set(vals)[:n]

@@ -1,0 +1,122 @@
+"""Shared test harness (not a test module): mesh axes, per-device inputs, ``run_sharded``,
+and the bitwise replica comparison that every test that trains uses.
+
+Replicas are compared by their bits, never by ``sharding.is_fully_replicated`` (which is
+true by declaration and cannot fail). This comparison is written independently of
+``jaxcomm.check_replicas`` (the library's runtime check), so that each checks the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm.state import state_partition_specs
+
+AX = ("inter", "intra")
+
+
+def per_device(mesh, x: Any, axes: tuple[str, ...] = AX) -> Any:
+    """Puts ``x`` (a pytree whose leaves have one leading row per device) on ``mesh``,
+    split along its leading axis over ``axes``."""
+    return jax.tree.map(lambda a: jax.device_put(np.asarray(a), NamedSharding(mesh, P(axes))), x)
+
+
+def replicated(mesh, x: Any) -> Any:
+    """Puts ``x`` on every device of ``mesh``."""
+    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), x)
+
+
+def shard(fn, mesh, *, in_specs: Any = None, out_specs: Any = None, check_vma: bool = True):
+    """``jax.shard_map(fn, ...)`` with the replication check on by default; ``in_specs``
+    default ``P(AX)`` (inputs split over the devices), ``out_specs`` default ``P()``."""
+    in_specs = P(AX) if in_specs is None else in_specs
+    out_specs = P() if out_specs is None else out_specs
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+
+
+def sharded(fn, mesh, *, compiler_options=None, **specs):
+    """``jax.jit(shard(fn, mesh, **specs))``, with optional per-function XLA options."""
+    return jax.jit(shard(fn, mesh, **specs), compiler_options=compiler_options)
+
+
+def abstract_per_device(mesh, shape: tuple[int, ...], dtype=np.float32) -> jax.ShapeDtypeStruct:
+    """A ``ShapeDtypeStruct`` of ``(devices, *shape)`` split over ``AX`` (for lowering)."""
+    n = mesh.devices.size
+    return jax.ShapeDtypeStruct((n, *shape), dtype, sharding=NamedSharding(mesh, P(AX)))
+
+
+def run_sharded(fn, mesh, *args, in_specs: Any = None, out_specs: Any = None, check_vma=True):
+    """Runs ``fn`` on the per-device values of ``args`` inside ``shard_map`` over ``mesh``."""
+    return sharded(fn, mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)(*args)
+
+
+def state_specs(init, mesh, axes: tuple[str, ...] = AX) -> Any:
+    """PartitionSpecs of the state ``init()`` builds inside ``shard_map``: leaves inside
+    ``jaxcomm.PerDevice`` get ``P(axes)`` (stacked per device), the others ``P()``."""
+    # Only the structure and shapes are needed: per-device leaves may be typed varying.
+    abstract = jax.eval_shape(
+        jax.shard_map(init, mesh=mesh, in_specs=(), out_specs=P(), check_vma=False)
+    )
+    return state_partition_specs(abstract, axes)
+
+
+def _bits(a: Any) -> bytes:
+    return np.ascontiguousarray(np.asarray(a)).view(np.uint8).tobytes()
+
+
+def replica_mismatches(tree: Any) -> list[str]:
+    """One line per leaf typed replicated whose copies differ in some bit across devices."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(leaf, jax.Array) or not leaf.sharding.is_fully_replicated:
+            continue
+        shards = sorted(leaf.addressable_shards, key=lambda s: s.device.id)
+        ref = _bits(shards[0].data)
+        differ = [s.device.id for s in shards[1:] if _bits(s.data) != ref]
+        if differ:
+            out.append(f"{jax.tree_util.keystr(path)}: devices {differ} differ from device 0")
+    return out
+
+
+def assert_replicas_equal(tree: Any) -> int:
+    """Asserts every leaf typed replicated holds the same bits on every device.
+
+    Returns:
+      The number of replicated leaves compared (callers may assert it is non-zero).
+    """
+    bad = replica_mismatches(tree)
+    assert not bad, "replicas differ:\n" + "\n".join(bad)
+    return sum(
+        1
+        for leaf in jax.tree.leaves(tree)
+        if isinstance(leaf, jax.Array) and leaf.sharding.is_fully_replicated
+    )
+
+
+def assert_rows_equal(stacked: Any) -> None:
+    """Asserts the per-device rows of ``stacked`` (out_specs ``P(AX)``) are bitwise equal."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stacked)[0]:
+        rows = np.asarray(leaf)
+        for i in range(1, rows.shape[0]):
+            assert _bits(rows[i]) == _bits(rows[0]), (
+                f"{jax.tree_util.keystr(path)}: device row {i} differs from row 0"
+            )
+
+
+def train(dp, state, batches, *, check: bool = True):
+    """Runs ``dp`` over ``batches``; after every step asserts replicas agree bitwise.
+
+    Returns:
+      ``(state, metrics)`` of the last step.
+    """
+    metrics = None
+    for batch in batches:
+        state, metrics = dp(state, batch)
+        if check:
+            assert assert_replicas_equal(state) > 0
+    return state, metrics
