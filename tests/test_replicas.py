@@ -314,5 +314,7 @@ def test_check_replicas_passes_sharded_leaves_and_equal_copies(mesh):
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
 def test_check_replicas_argument_is_validated(mesh, bad):
     tx = optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))
-    with pytest.raises(ValueError, match=r"check_replicas=.* must be an integer >= 0 \(got \w+\); N compares"):
+    with pytest.raises(
+        ValueError, match=r"check_replicas=.* must be an integer >= 0 \(got \w+\); N compares"
+    ):
         jaxcomm.data_parallel(mlp_loss, tx, mesh, check_replicas=bad)
