@@ -33,7 +33,7 @@ from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import Compressor, ReduceContext, check_range, sum_over
 from jaxcomm.validate import check_int
 
-__all__ = ["PowerSGDState", "matrix_shape", "orthogonalize", "powersgd"]
+__all__ = ["PowerSGDState", "matrix_shape", "orthogonalize", "powersgd", "shape_groups"]
 
 
 class PowerSGDState(NamedTuple):
@@ -57,12 +57,37 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 def orthogonalize(p: jax.Array) -> jax.Array:
     """Orthonormal columns spanning ``p`` (reduced QR), zero columns kept zero.
 
+    Args:
+      p: an ``(n, r)`` matrix, or a batch ``(..., n, r)`` of them (one QR per matrix,
+        computed together).
+
+    Returns:
+      ``p``'s shape: orthonormal columns where ``p``'s QR has a nonzero diagonal, zero
+      columns elsewhere.
+
     Example:
       >>> p_hat = orthogonalize(m @ q)   # PowerSGD's step 3
     """
     q, r = jnp.linalg.qr(p)
     # A zero column (e.g. a zero gradient) gives a zero diagonal; keep it zero, not NaN.
-    return jnp.where(jnp.isfinite(q), q, 0.0) * jnp.where(jnp.abs(jnp.diag(r)) > 0, 1.0, 0.0)
+    nonzero = jnp.abs(jnp.diagonal(r, axis1=-2, axis2=-1)) > 0
+    return jnp.where(jnp.isfinite(q), q, 0.0) * jnp.where(nonzero, 1.0, 0.0)[..., None, :]
+
+
+def shape_groups(shapes: list[tuple[int, int, int]]) -> list[list[int]]:
+    """Indices of equal ``(n, m, r)`` shapes, grouped, groups in order of first appearance.
+
+    PowerSGD stacks each group into one batch, so that a ResNet's hundreds of matrices cost
+    a few dozen batched products and QRs (PyTorch's ``powerSGD_hook`` batches the same way).
+
+    Example:
+      >>> shape_groups([(4, 3, 2), (5, 3, 2), (4, 3, 2)])
+      [[0, 2], [1]]
+    """
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, s in enumerate(shapes):
+        groups.setdefault(tuple(s), []).append(i)
+    return list(groups.values())
 
 
 def powersgd(
@@ -116,13 +141,20 @@ def powersgd(
 
     def reduce(xs, state: PowerSGDState, ctx: ReduceContext):
         cs = ef.corrected(xs, state.residual if error_feedback else None)
-        mats = [c.reshape(matrix_shape(c.shape)) for c in cs]
         qs = list(state.q)
         if not warm_start:
             qs = [_fresh_q(ctx.key, i, q.shape[0], q.shape[1]) for i, q in enumerate(qs)]
         n_dev = int(np.prod([jax.lax.axis_size(a) for a in ctx.axes]))
+        # Matrices of one (n, m, r) shape form one batch (g, n, m): one batched product and
+        # one batched QR per shape instead of one per matrix (compile time and kernel count
+        # grow with the number of shapes, not of leaves).
+        groups = shape_groups(
+            [(*matrix_shape(c.shape), q.shape[1]) for c, q in zip(cs, qs, strict=True)]
+        )
+        mats = [jnp.stack([cs[i].reshape(matrix_shape(cs[i].shape)) for i in g]) for g in groups]
+        qb = [jnp.stack([qs[i] for i in g]) for g in groups]
 
-        def mean_all(parts):  # one all-reduce for all matrices of this phase
+        def mean_all(parts):  # one all-reduce for all batches of this phase
             flat = jnp.concatenate([x.reshape(-1) for x in parts])
             flat = sum_over(flat, ctx.axes, ctx.algorithm) / n_dev
             out, off = [], 0
@@ -131,19 +163,27 @@ def powersgd(
                 off += x.size
             return out
 
-        ps = mean_all([mt @ q for mt, q in zip(mats, qs, strict=True)])
+        ps = mean_all([mt @ q for mt, q in zip(mats, qb, strict=True)])
         ps = [orthogonalize(p) for p in ps]
-        q_local = [mt.T @ p for mt, p in zip(mats, ps, strict=True)]
+        q_local = [jnp.swapaxes(mt, -1, -2) @ p for mt, p in zip(mats, ps, strict=True)]
         q_mean = mean_all(q_local)
+
+        def per_leaf(batches):  # batched results back to leaf order
+            out: list = [None] * len(cs)
+            for g, b in zip(groups, batches, strict=True):
+                for j, i in enumerate(g):
+                    out[i] = b[j]
+            return out
+
+        approx = per_leaf([p @ jnp.swapaxes(q, -1, -2) for p, q in zip(ps, q_mean, strict=True)])
         out = [
-            (p @ q.T).reshape(x.shape).astype(jnp.result_type(x))
-            for p, q, x in zip(ps, q_mean, xs, strict=True)
+            a.reshape(x.shape).astype(jnp.result_type(x)) for a, x in zip(approx, xs, strict=True)
         ]
         res = state.residual
         if error_feedback:
-            sent = [(p @ q.T).reshape(c.shape) for p, q, c in zip(ps, q_local, cs, strict=True)]
-            res = ef.new_residuals(cs, sent)
-        return out, PowerSGDState(tuple(q_mean), res)
+            sent = per_leaf([p @ jnp.swapaxes(q, -1, -2) for p, q in zip(ps, q_local, strict=True)])
+            res = ef.new_residuals(cs, [s.reshape(c.shape) for s, c in zip(sent, cs, strict=True)])
+        return out, PowerSGDState(tuple(per_leaf(q_mean)), res)
 
     return Compressor(
         f"powersgd(rank={rank})",
