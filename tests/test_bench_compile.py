@@ -1,0 +1,58 @@
+"""python -m jaxcomm.bench compile: structure of the results, table and JSON; op counts."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxcomm.bench import compile as bc
+
+KEYS = {"trace_s", "lower_s", "compile_s", "total_s", "jaxpr_eqns", "hlo_ops_pre", "hlo_ops_post"}
+
+
+def test_run_table_and_json(mesh, tmp_path, capsys):
+    path = tmp_path / "compile.json"
+    assert bc.main(["--model", "resnet-tiny", "--options", "flat,ring", "--json", str(path)]) == 0
+    out = json.loads(path.read_text())
+    assert out["config"]["model"] == "resnet-tiny"
+    assert out["config"]["leaves"] == 38 and out["config"]["mesh"] == {"inter": 2, "intra": 4}
+    assert list(out["results"]) == ["flat", "ring"]
+    flat, ring = (out["results"][o]["sync"] for o in ("flat", "ring"))
+    for m in (flat, ring):
+        assert set(m) == KEYS
+        assert all(m[k] > 0 for k in KEYS)
+        assert np.isclose(m["total_s"], m["trace_s"] + m["lower_s"] + m["compile_s"])
+    # a ring is built from ppermutes: more equations and instructions than one psum per buffer
+    assert ring["jaxpr_eqns"] > flat["jaxpr_eqns"]
+    assert ring["hlo_ops_pre"] > flat["hlo_ops_pre"]
+    text = capsys.readouterr().out
+    lines = text.strip().splitlines()
+    assert "x flat" in lines[-3] and lines[-2].split()[0] == "flat"
+    assert lines[-2].split()[5] == "1.00"  # flat's ratio to itself
+    assert lines[-1].split()[0] == "ring"
+
+
+def test_unknown_option_is_rejected(capsys):
+    assert bc.main(["--options", "flat,nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="choose from"):
+        bc.sync_kwargs("nope")
+
+
+def test_powersgd_batches_matrices_of_one_shape(mesh):
+    """Twelve matrices of one shape cost one QR; twelve of different shapes cost twelve."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxcomm
+
+    f32 = jnp.float32
+    same = {f"w{i}": jax.ShapeDtypeStruct((64, 48), f32) for i in range(12)}
+    diff = {f"w{i}": jax.ShapeDtypeStruct((64, 40 + i), f32) for i in range(12)}
+    counts = []
+    for tree in (same, diff):
+        tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.powersgd(rank=4))
+        fn, args = bc.sync_program(tx, tree, mesh)
+        text = fn.lower(*args).as_text(dialect="hlo")
+        counts.append(text.count("geqrf"))  # the QR factorization (LAPACK on CPU)
+    assert 0 < counts[0] < counts[1]
