@@ -1,6 +1,7 @@
 """python -m jaxcomm.bench compile: structure of the results, table and JSON; op counts."""
 
 import json
+import re
 
 import numpy as np
 import pytest
