@@ -12,7 +12,8 @@ alongside the timed parts (``--sequential``: one after the other):
 * ``kernels``: the local compression kernels on the ResNet-152 gradient (60.2M f32):
   int8/int4 quantize and dequantize (:mod:`jaxcomm.compression.quantize`), top-k selection
   (:func:`jaxcomm.compression.sparse.select_topk`), PowerSGD's ``P = M Q``, orthogonalize and
-  ``Q = M^T P`` on the ResNet-152 matrices, and a plain copy; time per call (jit,
+  ``Q = M^T P`` on the ResNet-152 matrices (batched by shape, as the compressor runs them;
+  orthogonalize also one matrix at a time), and a plain copy; time per call (jit,
   ``block_until_ready``, the best and the median of several rounds of back-to-back calls)
   and achieved memory bandwidth ``(bytes read + bytes written) / time`` as a fraction of
   the GPU's peak.
