@@ -154,20 +154,24 @@ def measure(fn: Callable, *args: Any) -> dict[str, Any]:
       *args: ``jax.ShapeDtypeStruct`` arguments (with shardings).
 
     Returns:
-      ``{trace_s, lower_s, compile_s, total_s, jaxpr_eqns, hlo_ops_pre, hlo_ops_post}``.
+      ``{trace_s, lower_s, compile_s, total_s, cpu_s, jaxpr_eqns, hlo_ops_pre,
+      hlo_ops_post}`` (seconds of wall clock, ``cpu_s`` of process CPU time).
     """
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     traced = fn.trace(*args)
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
     compiled = lowered.compile()
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), time.process_time()
     return {
         "trace_s": t1 - t0,
         "lower_s": t2 - t1,
         "compile_s": t3 - t2,
         "total_s": t3 - t0,
+        # CPU seconds of this process (all threads): on a shared machine less sensitive to
+        # other jobs than the wall-clock times.
+        "cpu_s": c3 - c0,
         "jaxpr_eqns": _count_eqns(traced.jaxpr.jaxpr),
         "hlo_ops_pre": hlo_op_count(lowered.as_text(dialect="hlo")),
         "hlo_ops_post": hlo_op_count(compiled.as_text()),
@@ -317,13 +321,15 @@ def run(
 
 
 def table(out: dict[str, Any]) -> str:
-    """The results as a text table, with each time's ratio to ``flat`` (when measured)."""
+    """The results as a text table, with the total wall-clock and CPU time's ratio to
+    ``flat`` (when measured)."""
     res = out["results"]
     base = res.get("flat")
     parts = [p for p in ("sync", "step") if any(p in r for r in res.values())]
     head = ["option"]
     for p in parts:
         head += [f"{p} trace s", f"{p} lower s", f"{p} compile s", f"{p} total s", "x flat"]
+        head += [f"{p} CPU s", "x flat"]
         head += [f"{p} eqns", f"{p} HLO pre", f"{p} HLO post"]
     rows = [head]
     for name, r in res.items():
@@ -331,13 +337,13 @@ def table(out: dict[str, Any]) -> str:
         for p in parts:
             m = r.get(p)
             if m is None:
-                row += ["-"] * 8
+                row += ["-"] * 10
                 continue
-            ratio = (
-                "-" if base is None or p not in base else f"{m['total_s'] / base[p]['total_s']:.2f}"
-            )
+            b = None if base is None else base.get(p)
+            ratio = "-" if b is None else f"{m['total_s'] / b['total_s']:.2f}"
+            cpu_ratio = "-" if b is None else f"{m['cpu_s'] / b['cpu_s']:.2f}"
             row += [f"{m['trace_s']:.2f}", f"{m['lower_s']:.2f}", f"{m['compile_s']:.2f}"]
-            row += [f"{m['total_s']:.2f}", ratio]
+            row += [f"{m['total_s']:.2f}", ratio, f"{m['cpu_s']:.2f}", cpu_ratio]
             row += [str(m["jaxpr_eqns"]), str(m["hlo_ops_pre"]), str(m["hlo_ops_post"])]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
