@@ -59,3 +59,14 @@ def test_powersgd_batches_matrices_of_one_shape(mesh):
         # the QR factorizations (LAPACK custom calls on CPU) of the optimized module
         counts.append(len(re.findall(r'custom_call_target="lapack_sgeqrf', text)))
     assert counts == [1, 12]
+
+
+def test_step_compiles_the_whole_train_step(mesh):
+    out = bc.run(["flat"], model="resnet-tiny", step=True, step_model="resnet-tiny", mesh=mesh)
+    r = out["results"]["flat"]
+    assert set(r["step"]) == KEYS
+    # forward + backward + sync + SGD: far more than the sync alone
+    assert r["step"]["jaxpr_eqns"] > 2 * r["sync"]["jaxpr_eqns"]
+    assert r["step"]["hlo_ops_post"] > r["sync"]["hlo_ops_post"]
+    assert out["config"]["step_model"] == "resnet-tiny"
+    assert "step compile s" in bc.table(out).splitlines()[0]
