@@ -4,6 +4,7 @@ from jaxcomm import buckets, collectives, compression, cost, hlo, schedule, topo
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.distributed import init_distributed
 from jaxcomm.mesh import DATA_AXES, make_mesh
+from jaxcomm.nnx import NnxDataParallel, nnx_data_parallel
 from jaxcomm.profiler import CommProfiler
 from jaxcomm.replicas import ReplicaDivergenceError, check_replicas
 from jaxcomm.state import PerDevice
@@ -17,6 +18,7 @@ __all__ = [
     "CommProfiler",
     "DATA_AXES",
     "DataParallel",
+    "NnxDataParallel",
     "PerDevice",
     "ReplicaDivergenceError",
     "SyncGradientsState",
@@ -33,6 +35,7 @@ __all__ = [
     "hlo",
     "init_distributed",
     "make_mesh",
+    "nnx_data_parallel",
     "schedule",
     "sync_gradients",
     "topology",
