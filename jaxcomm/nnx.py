@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomm.collectives import check_axes
 from jaxcomm.mesh import DATA_AXES
 from jaxcomm.replicas import check_replicas as _check_replicas
-from jaxcomm.state import leaf_specs, stack_leaves, unstack_leaves, varying_axes
+from jaxcomm.state import PerDevice, leaf_specs, stack_leaves, unstack_leaves, varying_axes
 from jaxcomm.sync import sync_probe
 from jaxcomm.validate import check_int
 
@@ -92,6 +92,26 @@ def key_data(tree: Any) -> Any:
         return x
 
     return jax.tree.map(raw, tree)
+
+
+def _plain(path: tuple) -> tuple:
+    return tuple(
+        getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path
+    )
+
+
+def _marked(objs: tuple, state: Any) -> list[bool]:
+    """Per leaf of ``state`` (``nnx.split(objs)``): inside a ``jaxcomm.PerDevice`` of the
+    opt_state of an ``nnx.Optimizer`` argument (a compressor's error feedback)."""
+    prefixes = []
+    for i, o in enumerate(objs):
+        if isinstance(o, nnx.Optimizer):
+            flat = jax.tree_util.tree_flatten_with_path(
+                o.opt_state, is_leaf=lambda x: isinstance(x, PerDevice)
+            )[0]
+            prefixes += [(i, "opt_state", *_plain(p)) for p, x in flat if isinstance(x, PerDevice)]
+    paths = [_plain(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    return [any(p[: len(q)] == q for q in prefixes) for p in paths]
 
 
 def _check_metrics(objs: Any) -> None:
@@ -222,7 +242,7 @@ class NnxDataParallel:
         return [next(it) if is_node else a for a, is_node in zip(args, nodes, strict=True)]
 
     # -- plan -------------------------------------------------------------------------
-    def _plan(self, graphdef, treedef, kinds, leaves, nodes, args):
+    def _plan(self, graphdef, treedef, kinds, leaves, nodes, args, marked):
         key = (graphdef, treedef, jax.tree.structure(args))
         if key in self._plans:
             return self._plans[key]
@@ -232,7 +252,7 @@ class NnxDataParallel:
                 0
             ]
         ]
-        per = [False] * len(leaves)
+        per = list(marked)
         glob_args = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(
                 a.shape, a.dtype, sharding=NamedSharding(self.mesh, P(self.axes))
@@ -276,7 +296,17 @@ class NnxDataParallel:
                     "gradients. Put the sync first: nnx.Optimizer(model, optax.chain("
                     "jaxcomm.sync_gradients(), optax.adamw(1e-3)), wrt=nnx.Param)."
                 )
-            for i, (v, k) in enumerate(zip(rec["vary"], kinds, strict=True)):
+            for i, (v, k, m) in enumerate(zip(rec["vary"], kinds, marked, strict=True)):
+                if v and k == _OPT and not m:
+                    raise ValueError(
+                        f"nnx_data_parallel: optimizer state {paths[i]} comes out different on "
+                        "each device: a stateful transform (e.g. adam's moments) runs on "
+                        "each device's own gradients before jaxcomm.sync_gradients() in the "
+                        "chain, so each device would keep its own moments. Put the sync "
+                        "first: nnx.Optimizer(model, optax.chain(jaxcomm.sync_gradients(), "
+                        "optax.adamw(1e-3)), wrt=nnx.Param). (State meant to be per device "
+                        "is wrapped in jaxcomm.PerDevice.)"
+                    )
                 if v and k != _OPT:
                     raise ValueError(
                         f"nnx_data_parallel: state {paths[i]} ({k}) comes out different on "
@@ -316,7 +346,9 @@ class NnxDataParallel:
             jax.tree.map(lambda v: _kind(type(v)), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
         )
         data = self._shard(data)
-        (_, _, _, per, _), step = self._plan(graphdef, treedef, tuple(kinds), leaves, tuple(nodes), data)
+        (_, _, _, per, _), step = self._plan(
+            graphdef, treedef, tuple(kinds), leaves, tuple(nodes), data, _marked(objs, state)
+        )
         stacked = NamedSharding(self.mesh, P(self.axes))
         rep = NamedSharding(self.mesh, P())
 
