@@ -29,7 +29,7 @@ orbax) uses it without a mesh context.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -48,7 +48,7 @@ from jaxcomm.state import PerDevice, leaf_specs, stack_leaves, unstack_leaves, v
 from jaxcomm.sync import sync_probe
 from jaxcomm.validate import check_int
 
-__all__ = ["NnxDataParallel", "nnx_data_parallel"]
+__all__ = ["NnxDataParallel", "check_optimizer", "check_params", "key_data", "nnx_data_parallel"]
 
 # Kinds of state leaves.
 _PARAM, _OPT, _METRIC, _KEY, _OTHER = "param", "opt", "metric", "key", "other"
@@ -127,10 +127,46 @@ def _check_metrics(objs: Any) -> None:
             )
 
 
+def check_optimizer(optimizer: Any) -> None:
+    """Raises a clear error if ``optimizer`` is not an optax transform (e.g. an
+    ``nnx.Optimizer`` passed to :func:`jaxcomm.data_parallel`)."""
+    if isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            "data_parallel(optimizer=...): got an nnx.Optimizer; data_parallel takes the optax "
+            "transform itself, e.g. optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-3)). "
+            "To keep nnx.Optimizer and the NNX train step, decorate the step with "
+            "@jaxcomm.nnx_data_parallel(mesh) instead."
+        )
+    _stray(optimizer, "data_parallel(optimizer=...)")
+    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+        raise TypeError(
+            f"data_parallel(optimizer=...): got {type(optimizer).__name__}, not an optax "
+            "GradientTransformation (init/update); pass e.g. "
+            "optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))."
+        )
+
+
+def check_params(params: Any) -> None:
+    """Raises a clear error for Flax objects passed as params to ``DataParallel.init``: an
+    NNX module, or Linen ``variables`` holding mutable collections (``batch_stats``)."""
+    _stray(params, "DataParallel.init(params)")
+    if isinstance(params, Mapping) and "params" in params:
+        others = sorted(str(k) for k in params if k != "params")
+        if others:
+            raise ValueError(
+                f"DataParallel.init(params): got Linen variables with collections {others} "
+                "besides 'params'. Pass them apart and build the step with "
+                "with_model_state=True: dp.init(variables['params'], "
+                f"{{k: variables[k] for k in {others}}}), with loss_fn(params, model_state, "
+                "batch) calling model.apply({'params': params, **model_state}, x, "
+                f"mutable={others}). See the README's 'Port a Flax Linen training script'."
+            )
+
+
 def _stray(x: Any, where: str) -> None:
     if isinstance(x, nnx.Optimizer | nnx.Module):
         raise TypeError(
-            f"{where}: got an {type(x).__module__.split('.')[0]} {type(x).__name__}. "
+            f"{where}: got a Flax NNX {type(x).__name__}. "
             "The NNX step is data-parallel with @jaxcomm.nnx_data_parallel(mesh) on "
             "train_step(model, optimizer, metrics, batch); jaxcomm.data_parallel takes "
             "a loss function, an optax transform and params (nnx.state(model, nnx.Param))."

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import check_axes
 from jaxcomm.mesh import DATA_AXES
+from jaxcomm.nnx import check_optimizer, check_params
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.state import (
@@ -116,6 +117,7 @@ class DataParallel:
         )
         microbatches = check_int("microbatches", microbatches, minimum=1, fix="1 turns it off")
         check_accumulate(accumulate)
+        check_optimizer(optimizer)
         if microbatches > 1 and with_model_state:
             raise ValueError(
                 "microbatches > 1 with with_model_state=True is not supported: model state "
@@ -283,6 +285,7 @@ class DataParallel:
         Per-device state is created inside ``shard_map``, so a transform may make it differ
         across devices (``lax.axis_index``).
         """
+        check_params(params)
         params = jax.device_put(params, self.replicated)
         if model_state is not None:
             model_state = jax.device_put(model_state, self.replicated)
