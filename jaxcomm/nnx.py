@@ -95,9 +95,7 @@ def key_data(tree: Any) -> Any:
 
 
 def _plain(path: tuple) -> tuple:
-    return tuple(
-        getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path
-    )
+    return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
 
 
 def _marked(objs: tuple, state: Any) -> list[bool]:
@@ -138,7 +136,9 @@ def check_optimizer(optimizer: Any) -> None:
             "@jaxcomm.nnx_data_parallel(mesh) instead."
         )
     _stray(optimizer, "data_parallel(optimizer=...)")
-    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
         raise TypeError(
             f"data_parallel(optimizer=...): got {type(optimizer).__name__}, not an optax "
             "GradientTransformation (init/update); pass e.g. "
@@ -192,7 +192,9 @@ class NnxDataParallel:
         self._fn = fn
         self.axes = axes
         # Plain (Auto) axis types: arrays on it mix with ordinary single-device code.
-        self.mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+        self.mesh = Mesh(
+            mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+        )
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.check_replicas = check_replicas
         self._plans: dict = {}
@@ -265,9 +267,9 @@ class NnxDataParallel:
         if rec is not None:
             rec["vary"] = [bool(varying_axes(x) & set(self.axes)) for x in result]
         out = jax.tree.map(
-            lambda y: lax.pmean(y, self.axes)
-            if jnp.issubdtype(jnp.result_type(y), jnp.floating)
-            else y,
+            lambda y: (
+                lax.pmean(y, self.axes) if jnp.issubdtype(jnp.result_type(y), jnp.floating) else y
+            ),
             out,
         )
         return stack_leaves(result, per), out
@@ -284,9 +286,7 @@ class NnxDataParallel:
             return self._plans[key]
         paths = [
             jax.tree_util.keystr(p)
-            for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, leaves))[
-                0
-            ]
+            for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, leaves))[0]
         ]
         per = list(marked)
         glob_args = jax.tree.map(
@@ -379,7 +379,9 @@ class NnxDataParallel:
         graphdef, state = nnx.split(objs)
         leaves, treedef = jax.tree.flatten(state)
         kinds = jax.tree.leaves(
-            jax.tree.map(lambda v: _kind(type(v)), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+            jax.tree.map(
+                lambda v: _kind(type(v)), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+            )
         )
         data = self._shard(data)
         (_, _, _, per, _), step = self._plan(

@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import check_axes
 from jaxcomm.mesh import DATA_AXES
-from jaxcomm.nnx import check_optimizer, check_params
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
+from jaxcomm.nnx import check_optimizer, check_params
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.state import (
     leaf_specs,
