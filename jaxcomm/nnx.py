@@ -42,7 +42,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import check_axes
-from jaxcomm.mesh import DATA_AXES
+from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.state import PerDevice, leaf_specs, stack_leaves, unstack_leaves, varying_axes
 from jaxcomm.sync import sync_probe
@@ -183,12 +183,7 @@ class NnxDataParallel:
     """
 
     def __init__(self, fn: Callable, mesh: Mesh, *, axes: tuple[str, ...], check_replicas: int):
-        missing = [a for a in axes if a not in mesh.axis_names]
-        if missing:
-            raise ValueError(
-                f"nnx_data_parallel(axes={axes}): axes {missing} are not in the mesh axes "
-                f"{mesh.axis_names}. Build the mesh with jaxcomm.make_mesh()."
-            )
+        check_mesh_axes("nnx_data_parallel", axes, mesh)
         self._fn = fn
         self.axes = axes
         # Plain (Auto) axis types: arrays on it mix with ordinary single-device code.

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import check_axes
-from jaxcomm.mesh import DATA_AXES
+from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
 from jaxcomm.nnx import check_optimizer, check_params
 from jaxcomm.replicas import check_replicas as _check_replicas
@@ -124,12 +124,7 @@ class DataParallel:
                 "such as batch-norm statistics would be updated once per microbatch instead "
                 "of once per step. Use microbatches=1 for such models."
             )
-        missing = [a for a in axes if a not in mesh.axis_names]
-        if missing:
-            raise ValueError(
-                f"data_parallel(axes={axes}): axes {missing} are not in the mesh axes "
-                f"{mesh.axis_names}. Build the mesh with jaxcomm.make_mesh()."
-            )
+        check_mesh_axes("data_parallel", axes, mesh)
         self.mesh = mesh
         self.axes = axes
         self.optimizer = optimizer
