@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.training.train_state import TrainState
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -48,7 +49,15 @@ from jaxcomm.state import PerDevice, leaf_specs, stack_leaves, unstack_leaves, v
 from jaxcomm.sync import sync_probe
 from jaxcomm.validate import check_int
 
-__all__ = ["NnxDataParallel", "check_optimizer", "check_params", "key_data", "nnx_data_parallel"]
+__all__ = [
+    "LinenDataParallel",
+    "NnxDataParallel",
+    "check_optimizer",
+    "check_params",
+    "key_data",
+    "linen_data_parallel",
+    "nnx_data_parallel",
+]
 
 # Kinds of state leaves.
 _PARAM, _OPT, _METRIC, _KEY, _OTHER = "param", "opt", "metric", "key", "other"
@@ -103,7 +112,7 @@ def _marked(objs: tuple, state: Any) -> list[bool]:
     opt_state of an ``nnx.Optimizer`` argument (a compressor's error feedback)."""
     prefixes = []
     for i, o in enumerate(objs):
-        if isinstance(o, nnx.Optimizer):
+        if isinstance(o, nnx.Optimizer | TrainState):
             flat = jax.tree_util.tree_flatten_with_path(
                 o.opt_state, is_leaf=lambda x: isinstance(x, PerDevice)
             )[0]
@@ -211,25 +220,22 @@ class NnxDataParallel:
             elif k == _KEY:
                 x = jax.random.fold_in(x, dev)
             inside.append(x)
-        objs = nnx.merge(graphdef, jax.tree.unflatten(treedef, inside))
         # Old invariant value of every param, by the identity of its varying copy.
         old = {id(v): x for v, x, k in zip(inside, leaves, kinds, strict=True) if k == _PARAM}
         log: list = []
-        opts = [o for _, o in nnx.iter_graph(objs) if isinstance(o, nnx.Optimizer)]
-        txs = [o.tx for o in opts]
-        for o in opts:
-            o.tx = _Recording(o.tx, log, old)
+        objs, restore, has_opt = self._enter(
+            graphdef, jax.tree.unflatten(treedef, inside), log, old
+        )
         try:
             with sync_probe() as calls:
                 out = self._fn(*self._fill(nodes, objs, args))
         finally:
-            for o, tx in zip(opts, txs, strict=True):
-                o.tx = tx
-        if opts and not calls:
+            restore()
+        if has_opt and not calls:
             raise ValueError(
-                "nnx_data_parallel: the nnx.Optimizer's transform never synchronises "
-                "gradients, so params would drift apart across devices. Build it as "
-                "nnx.Optimizer(model, optax.chain(jaxcomm.sync_gradients(), optax.adamw(...)))."
+                f"{self._name}: the optimizer's transform never synchronises gradients, so "
+                "params would drift apart across devices. Put jaxcomm.sync_gradients() first: "
+                f"{self._fix}."
             )
         new_param: dict[int, Any] = {}
         for params, updates in log:
@@ -240,7 +246,7 @@ class NnxDataParallel:
                         "params changed before it; call it once per step."
                     )
                 new_param[id(p)] = (p, optax.apply_updates(old[id(p)], u), u)
-        out_leaves = jax.tree.leaves(nnx.split(objs)[1])
+        out_leaves, out = self._exit(objs, out)
         result = []
         for i, (x, x0, v0, k) in enumerate(zip(out_leaves, leaves, inside, kinds, strict=True)):
             if k == _PARAM:
@@ -254,6 +260,12 @@ class NnxDataParallel:
             elif k == _METRIC:
                 x = x0 + lax.psum(x, self.axes)
             elif k == _KEY:
+                if x is not v0:
+                    raise ValueError(
+                        f"{self._name}: the step replaced the random key at leaf {i}; keep the "
+                        "key fixed and draw per step from it (nnx.Rngs does; in Linen, "
+                        "jax.random.fold_in(state.key, state.step))."
+                    )
                 x = x0  # draws advance the counts, never the key
             elif k == _OTHER and varying_axes(x) & set(self.axes):
                 if jnp.issubdtype(x.dtype, jnp.floating):
@@ -321,26 +333,24 @@ class NnxDataParallel:
             if rec["varying_update"]:
                 i = rec["varying_update"][0]
                 raise ValueError(
-                    f"nnx_data_parallel: the optimizer's update of {paths[i]} varies across "
+                    f"{self._name}: the optimizer's update of {paths[i]} varies across "
                     f"devices (mesh axes {self.axes}): a stateful transform (e.g. adam) runs "
                     "before jaxcomm.sync_gradients() in the chain, on each device's own "
-                    "gradients. Put the sync first: nnx.Optimizer(model, optax.chain("
-                    "jaxcomm.sync_gradients(), optax.adamw(1e-3)), wrt=nnx.Param)."
+                    f"gradients. Put the sync first: {self._fix}."
                 )
             for i, (v, k, m) in enumerate(zip(rec["vary"], kinds, marked, strict=True)):
                 if v and k == _OPT and not m:
                     raise ValueError(
-                        f"nnx_data_parallel: optimizer state {paths[i]} comes out different on "
+                        f"{self._name}: optimizer state {paths[i]} comes out different on "
                         "each device: a stateful transform (e.g. adam's moments) runs on "
                         "each device's own gradients before jaxcomm.sync_gradients() in the "
                         "chain, so each device would keep its own moments. Put the sync "
-                        "first: nnx.Optimizer(model, optax.chain(jaxcomm.sync_gradients(), "
-                        "optax.adamw(1e-3)), wrt=nnx.Param). (State meant to be per device "
-                        "is wrapped in jaxcomm.PerDevice.)"
+                        f"first: {self._fix}. (State meant to be per device is wrapped in "
+                        "jaxcomm.PerDevice.)"
                     )
                 if v and k != _OPT:
                     raise ValueError(
-                        f"nnx_data_parallel: state {paths[i]} ({k}) comes out different on "
+                        f"{self._name}: state {paths[i]} ({k}) comes out different on "
                         "each device and is not optimizer state, batch statistics, a metric "
                         "or an rng key; change it only from values every device shares."
                     )
@@ -365,22 +375,16 @@ class NnxDataParallel:
 
     # -- call -------------------------------------------------------------------------
     def __call__(self, *args):
-        nodes = [isinstance(a, nnx.Pytree) for a in args]
+        nodes = [self._is_node(a) for a in args]
         objs = tuple(a for a, n in zip(args, nodes, strict=True) if n)
         data = [None if n else a for a, n in zip(args, nodes, strict=True)]
         for a in data:
-            jax.tree.map(lambda x: _stray(x, "nnx_data_parallel"), a)
-        _check_metrics(objs)
-        graphdef, state = nnx.split(objs)
+            jax.tree.map(lambda x: _stray(x, self._name), a)
+        graphdef, state, kinds = self._split(objs)
         leaves, treedef = jax.tree.flatten(state)
-        kinds = jax.tree.leaves(
-            jax.tree.map(
-                lambda v: _kind(type(v)), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-            )
-        )
         data = self._shard(data)
         (_, _, _, per, _), step = self._plan(
-            graphdef, treedef, tuple(kinds), leaves, tuple(nodes), data, _marked(objs, state)
+            graphdef, treedef, kinds, leaves, tuple(nodes), data, _marked(objs, state)
         )
         stacked = NamedSharding(self.mesh, P(self.axes))
         rep = NamedSharding(self.mesh, P())
@@ -396,10 +400,54 @@ class NnxDataParallel:
         new, out = step(leaves, data)
         if jax.default_backend() == "cpu":
             jax.block_until_ready(new)  # one step in flight on XLA:CPU (see DataParallel)
-        nnx.update(objs, jax.tree.unflatten(treedef, new))
         self._calls += 1
         if self.check_replicas and self._calls % self.check_replicas == 0:
-            _check_replicas(key_data(new), mesh=self.mesh, what=f"NNX state (step {self._calls})")
+            _check_replicas(key_data(new), mesh=self.mesh, what=f"state (step {self._calls})")
+        return self._write_back(objs, jax.tree.unflatten(treedef, new), out)
+
+    # -- NNX: graph nodes, Variable types, in-place updates ----------------------------
+    _name = "nnx_data_parallel"
+    _fix = (
+        "nnx.Optimizer(model, optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-3)), "
+        "wrt=nnx.Param)"
+    )
+
+    @staticmethod
+    def _is_node(a: Any) -> bool:
+        return isinstance(a, nnx.Pytree)
+
+    @staticmethod
+    def _split(objs: tuple) -> tuple[Any, Any, tuple[str, ...]]:
+        _check_metrics(objs)
+        graphdef, state = nnx.split(objs)
+        kinds = jax.tree.leaves(
+            jax.tree.map(
+                lambda v: _kind(type(v)), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+            )
+        )
+        return graphdef, state, tuple(kinds)
+
+    @staticmethod
+    def _enter(graphdef, state, log: list, old: dict):
+        objs = nnx.merge(graphdef, state)
+        opts = [o for _, o in nnx.iter_graph(objs) if isinstance(o, nnx.Optimizer)]
+        txs = [o.tx for o in opts]
+        for o in opts:
+            o.tx = _Recording(o.tx, log, old)
+
+        def restore():
+            for o, tx in zip(opts, txs, strict=True):
+                o.tx = tx
+
+        return objs, restore, bool(opts)
+
+    @staticmethod
+    def _exit(objs, out):
+        return jax.tree.leaves(nnx.split(objs)[1]), out
+
+    @staticmethod
+    def _write_back(objs, state, out):
+        nnx.update(objs, state)
         return out
 
     def _shard(self, data):
@@ -409,13 +457,123 @@ class NnxDataParallel:
             x = x if isinstance(x, jax.Array) else np.asarray(x)
             if x.ndim == 0 or x.shape[0] % self.num_devices:
                 raise ValueError(
-                    f"nnx_data_parallel: a batch argument of shape {x.shape} does not split "
+                    f"{self._name}: a batch argument of shape {x.shape} does not split "
                     f"over the {self.num_devices} devices along its leading axis; use a "
                     f"multiple of {self.num_devices} (non-module arguments are the batch)."
                 )
             return jax.device_put(x, sharding)
 
         return jax.tree.map(put, data)
+
+
+def _decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -> tuple:
+    _stray(mesh, f"{name}(mesh)")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{name}(mesh): got {type(mesh).__name__}; pass a mesh from "
+            f"jaxcomm.make_mesh() and decorate the step: @jaxcomm.{name}(mesh)."
+        )
+    n = check_int(
+        "check_replicas",
+        0 if check_replicas is None else check_replicas,
+        minimum=0,
+        fix="N compares the replicas every N steps; 0 or None turns it off",
+    )
+    return n, check_axes(axes)
+
+
+class _Slot:
+    """Where a returned ``TrainState`` goes back in the step's output."""
+
+
+jax.tree_util.register_pytree_node(_Slot, lambda _: ((), None), lambda *_: _Slot())
+
+
+def _linen_kind(path: tuple, x: Any) -> str:
+    if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+        return _KEY
+    field = _plain(path[1:2])[0]
+    return {"params": _PARAM, "opt_state": _OPT}.get(field, _OTHER)
+
+
+class LinenDataParallel(NnxDataParallel):
+    """A data-parallel Linen step on ``flax.training.train_state.TrainState``; build it with
+    :func:`linen_data_parallel`."""
+
+    _name = "linen_data_parallel"
+    _fix = "TrainState.create(..., tx=optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-3)))"
+
+    @staticmethod
+    def _is_node(a: Any) -> bool:
+        return isinstance(a, TrainState)
+
+    @staticmethod
+    def _split(objs: tuple) -> tuple[Any, Any, tuple[str, ...]]:
+        flat = jax.tree_util.tree_flatten_with_path(objs)[0]
+        return None, objs, tuple(_linen_kind(p, x) for p, x in flat)
+
+    @staticmethod
+    def _enter(graphdef, states, log: list, old: dict):
+        states = tuple(s.replace(tx=_Recording(s.tx, log, old)) for s in states)
+        return states, lambda: None, bool(states)
+
+    @staticmethod
+    def _exit(objs, out):
+        is_state = lambda x: isinstance(x, TrainState)  # noqa: E731
+        new = [x for x in jax.tree.leaves(out, is_leaf=is_state) if is_state(x)]
+        if len(new) != len(objs):
+            raise ValueError(
+                f"linen_data_parallel: the step takes {len(objs)} TrainState(s) and returns "
+                f"{len(new)}; return each new state, e.g. (state, metrics)."
+            )
+        rest = jax.tree.map(lambda x: _Slot() if is_state(x) else x, out, is_leaf=is_state)
+        return jax.tree.leaves(tuple(new)), rest
+
+    @staticmethod
+    def _write_back(objs, states, out):
+        it = iter(states)
+        return jax.tree.map(
+            lambda x: next(it) if isinstance(x, _Slot) else x,
+            out,
+            is_leaf=lambda x: isinstance(x, _Slot),
+        )
+
+
+def linen_data_parallel(
+    mesh: Mesh, *, axes: tuple[str, ...] = DATA_AXES, check_replicas: int | None = None
+) -> Callable[[Callable], LinenDataParallel]:
+    """Makes a Flax Linen train step on ``TrainState`` data-parallel (in place of ``jax.jit``).
+
+    The step is ``train_step(state, batch, ...) -> (state, metrics)`` as written for one
+    device, with ``state`` a ``flax.training.train_state.TrainState`` (or a subclass with
+    fields such as ``batch_stats`` and ``key``) whose ``tx`` starts with
+    ``jaxcomm.sync_gradients()``. Its other arguments are the global batch, split over
+    ``axes``. Inside ``shard_map(..., check_vma=True)``: ``state.params`` are replicated
+    (each device differentiates its own copy; the new params are the old plus the
+    optimizer's synchronised update, proven invariant), ``state.opt_state`` is replicated
+    except ``jaxcomm.PerDevice`` state, float fields that the step makes differ per device
+    (``batch_stats``) are averaged across devices, and a typed key field
+    (``jax.random.key``) is folded with the device index, so dropout keys drawn from it
+    (``jax.random.fold_in(state.key, state.step)``) differ per device. The returned state
+    and metrics (averaged over devices) live on the mesh with a plain sharding.
+
+    Args:
+      mesh: from :func:`jaxcomm.make_mesh`.
+      axes: data-parallel axes of ``mesh``.
+      check_replicas: every this many steps, compare every replicated leaf across devices
+        by its bits; 0/None: off.
+
+    Returns:
+      A decorator; the decorated step is a :class:`LinenDataParallel`.
+
+    Example:
+      >>> @jaxcomm.linen_data_parallel(mesh)
+      ... def train_step(state, batch):
+      ...     grads = jax.grad(loss_fn)(state.params, batch)
+      ...     return state.apply_gradients(grads=grads), {}
+    """
+    n, axes = _decorator_args("linen_data_parallel", mesh, axes, check_replicas)
+    return lambda fn: LinenDataParallel(fn, mesh, axes=axes, check_replicas=n)
 
 
 def nnx_data_parallel(
@@ -446,17 +604,5 @@ def nnx_data_parallel(
       ...     grads = nnx.grad(loss_fn)(model, batch)
       ...     optimizer.update(model, grads)
     """
-    _stray(mesh, "nnx_data_parallel(mesh)")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"nnx_data_parallel(mesh): got {type(mesh).__name__}; pass a mesh from "
-            "jaxcomm.make_mesh() and decorate the step: @jaxcomm.nnx_data_parallel(mesh)."
-        )
-    n = check_int(
-        "check_replicas",
-        0 if check_replicas is None else check_replicas,
-        minimum=0,
-        fix="N compares the replicas every N steps; 0 or None turns it off",
-    )
-    axes = check_axes(axes)
+    n, axes = _decorator_args("nnx_data_parallel", mesh, axes, check_replicas)
     return lambda fn: NnxDataParallel(fn, mesh, axes=axes, check_replicas=n)
