@@ -168,7 +168,8 @@ def check_params(params: Any) -> None:
                 "with_model_state=True: dp.init(variables['params'], "
                 f"{{k: variables[k] for k in {others}}}), with loss_fn(params, model_state, "
                 "batch) calling model.apply({'params': params, **model_state}, x, "
-                f"mutable={others}). See the README's 'Port a Flax Linen training script'."
+                f"mutable={others}). Or keep a flax TrainState step and decorate it with "
+                "@jaxcomm.linen_data_parallel(mesh)."
             )
 
 

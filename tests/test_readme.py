@@ -60,3 +60,13 @@ def test_nnx_port(capsys):
     one = _accuracy(_run(before, capsys))
     eight = _accuracy(_run(after, capsys))
     assert one > 0.8 and abs(one - eight) < 0.05, (one, eight)
+
+
+def test_linen_port(capsys):
+    before, after, diff = _port("Port a Flax Linen training script")
+    assert len(diff) <= 10
+    body = re.search(r"def train_step\(.*?\n\n\n", before, re.S).group(0)
+    assert body in after
+    one = _accuracy(_run(before, capsys))
+    eight = _accuracy(_run(after, capsys))
+    assert one > 0.8 and abs(one - eight) < 0.05, (one, eight)
