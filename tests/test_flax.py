@@ -205,3 +205,91 @@ def test_linen_variables_with_batch_stats_as_params_are_refused(mesh):
     dp = jaxcomm.data_parallel(lambda p, b: 0.0, jaxcomm.sync_gradients(), mesh)
     with pytest.raises(ValueError, match=r"\['batch_stats'\].*with_model_state=True"):
         dp.init(variables)
+
+
+# -- Linen ----------------------------------------------------------------------------------
+
+
+def linen_state(tx, *, key=None):
+    import flax.linen as nn
+    from flax.training import train_state
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = True):
+            x = nn.BatchNorm(use_running_average=not train)(nn.Dense(8)(x))
+            return nn.Dense(10)(nn.Dropout(0.5, deterministic=not train)(x))
+
+    class State(train_state.TrainState):
+        batch_stats: dict
+        key: jax.Array
+        mask: jax.Array
+
+    model = Net()
+    v = model.init(jax.random.key(0), jnp.ones((2, 64)), train=False)
+    return State.create(
+        apply_fn=model.apply,
+        params=v["params"],
+        batch_stats=v["batch_stats"],
+        key=jax.random.key(1) if key is None else key,
+        mask=jnp.zeros(256),
+        tx=tx,
+    )
+
+
+def linen_step(state, batch):
+    key = jax.random.fold_in(state.key, state.step)
+
+    def loss_fn(params):
+        logits, upd = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats},
+            batch["x"],
+            mutable=["batch_stats"],
+            rngs={"dropout": key},
+        )
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), upd
+
+    (loss, upd), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    mask = jax.random.bernoulli(jax.random.fold_in(key, 7), 0.5, (256,)).astype(jnp.float32)
+    state = state.apply_gradients(grads=grads, batch_stats=upd["batch_stats"], mask=mask)
+    return state, {"loss": loss}
+
+
+def linen_batch(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(32, 64)).astype(np.float32)
+    return {"x": x, "y": rng.integers(0, 10, 32).astype(np.int32)}
+
+
+def test_linen_train_state_replicas_and_per_device_keys(mesh):
+    tx = optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-2))
+    state = linen_state(tx)
+    step = jaxcomm.linen_data_parallel(mesh, check_replicas=1)(linen_step)
+    for i in range(2):
+        state, metrics = step(state, linen_batch(i))
+    assert int(state.step) == 2 and np.isfinite(metrics["loss"])
+    assert assert_replicas_equal(key_data(state)) > 10
+    mean = np.asarray(state.mask)  # the devices' masks averaged: 0..1 in steps of 1/8
+    assert np.any((mean > 0) & (mean < 1))
+    stats = jax.tree.leaves(state.batch_stats)
+    assert not np.allclose(stats[0], 0)  # running means moved
+    again, _ = step(linen_state(tx), linen_batch(0))
+    np.testing.assert_array_equal(
+        np.asarray(again.mask), np.asarray(step(linen_state(tx), linen_batch(0))[0].mask)
+    )
+
+
+def test_linen_sync_after_a_stateful_transform_is_refused(mesh):
+    state = linen_state(optax.chain(optax.adamw(1e-3), jaxcomm.sync_gradients()))
+    with pytest.raises(ValueError, match=r"Put the sync first: TrainState.create"):
+        jaxcomm.linen_data_parallel(mesh)(linen_step)(state, linen_batch())
+
+
+def test_linen_key_replaced_in_the_step_is_refused(mesh):
+    def step(state, batch):
+        state, metrics = linen_step(state, batch)
+        return state.replace(key=jax.random.split(state.key)[0]), metrics
+
+    state = linen_state(optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1)))
+    with pytest.raises(ValueError, match="fold_in"):
+        jaxcomm.linen_data_parallel(mesh)(step)(state, linen_batch())
