@@ -1,4 +1,4 @@
-"""Flax NNX data parallelism: ``@jaxcomm.nnx_data_parallel(mesh)`` on an NNX train step.
+"""Flax data parallelism: ``@jaxcomm.nnx_data_parallel(mesh)`` on an NNX train step.
 
 The user keeps the model, ``nnx.Optimizer(model, optax.chain(jaxcomm.sync_gradients(),
 ...))``, ``nnx.MultiMetric`` and the body of ``train_step(model, optimizer, metrics,
@@ -10,9 +10,10 @@ by its ``Variable`` type:
   differentiates a varying copy (its own gradient; ``sync_gradients`` reduces it), and the
   new params are the invariant old params plus the optimizer's invariant update, so
   shard_map's replication check proves they agree on every device.
-- ``nnx.OptState``: replicated, except leaves whose value depends on each device's own
-  gradients (shard_map types them varying, e.g. a compressor's error feedback): those are
-  stored per device, with a leading axis of one entry per device (``per_device_paths``).
+- ``nnx.OptState``: replicated, except state a compressor wraps in ``jaxcomm.PerDevice``
+  (error feedback), stored with a leading axis of one entry per device
+  (``per_device_paths``). Any other optimizer state that comes out different per device
+  (adam's moments when a stateful transform runs before the sync) is refused.
 - ``nnx.metrics.MetricState`` (``Average``, ``Accuracy``, ...): each device starts from
   zero, and the sums and counts it adds are summed across devices (``psum``), so the
   metric equals the one computed on the global batch.
@@ -20,6 +21,10 @@ by its ``Variable`` type:
   differ across devices and are reproducible; the stored key and counts stay replicated.
 - Any other state that a step changes per device (``nnx.BatchStat``): float leaves are
   averaged across devices (``pmean``).
+
+``@jaxcomm.linen_data_parallel(mesh)`` does the same for a Linen step on
+``flax.training.train_state.TrainState``, by field: ``params``, ``opt_state``, typed key
+fields, and the rest (``batch_stats``).
 
 Everything it writes back lives on the mesh's devices with a plain (non-explicit)
 ``NamedSharding``, so ordinary Flax code (an ``nnx.jit`` eval step, ``metrics.reset()``,
