@@ -248,6 +248,20 @@ class DataParallel:
             if nxt == per:
                 break
             per = nxt
+        drifting = [
+            p for p, f, m in zip(rec["paths"], per, rec["marked"], strict=True) if f and not m
+        ]
+        if drifting:
+            more = f" (and {len(drifting) - 1} more leaves)" if len(drifting) > 1 else ""
+            raise ValueError(
+                f"data_parallel: optimizer state {drifting[0]}{more} is computed from each "
+                "device's own gradients: a stateful transform runs before "
+                "jaxcomm.sync_gradients in the chain, so every device would keep a different "
+                "copy (e.g. Adam's moments of its local gradients). Put "
+                "jaxcomm.sync_gradients() first, e.g. optax.chain(jaxcomm.sync_gradients(), "
+                "optax.adamw(1e-3)); if per-device state is what you mean, wrap it in "
+                "jaxcomm.PerDevice in the transform's init."
+            )
         varying = [(k, v) for k, v in rec["updates"] if v]
         if varying:
             path, vma = varying[0]
