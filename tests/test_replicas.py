@@ -314,3 +314,11 @@ def test_check_replicas_argument_is_validated(mesh, bad):
         ValueError, match=r"check_replicas=.* must be an integer >= 0 \(got \w+\); N compares"
     ):
         jaxcomm.data_parallel(mlp_loss, tx, mesh, check_replicas=bad)
+
+
+def test_check_replicas_compares_typed_keys_by_their_data(mesh):
+    keys = jax.device_put(
+        jax.random.split(jax.random.key(0), 3), replicated(mesh, np.ones(1)).sharding
+    )
+    jaxcomm.check_replicas({"keys": keys}, mesh=mesh)
+    assert_replicas_equal({"keys": keys})
