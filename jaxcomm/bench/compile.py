@@ -190,10 +190,19 @@ def sync_program(tx, tree, mesh) -> tuple[Callable, tuple]:
     def init():
         return tx.init(jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), tree))
 
-    abstract = jax.eval_shape(jax.shard_map(init, mesh=mesh, in_specs=(), out_specs=P()))
+    # Shapes only: per-device compressor state (typed varying) leaves shard_map unchecked.
+    abstract = jax.eval_shape(
+        jax.shard_map(init, mesh=mesh, in_specs=(), out_specs=P(), check_vma=False)
+    )
     sspecs = state_partition_specs(abstract, AXES)
     state = jax.eval_shape(
-        jax.shard_map(lambda: stack_local(init()), mesh=mesh, in_specs=(), out_specs=sspecs)
+        jax.shard_map(
+            lambda: stack_local(init()),
+            mesh=mesh,
+            in_specs=(),
+            out_specs=sspecs,
+            check_vma=False,
+        )
     )
     shard = jax.tree.map(
         lambda s: NamedSharding(mesh, s), sspecs, is_leaf=lambda x: isinstance(x, P)
@@ -208,8 +217,8 @@ def sync_program(tx, tree, mesh) -> tuple[Callable, tuple]:
         out, s = tx.update(g, unstack_local(s))
         return out, stack_local(s)
 
-    # Gradients come in replicated-typed (their values do not matter for a compile);
-    # ring/tree results are replicated in value, not in shard_map's types: check_vma off.
+    # Gradients come in replicated-typed (their values do not matter for a compile), so the
+    # program runs unchecked; data_parallel's step (check_vma=True) compiles the same sync.
     fn = jax.jit(
         jax.shard_map(
             local, mesh=mesh, in_specs=(P(), sspecs), out_specs=(P(), sspecs), check_vma=False
