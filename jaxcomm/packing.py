@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Buffer", "BufferPlan", "leaf_specs", "plan_groups", "plan_streams"]
+__all__ = ["Buffer", "BufferPlan", "plan_groups", "plan_streams"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +143,7 @@ class BufferPlan:
         ]
 
 
-def leaf_specs(leaves: Sequence[Any]) -> tuple[tuple, tuple]:
+def _shapes_dtypes(leaves: Sequence[Any]) -> tuple[tuple, tuple]:
     """``(shapes, dtypes)`` of arrays or ``jax.ShapeDtypeStruct`` s, as plans hold them."""
     shapes = tuple(tuple(int(d) for d in jnp.shape(x)) for x in leaves)
     return shapes, tuple(jnp.dtype(jnp.result_type(x)) for x in leaves)
@@ -154,8 +154,8 @@ def plan_groups(leaves: Sequence[Any], groups: Iterable[Sequence[int]]) -> Buffe
 
     Args:
       leaves: arrays or ``jax.ShapeDtypeStruct`` s.
-      groups: lists of indices into ``leaves``; the leaves of one group share a dtype.
-        Leaves in no group are not packed.
+      groups: non-empty lists of indices into ``leaves``; the leaves of one group share a
+        dtype, a leaf is in one group at most. Leaves in no group are not packed.
 
     Returns:
       A :class:`BufferPlan`.
@@ -163,7 +163,11 @@ def plan_groups(leaves: Sequence[Any], groups: Iterable[Sequence[int]]) -> Buffe
     Example:
       >>> plan = plan_groups(leaves, [[0], [1, 2]])  # leaf 0 alone; 1 and 2 together
     """
-    shapes, dtypes = leaf_specs(leaves)
+    shapes, dtypes = _shapes_dtypes(leaves)
+    groups = [list(g) for g in groups]
+    taken = [i for g in groups for i in g]
+    if len(set(taken)) != len(taken):
+        raise ValueError(f"groups={groups}: a leaf is in more than one group.")
     buffers = []
     for g in groups:
         dtype = dtypes[g[0]]
@@ -206,7 +210,7 @@ def plan_streams(
     """
     if first_bytes is not None and max_bytes is None:
         raise ValueError(f"first_bytes={first_bytes} needs max_bytes (the later buffers).")
-    shapes, dtypes = leaf_specs(leaves)
+    shapes, dtypes = _shapes_dtypes(leaves)
     streams: dict[Any, list[int]] = {}
     for i in order:
         if int(np.prod(shapes[i])) > 0:
