@@ -92,8 +92,9 @@ class BufferPlan:
     def unpack(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
         """List of 1-D buffers -> leaves, with the shapes and dtypes of the plan.
 
-        A leaf in no buffer (an empty leaf of :func:`plan_streams`) comes back as zeros;
-        use :meth:`leaves` to unpack a plan that covers a part of the list.
+        A leaf in no buffer (left out of the plan, or an empty leaf of
+        :func:`plan_streams`) comes back as zeros; :meth:`unpack_into` restores only the
+        leaves the plan holds.
         """
         return self._unpack(buffers, range(len(self.shapes)))
 
