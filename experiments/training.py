@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+import jaxcomm
 from experiments.checkpoint import Checkpointer
 from experiments.step import one_step_in_flight
 
@@ -36,7 +37,8 @@ def train(
         yielding ``(position, batch)``).
       start: data position to start at (0, or the restored position).
       stop: data position to stop before.
-      checkpointer: save every ``every`` steps and at ``stop``.
+      checkpointer: save every ``every`` steps and at ``stop`` (after checking that the
+        replicas of every replicated leaf agree, ``jaxcomm.check_replicas``).
       every: checkpoint period in steps (0: only at the end).
       meta: identity of the run, stored with each checkpoint.
       progress: show a tqdm progress bar (loss, accuracy, images/s).
@@ -77,6 +79,8 @@ def train(
                     bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m.get('accuracy', 0):.2f}")
             if checkpointer is not None and ((every and done % every == 0) or done == stop):
                 t_save = time.perf_counter()
+                # A checkpoint keeps one copy of each replicated leaf: prove they agree first.
+                jaxcomm.check_replicas(state, mesh=getattr(dp, "mesh", None), what=f"step {done}")
                 checkpointer.save(state, position=done, meta=meta)
                 saving += time.perf_counter() - t_save
             if bar is not None:

@@ -4,6 +4,7 @@ from jaxcomm import buckets, collectives, compression, cost, hlo, schedule, topo
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.distributed import init_distributed
 from jaxcomm.mesh import DATA_AXES, make_mesh
+from jaxcomm.nnx import LinenDataParallel, NnxDataParallel, linen_data_parallel, nnx_data_parallel
 from jaxcomm.profiler import CommProfiler
 from jaxcomm.replicas import ReplicaDivergenceError, check_replicas
 from jaxcomm.state import PerDevice
@@ -17,6 +18,8 @@ __all__ = [
     "CommProfiler",
     "DATA_AXES",
     "DataParallel",
+    "LinenDataParallel",
+    "NnxDataParallel",
     "PerDevice",
     "ReplicaDivergenceError",
     "SyncGradientsState",
@@ -32,7 +35,9 @@ __all__ = [
     "hierarchical_allreduce",
     "hlo",
     "init_distributed",
+    "linen_data_parallel",
     "make_mesh",
+    "nnx_data_parallel",
     "schedule",
     "sync_gradients",
     "topology",

@@ -20,7 +20,7 @@ INTER = "inter"
 INTRA = "intra"
 DATA_AXES: tuple[str, str] = (INTER, INTRA)
 
-__all__ = ["DATA_AXES", "INTER", "INTRA", "make_mesh", "valid_intra_sizes"]
+__all__ = ["DATA_AXES", "INTER", "INTRA", "check_mesh_axes", "make_mesh", "valid_intra_sizes"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -120,3 +120,13 @@ def make_mesh(
         )
     grid = np.array(devs, dtype=object).reshape(n // intra, intra)
     return Mesh(grid, DATA_AXES, axis_types=(AxisType.Explicit, AxisType.Explicit))
+
+
+def check_mesh_axes(where: str, axes: tuple[str, ...], mesh: Mesh) -> None:
+    """Raises if some of ``axes`` are not axes of ``mesh`` (``where`` names the caller)."""
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"{where}(axes={axes}): axes {missing} are not in the mesh axes "
+            f"{mesh.axis_names}. Build the mesh with jaxcomm.make_mesh()."
+        )

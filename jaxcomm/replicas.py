@@ -45,6 +45,13 @@ def _digest(shard_data: Any) -> np.ndarray:
     return np.frombuffer(d, np.uint32)
 
 
+def _key_bits(x: Any) -> Any:
+    """Typed PRNG keys (``jax.random.key``) compared by their key data (uint32 words)."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x
+
+
 def _replicated_leaves(tree: Any) -> list[tuple[str, jax.Array]]:
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -60,7 +67,7 @@ def replica_digests(tree: Any) -> tuple[list[str], np.ndarray, np.ndarray]:
       ``(paths, device_ids, digests)``: ``digests[i, j]`` (4 uint32 words) is the hash of
       leaf ``paths[i]`` on device ``device_ids[j]``.
     """
-    leaves = _replicated_leaves(tree)
+    leaves = _replicated_leaves(jax.tree.map(_key_bits, tree))
     if not leaves:
         return [], np.zeros((0,), np.int64), np.zeros((0, 0, _DIGEST_WORDS), np.uint32)
     ids = [s.device.id for s in leaves[0][1].addressable_shards]

@@ -15,8 +15,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import check_axes
-from jaxcomm.mesh import DATA_AXES
+from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
+from jaxcomm.nnx import check_optimizer, check_params
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.state import (
     leaf_specs,
@@ -116,18 +117,14 @@ class DataParallel:
         )
         microbatches = check_int("microbatches", microbatches, minimum=1, fix="1 turns it off")
         check_accumulate(accumulate)
+        check_optimizer(optimizer)
         if microbatches > 1 and with_model_state:
             raise ValueError(
                 "microbatches > 1 with with_model_state=True is not supported: model state "
                 "such as batch-norm statistics would be updated once per microbatch instead "
                 "of once per step. Use microbatches=1 for such models."
             )
-        missing = [a for a in axes if a not in mesh.axis_names]
-        if missing:
-            raise ValueError(
-                f"data_parallel(axes={axes}): axes {missing} are not in the mesh axes "
-                f"{mesh.axis_names}. Build the mesh with jaxcomm.make_mesh()."
-            )
+        check_mesh_axes("data_parallel", axes, mesh)
         self.mesh = mesh
         self.axes = axes
         self.optimizer = optimizer
@@ -251,6 +248,20 @@ class DataParallel:
             if nxt == per:
                 break
             per = nxt
+        drifting = [
+            p for p, f, m in zip(rec["paths"], per, rec["marked"], strict=True) if f and not m
+        ]
+        if drifting:
+            more = f" (and {len(drifting) - 1} more leaves)" if len(drifting) > 1 else ""
+            raise ValueError(
+                f"data_parallel: optimizer state {drifting[0]}{more} is computed from each "
+                "device's own gradients: a stateful transform runs before "
+                "jaxcomm.sync_gradients in the chain, so every device would keep a different "
+                "copy (e.g. Adam's moments of its local gradients). Put "
+                "jaxcomm.sync_gradients() first, e.g. optax.chain(jaxcomm.sync_gradients(), "
+                "optax.adamw(1e-3)); if per-device state is what you mean, wrap it in "
+                "jaxcomm.PerDevice in the transform's init."
+            )
         varying = [(k, v) for k, v in rec["updates"] if v]
         if varying:
             path, vma = varying[0]
@@ -283,6 +294,7 @@ class DataParallel:
         Per-device state is created inside ``shard_map``, so a transform may make it differ
         across devices (``lax.axis_index``).
         """
+        check_params(params)
         params = jax.device_put(params, self.replicated)
         if model_state is not None:
             model_state = jax.device_put(model_state, self.replicated)

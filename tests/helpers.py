@@ -75,6 +75,8 @@ def replica_mismatches(tree: Any) -> list[str]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not isinstance(leaf, jax.Array) or not leaf.sharding.is_fully_replicated:
             continue
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)  # typed keys: compare their uint32 words
         shards = sorted(leaf.addressable_shards, key=lambda s: s.device.id)
         ref = _bits(shards[0].data)
         differ = [s.device.id for s in shards[1:] if _bits(s.data) != ref]

@@ -116,7 +116,7 @@ def test_restore_refuses_another_structure(mesh, tmp_path):
         ckpt.restore(None)
     tx = optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))
     dp = jaxcomm.data_parallel(
-        steplib.make_loss_fn(parts.graphdef), tx, mesh, with_model_state=True
+        steplib.make_loss_fn(parts.graphdef), tx, mesh, with_model_state=True, check_replicas=1
     )
     state = dp.init(parts.params, parts.batch_stats)
     ckpt.save(state, position=0)

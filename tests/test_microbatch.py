@@ -43,7 +43,13 @@ def test_microbatched_step_equals_plain_step(mesh, batches, algorithm, bucket_by
             optax.adam(1e-2),
         )
         dp = jaxcomm.data_parallel(
-            _loss, tx, mesh, has_aux=True, microbatches=n, accumulate=accumulate
+            _loss,
+            tx,
+            mesh,
+            has_aux=True,
+            microbatches=n,
+            accumulate=accumulate,
+            check_replicas=1,
         )
         state = dp.init(params)
         metrics = []
@@ -153,7 +159,14 @@ def _dp(mesh, algorithm, compressor, n, accumulate="local", **kw):
     )
     tx = optax.chain(sync, optax.sgd(0.5))
     return jaxcomm.data_parallel(
-        _loss, tx, mesh, has_aux=True, microbatches=n, accumulate=accumulate, **kw
+        _loss,
+        tx,
+        mesh,
+        has_aux=True,
+        microbatches=n,
+        accumulate=accumulate,
+        check_replicas=1,
+        **kw,
     )
 
 
@@ -242,6 +255,7 @@ def test_overlap_keeps_error_feedback_per_microbatch(mesh, batches):
             has_aux=True,
             microbatches=n,
             accumulate=accumulate,
+            check_replicas=1,
         )
         state, _ = dp(dp.init(params), batches[0])
         return state

@@ -88,7 +88,7 @@ def test_data_parallel_twin_drops_gradient_collectives(mesh, compression):
         return jnp.mean((batch["x"] @ p["w"] + p["b"] - batch["y"]) ** 2)
 
     sync = jaxcomm.sync_gradients(algorithm="hierarchical", compression=comp)
-    dp = jaxcomm.data_parallel(loss_fn, optax.chain(sync, optax.sgd(0.1)), mesh)
+    dp = jaxcomm.data_parallel(loss_fn, optax.chain(sync, optax.sgd(0.1)), mesh, check_replicas=1)
     state = dp.init(params)
     rng = np.random.default_rng(1)
     batch = {
@@ -153,7 +153,7 @@ def test_warmup_bytes_match_wire_bytes(mesh):
         return jnp.mean((batch["x"] @ p["w"] + p["b"] - batch["y"]) ** 2)
 
     sync = jaxcomm.sync_gradients(compression=jaxcomm.compression.int8(), warmup_steps=5)
-    dp = jaxcomm.data_parallel(loss_fn, optax.chain(sync, optax.sgd(0.1)), mesh)
+    dp = jaxcomm.data_parallel(loss_fn, optax.chain(sync, optax.sgd(0.1)), mesh, check_replicas=1)
     state = dp.init(params)
     rng = np.random.default_rng(2)
     batch = dp.shard_batch(

@@ -3,6 +3,8 @@
 import pathlib
 import re
 
+import pytest
+
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
 
@@ -14,3 +16,51 @@ def test_quick_start_runs(capsys):
     out = capsys.readouterr().out
     # hierarchical: reduce-scatter (intra), all-reduce (inter), all-gather (intra)
     assert "reduce-scatter ('intra',)" in out and "all-gather ('intra',)" in out
+
+
+def _section(title: str) -> str:
+    return re.search(rf"## {re.escape(title)}\n(.*?)(?=\n## )", README.read_text(), re.S).group(1)
+
+
+def _port(title: str) -> tuple[str, str, list[str]]:
+    """The section's script after the port, the original rebuilt from its diff block, and
+    the diff's changed lines."""
+    text = _section(title)
+    diff = re.search(r"```diff\n(.*?)```", text, re.S).group(1).splitlines()
+    changed = [line for line in diff if not line.startswith("@@")]
+    after = re.findall(r"```python\n(.*?)```", text, re.S)[-1]
+    hunks: list[tuple[list[str], list[str]]] = []
+    for line in diff:
+        if line.startswith("@@"):
+            hunks.append(([], []))
+        else:
+            hunks[-1][0 if line.startswith("-") else 1].append(line[1:])
+    before = after
+    for minus, plus in hunks:
+        new = "".join(f"{m}\n" for m in minus)
+        old = "".join(f"{p}\n" for p in plus)
+        assert before.count(old) == 1, old
+        before = before.replace(old, new)
+    return before, after, changed
+
+
+def _run(code: str, capsys) -> str:
+    exec(compile(code, "README.md", "exec"), {})
+    return capsys.readouterr().out
+
+
+def _accuracy(out: str) -> float:
+    return float(re.findall(r"test accuracy ([0-9.]+)", out)[-1])
+
+
+@pytest.mark.parametrize("flavour", ["NNX", "Linen"])
+def test_flax_port(flavour, capsys):
+    """At most 10 changed lines, the body of train_step unchanged, and the data-parallel
+    script's test accuracy within noise of the one-device original's."""
+    before, after, diff = _port(f"Port a Flax {flavour} training script")
+    assert len(diff) <= 10
+    body = re.search(r"def train_step\(.*?\n\n\n", before, re.S).group(0)
+    assert body in after
+    one = _accuracy(_run(before, capsys))
+    eight = _accuracy(_run(after, capsys))
+    assert one > 0.8 and abs(one - eight) < 0.05, (one, eight)

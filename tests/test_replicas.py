@@ -143,7 +143,6 @@ WRAPPERS = {
         {"a": optax.chain(_sync(), optax.adam(1e-2)), "b": optax.chain(_sync(), optax.sgd(0.1))},
         _label,
     ),
-    "adam_then_sync": lambda: optax.chain(optax.adam(1e-2), _sync()),
 }
 
 
@@ -264,15 +263,12 @@ def test_multisteps_accumulators_are_per_device_and_survive_a_resume(mesh):
     np.testing.assert_array_equal(np.asarray(resumed.params["w"]), np.asarray(straight.params["w"]))
 
 
-def test_adam_before_the_sync_keeps_its_moments_per_device(mesh, params):
-    # optax.chain(adam, sync): the moments are computed from each device's own gradients.
-    # They are stored per device (typed varying), the synced update is replicated.
+def test_adam_before_the_sync_is_refused(mesh, params):
+    # optax.chain(adam, sync): the moments would be computed from each device's own
+    # gradients and differ across devices. Refused when the step is built, naming the leaf.
     dp = jaxcomm.data_parallel(mlp_loss, optax.chain(optax.adam(1e-2), _sync()), mesh)
-    state, _ = train(dp, dp.init(params), _batches())
-    paths = dp.per_device_paths
-    assert any(".mu" in p for p in paths) and any(".nu" in p for p in paths), paths
-    mu = jax.device_get(state.opt_state[0][0].mu)[0]["w"]
-    assert mu.shape[0] == 8 and not np.allclose(mu[0], mu[1])
+    with pytest.raises(ValueError, match=r"\.mu.*own gradients.*sync_gradients\(\) first"):
+        dp.init(params)
 
 
 # -- the runtime check -------------------------------------------------------------------
@@ -314,5 +310,15 @@ def test_check_replicas_passes_sharded_leaves_and_equal_copies(mesh):
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
 def test_check_replicas_argument_is_validated(mesh, bad):
     tx = optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))
-    with pytest.raises(ValueError, match=r"check_replicas=.* allowed: an int >= 0"):
+    with pytest.raises(
+        ValueError, match=r"check_replicas=.* must be an integer >= 0 \(got \w+\); N compares"
+    ):
         jaxcomm.data_parallel(mlp_loss, tx, mesh, check_replicas=bad)
+
+
+def test_check_replicas_compares_typed_keys_by_their_data(mesh):
+    keys = jax.device_put(
+        jax.random.split(jax.random.key(0), 3), replicated(mesh, np.ones(1)).sharding
+    )
+    jaxcomm.check_replicas({"keys": keys}, mesh=mesh)
+    assert_replicas_equal({"keys": keys})

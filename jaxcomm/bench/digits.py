@@ -128,6 +128,8 @@ def digits_accuracy(
         losses.append(metrics["loss"])
     losses = [float(v) for v in jax.device_get(losses[-per_epoch:])]
     seconds = time.perf_counter() - t0
+    # Replicas agree by construction (check_vma); check the bits too, once, after training.
+    jaxcomm.check_replicas(state, mesh=mesh, what=f"digits state after {steps} steps")
     params = jax.device_get(state.params)
     pred_te = np.asarray(jnp.argmax(_logits(params, x_te), -1))
     pred_tr = np.asarray(jnp.argmax(_logits(params, x_tr), -1))

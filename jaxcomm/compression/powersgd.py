@@ -39,16 +39,22 @@ from jaxcomm.compression.base import (
 )
 from jaxcomm.validate import check_int
 
-__all__ = ["PowerSGDState", "matrix_shape", "orthogonalize", "powersgd"]
+__all__ = ["PowerSGDState", "matrix_shape", "orthogonalize", "powersgd", "shape_groups"]
 
 
 class PowerSGDState(NamedTuple):
     """State of :func:`powersgd`.
 
+    The compressed matrices are grouped by their ``(n, m, r)`` shape (:func:`shape_groups`,
+    groups in order of first appearance); the state holds one entry per group, its ``g``
+    matrices stacked in leaf order, so that a step reads and writes one array per shape
+    rather than one per leaf.
+
     Attributes:
-      q: tuple of f32 ``(m, r)`` matrices, one per compressed leaf; replicated (all-reduced
+      q: tuple of f32 ``(g, m, r)`` stacks, one per shape group; replicated (all-reduced
         every step), the warm start of the next step.
-      residual: ``PerDevice`` tuple of f32 residuals shaped like the leaves (or ``()``).
+      residual: ``PerDevice`` tuple of f32 ``(g n, m)`` residuals, one per shape group (the
+        group's matrices stacked along rows), or ``()`` without error feedback.
     """
 
     q: tuple
@@ -63,12 +69,37 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 def orthogonalize(p: jax.Array) -> jax.Array:
     """Orthonormal columns spanning ``p`` (reduced QR), zero columns kept zero.
 
+    Args:
+      p: an ``(n, r)`` matrix, or a batch ``(..., n, r)`` of them (one QR per matrix,
+        computed together).
+
+    Returns:
+      ``p``'s shape: orthonormal columns where ``p``'s QR has a nonzero diagonal, zero
+      columns elsewhere.
+
     Example:
       >>> p_hat = orthogonalize(m @ q)   # PowerSGD's step 3
     """
     q, r = jnp.linalg.qr(p)
     # A zero column (e.g. a zero gradient) gives a zero diagonal; keep it zero, not NaN.
-    return jnp.where(jnp.isfinite(q), q, 0.0) * jnp.where(jnp.abs(jnp.diag(r)) > 0, 1.0, 0.0)
+    nonzero = jnp.abs(jnp.diagonal(r, axis1=-2, axis2=-1)) > 0
+    return jnp.where(jnp.isfinite(q), q, 0.0) * jnp.where(nonzero, 1.0, 0.0)[..., None, :]
+
+
+def shape_groups(shapes: list[tuple[int, int, int]]) -> list[list[int]]:
+    """Indices of equal ``(n, m, r)`` shapes, grouped, groups in order of first appearance.
+
+    PowerSGD stacks each group into one batch, so that a ResNet's hundreds of matrices cost
+    a few dozen batched products and QRs (PyTorch's ``powerSGD_hook`` batches the same way).
+
+    Example:
+      >>> shape_groups([(4, 3, 2), (5, 3, 2), (4, 3, 2)])
+      [[0, 2], [1]]
+    """
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, s in enumerate(shapes):
+        groups.setdefault(tuple(s), []).append(i)
+    return list(groups.values())
 
 
 def powersgd(
@@ -109,23 +140,48 @@ def powersgd(
         r = min(rank, n, m)
         return n * m >= min_rate * r * (n + m)
 
-    def _fresh_q(key: jax.Array, i: int, m: int, r: int) -> jax.Array:
-        return jax.random.normal(jax.random.fold_in(key, i), (m, r), jnp.float32)
+    def groups_of(shapes) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+        """The shape groups of the compressed leaves and each leaf's ``(n, m, r)``."""
+        nm = [matrix_shape(tuple(sh)) for sh in shapes]
+        dims = [(n, m, min(rank, n, m)) for n, m in nm]
+        return shape_groups(dims), dims
 
     def init(specs):
-        q = []
-        for i, s in enumerate(specs):
-            n, m = matrix_shape(jnp.shape(s))
-            q.append(_fresh_q(jax.random.key(seed), i, m, min(rank, n, m)))
-        res = ef.init_residuals(specs) if error_feedback else ()
+        groups, dims = groups_of([jnp.shape(s) for s in specs])
+        key = jax.random.key(seed)
+        # Leaf i's initial Q is drawn from fold_in(key, i), as before grouping.
+        fresh = [jax.random.normal(jax.random.fold_in(key, i), d[1:], jnp.float32)
+                 for i, d in enumerate(dims)]  # fmt: skip
+        q = [jnp.stack([fresh[i] for i in g]) for g in groups]
+        res = ()
+        if error_feedback:
+            res = ef.init_residuals(
+                [jax.ShapeDtypeStruct((len(g) * dims[g[0]][0], dims[g[0]][1]), jnp.float32)
+                 for g in groups]
+            )  # fmt: skip
         return PowerSGDState(tuple(q), res)
 
     def reduce(xs, state: PowerSGDState, ctx: ReduceContext):
-        cs = ef.corrected(xs, state.residual if error_feedback else None)
-        mats = [c.reshape(matrix_shape(c.shape)) for c in cs]
+        # Matrices of one (n, m, r) shape form one batch (g, n, m): one batched product and
+        # one batched QR per shape instead of one per matrix (compile time and kernel count
+        # grow with the number of shapes, not of leaves; PyTorch's hook batches likewise).
+        groups, dims = groups_of([x.shape for x in xs])
+        rows = [
+            jnp.concatenate([jnp.reshape(xs[i], dims[i][:2]) for i in g]) if len(g) > 1
+            else jnp.reshape(xs[g[0]], dims[g[0]][:2])
+            for g in groups
+        ]  # fmt: skip
+        cs = ef.corrected(rows, state.residual if error_feedback else None)  # (g n, m) each
+        mats = [c.reshape(len(g), *dims[g[0]][:2]) for c, g in zip(cs, groups, strict=True)]
         qs = list(state.q)
         if not warm_start:
-            qs = [_fresh_q(ctx.key, i, q.shape[0], q.shape[1]) for i, q in enumerate(qs)]
+            # Leaf i's Q from fold_in(key, i), as before grouping (the same numbers).
+            qs = [
+                jnp.stack(
+                    [jax.random.normal(jax.random.fold_in(ctx.key, i), dims[i][1:]) for i in g]
+                )
+                for g in groups
+            ]
         # Over every data axis: with compress_stage='inter' the matrices arrive averaged
         # over the inner axis (equal within a node, but typed varying there through the
         # per-device residual), and a mean over the outer axes alone would leave P and Q
@@ -134,7 +190,7 @@ def powersgd(
         axes = decision_axes(ctx)
         n_dev = int(np.prod([jax.lax.axis_size(a) for a in axes]))
 
-        def mean_all(parts):  # one all-reduce for all matrices of this phase
+        def mean_all(parts):  # one all-reduce for all batches of this phase
             flat = jnp.concatenate([x.reshape(-1) for x in parts])
             flat = sum_over(flat, axes, ctx.algorithm) / n_dev
             out, off = [], 0
@@ -145,16 +201,17 @@ def powersgd(
 
         ps = mean_all([mt @ q for mt, q in zip(mats, qs, strict=True)])
         ps = [orthogonalize(p) for p in ps]
-        q_local = [mt.T @ p for mt, p in zip(mats, ps, strict=True)]
+        q_local = [jnp.swapaxes(mt, -1, -2) @ p for mt, p in zip(mats, ps, strict=True)]
         q_mean = mean_all(q_local)
-        out = [
-            (p @ q.T).reshape(x.shape).astype(jnp.result_type(x))
-            for p, q, x in zip(ps, q_mean, xs, strict=True)
-        ]
+        out: list = [None] * len(xs)
+        for g, p, q in zip(groups, ps, q_mean, strict=True):
+            approx = p @ jnp.swapaxes(q, -1, -2)
+            for j, i in enumerate(g):
+                out[i] = approx[j].reshape(xs[i].shape).astype(jnp.result_type(xs[i]))
         res = state.residual
         if error_feedback:
-            sent = [(p @ q.T).reshape(c.shape) for p, q, c in zip(ps, q_local, cs, strict=True)]
-            res = ef.new_residuals(cs, sent)
+            sent = [p @ jnp.swapaxes(q, -1, -2) for p, q in zip(ps, q_local, strict=True)]
+            res = ef.new_residuals(cs, [s.reshape(c.shape) for s, c in zip(sent, cs, strict=True)])
         return out, PowerSGDState(tuple(q_mean), res)
 
     return Compressor(

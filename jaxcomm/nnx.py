@@ -1,0 +1,614 @@
+"""Flax data parallelism: ``@jaxcomm.nnx_data_parallel(mesh)`` on an NNX train step.
+
+The user keeps the model, ``nnx.Optimizer(model, optax.chain(jaxcomm.sync_gradients(),
+...))``, ``nnx.MultiMetric`` and the body of ``train_step(model, optimizer, metrics,
+batch)``; the decorator (in place of ``nnx.jit``) runs the body on every device's shard of
+the batch inside ``jax.shard_map(..., check_vma=True)`` and treats each kind of NNX state
+by its ``Variable`` type:
+
+- ``nnx.Param`` (and whatever the optimizer updates): replicated. Inside, each device
+  differentiates a varying copy (its own gradient; ``sync_gradients`` reduces it), and the
+  new params are the invariant old params plus the optimizer's invariant update, so
+  shard_map's replication check proves they agree on every device.
+- ``nnx.OptState``: replicated, except state a compressor wraps in ``jaxcomm.PerDevice``
+  (error feedback), stored with a leading axis of one entry per device
+  (``per_device_paths``). Any other optimizer state that comes out different per device
+  (adam's moments when a stateful transform runs before the sync) is refused.
+- ``nnx.metrics.MetricState`` (``Average``, ``Accuracy``, ...): each device starts from
+  zero, and the sums and counts it adds are summed across devices (``psum``), so the
+  metric equals the one computed on the global batch.
+- ``nnx.RngKey``: each device draws from ``fold_in(key, device index)``, so dropout masks
+  differ across devices and are reproducible; the stored key and counts stay replicated.
+- Any other state that a step changes per device (``nnx.BatchStat``): float leaves are
+  averaged across devices (``pmean``).
+
+``@jaxcomm.linen_data_parallel(mesh)`` does the same for a Linen step on
+``flax.training.train_state.TrainState``, by field: ``params``, ``opt_state``, typed key
+fields, and the rest (``batch_stats``).
+
+Everything it writes back lives on the mesh's devices with a plain (non-explicit)
+``NamedSharding``, so ordinary Flax code (an ``nnx.jit`` eval step, ``metrics.reset()``,
+orbax) uses it without a mesh context.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax.training.train_state import TrainState
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm.collectives import check_axes
+from jaxcomm.mesh import DATA_AXES, check_mesh_axes
+from jaxcomm.replicas import check_replicas as _check_replicas
+from jaxcomm.state import PerDevice, leaf_specs, stack_leaves, unstack_leaves, varying_axes
+from jaxcomm.sync import sync_probe
+from jaxcomm.validate import check_int
+
+__all__ = [
+    "LinenDataParallel",
+    "NnxDataParallel",
+    "check_optimizer",
+    "check_params",
+    "key_data",
+    "linen_data_parallel",
+    "nnx_data_parallel",
+]
+
+# Kinds of state leaves.
+_PARAM, _OPT, _METRIC, _KEY, _OTHER = "param", "opt", "metric", "key", "other"
+
+
+def _kind(var_type: type) -> str:
+    if issubclass(var_type, nnx.training.optimizer.OptState):
+        return _OPT
+    if issubclass(var_type, nnx.metrics.MetricState):
+        return _METRIC
+    if issubclass(var_type, nnx.RngKey):
+        return _KEY
+    if issubclass(var_type, nnx.Param):
+        return _PARAM
+    return _OTHER
+
+
+class _Recording:
+    """Stands in for ``nnx.Optimizer.tx`` while the step is traced: records each update."""
+
+    def __init__(self, tx: optax.GradientTransformation, log: list, old: dict):
+        self._tx, self._log, self._old = tx, log, old
+        self.init = tx.init
+
+    def update(self, grads, state, params=None, **kwargs):
+        # The transform sees the invariant params (weight decay must not make the update
+        # vary); the model holds varying copies only so that gradients are per device.
+        invariant = jax.tree.map(lambda p: self._old.get(id(p), p), params)
+        updates, state = self._tx.update(grads, state, invariant, **kwargs)
+        self._log.append((params, updates))
+        return updates, state
+
+
+def key_data(tree: Any) -> Any:
+    """``tree`` with typed PRNG keys (``nnx.RngKey``) as their raw ``uint32`` words, so that
+    replicas can be compared by their bits."""
+
+    def raw(x):
+        if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+            return jax.random.key_data(x)
+        return x
+
+    return jax.tree.map(raw, tree)
+
+
+def _plain(path: tuple) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+
+
+def _marked(objs: tuple, state: Any) -> list[bool]:
+    """Per leaf of ``state`` (``nnx.split(objs)``): inside a ``jaxcomm.PerDevice`` of the
+    opt_state of an ``nnx.Optimizer`` argument (a compressor's error feedback)."""
+    prefixes = []
+    for i, o in enumerate(objs):
+        if isinstance(o, nnx.Optimizer | TrainState):
+            flat = jax.tree_util.tree_flatten_with_path(
+                o.opt_state, is_leaf=lambda x: isinstance(x, PerDevice)
+            )[0]
+            prefixes += [(i, "opt_state", *_plain(p)) for p, x in flat if isinstance(x, PerDevice)]
+    paths = [_plain(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    return [any(p[: len(q)] == q for q in prefixes) for p in paths]
+
+
+def _check_metrics(objs: Any) -> None:
+    for _, node in nnx.iter_graph(objs):
+        if isinstance(node, nnx.metrics.Metric) and not isinstance(
+            node, nnx.metrics.Average | nnx.MultiMetric
+        ):
+            raise NotImplementedError(
+                f"nnx_data_parallel: metric {type(node).__name__} is not a sum and a count "
+                "(nnx.metrics.Average or a subclass such as Accuracy), so its state cannot "
+                "be combined exactly across devices. Use Average/Accuracy in the step, or "
+                "compute this metric outside the data-parallel step."
+            )
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Raises a clear error if ``optimizer`` is not an optax transform (e.g. an
+    ``nnx.Optimizer`` passed to :func:`jaxcomm.data_parallel`)."""
+    if isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            "data_parallel(optimizer=...): got an nnx.Optimizer; data_parallel takes the optax "
+            "transform itself, e.g. optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-3)). "
+            "To keep nnx.Optimizer and the NNX train step, decorate the step with "
+            "@jaxcomm.nnx_data_parallel(mesh) instead."
+        )
+    _stray(optimizer, "data_parallel(optimizer=...)")
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
+        raise TypeError(
+            f"data_parallel(optimizer=...): got {type(optimizer).__name__}, not an optax "
+            "GradientTransformation (init/update); pass e.g. "
+            "optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))."
+        )
+
+
+def check_params(params: Any) -> None:
+    """Raises a clear error for Flax objects passed as params to ``DataParallel.init``: an
+    NNX module, or Linen ``variables`` holding mutable collections (``batch_stats``)."""
+    _stray(params, "DataParallel.init(params)")
+    if isinstance(params, Mapping) and "params" in params:
+        others = sorted(str(k) for k in params if k != "params")
+        if others:
+            raise ValueError(
+                f"DataParallel.init(params): got Linen variables with collections {others} "
+                "besides 'params'. Pass them apart and build the step with "
+                "with_model_state=True: dp.init(variables['params'], "
+                f"{{k: variables[k] for k in {others}}}), with loss_fn(params, model_state, "
+                "batch) calling model.apply({'params': params, **model_state}, x, "
+                f"mutable={others}). Or keep a flax TrainState step and decorate it with "
+                "@jaxcomm.linen_data_parallel(mesh)."
+            )
+
+
+def _stray(x: Any, where: str) -> None:
+    if isinstance(x, nnx.Optimizer | nnx.Module):
+        raise TypeError(
+            f"{where}: got a Flax NNX {type(x).__name__}. "
+            "The NNX step is data-parallel with @jaxcomm.nnx_data_parallel(mesh) on "
+            "train_step(model, optimizer, metrics, batch); jaxcomm.data_parallel takes "
+            "a loss function, an optax transform and params (nnx.state(model, nnx.Param))."
+        )
+
+
+class NnxDataParallel:
+    """A data-parallel NNX step; build it with :func:`nnx_data_parallel`.
+
+    Attributes:
+      mesh: the mesh the step runs on (its axes typed ``Auto``, see the module docstring).
+      axes: data-parallel axis names.
+      per_device_paths: optimizer-state leaves stored per device (after the first call).
+    """
+
+    def __init__(self, fn: Callable, mesh: Mesh, *, axes: tuple[str, ...], check_replicas: int):
+        check_mesh_axes("nnx_data_parallel", axes, mesh)
+        self._fn = fn
+        self.axes = axes
+        # Plain (Auto) axis types: arrays on it mix with ordinary single-device code.
+        self.mesh = Mesh(
+            mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+        )
+        self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
+        self.check_replicas = check_replicas
+        self._plans: dict = {}
+        self.per_device_paths: list[str] = []
+        self._calls = 0
+        functools.update_wrapper(self, fn)
+
+    # -- inside shard_map -------------------------------------------------------------
+    def _local(self, plan, leaves, args, rec=None):
+        graphdef, treedef, kinds, per, nodes = plan
+        leaves = unstack_leaves(leaves, per)
+        dev = lax.axis_index(self.axes)
+        inside = []
+        for x, k in zip(leaves, kinds, strict=True):
+            if k == _PARAM:
+                x = lax.pcast(x, self.axes, to="varying")  # each device's own gradient
+            elif k == _METRIC:
+                x = jnp.zeros_like(x)  # this device's sums and counts only
+            elif k == _KEY:
+                x = jax.random.fold_in(x, dev)
+            inside.append(x)
+        # Old invariant value of every param, by the identity of its varying copy.
+        old = {id(v): x for v, x, k in zip(inside, leaves, kinds, strict=True) if k == _PARAM}
+        log: list = []
+        objs, restore, has_opt = self._enter(
+            graphdef, jax.tree.unflatten(treedef, inside), log, old
+        )
+        try:
+            with sync_probe() as calls:
+                out = self._fn(*self._fill(nodes, objs, args))
+        finally:
+            restore()
+        if has_opt and not calls:
+            raise ValueError(
+                f"{self._name}: the optimizer's transform never synchronises gradients, so "
+                "params would drift apart across devices. Put jaxcomm.sync_gradients() first: "
+                f"{self._fix}."
+            )
+        new_param: dict[int, Any] = {}
+        for params, updates in log:
+            for p, u in zip(jax.tree.leaves(params), jax.tree.leaves(updates), strict=True):
+                if id(p) not in old:
+                    raise NotImplementedError(
+                        "nnx_data_parallel: optimizer.update ran twice in one step, or on "
+                        "params changed before it; call it once per step."
+                    )
+                new_param[id(p)] = (p, optax.apply_updates(old[id(p)], u), u)
+        out_leaves, out = self._exit(objs, out)
+        result = []
+        for i, (x, x0, v0, k) in enumerate(zip(out_leaves, leaves, inside, kinds, strict=True)):
+            if k == _PARAM:
+                hit = next((n for n in new_param.values() if n[0] is v0), None)
+                if x is v0:  # not trained this step
+                    x = x0
+                elif hit is not None:
+                    x = hit[1]
+                    if rec is not None and varying_axes(hit[2]) & set(self.axes):
+                        rec["varying_update"].append(i)
+            elif k == _METRIC:
+                x = x0 + lax.psum(x, self.axes)
+            elif k == _KEY:
+                if x is not v0:
+                    raise ValueError(
+                        f"{self._name}: the step replaced the random key at leaf {i}; keep the "
+                        "key fixed and draw per step from it (nnx.Rngs does; in Linen, "
+                        "jax.random.fold_in(state.key, state.step))."
+                    )
+                x = x0  # draws advance the counts, never the key
+            elif k == _OTHER and varying_axes(x) & set(self.axes):
+                if jnp.issubdtype(x.dtype, jnp.floating):
+                    x = lax.pmean(x, self.axes)  # e.g. batch statistics
+            result.append(x)
+        if rec is not None:
+            rec["vary"] = [bool(varying_axes(x) & set(self.axes)) for x in result]
+        out = jax.tree.map(
+            lambda y: (
+                lax.pmean(y, self.axes) if jnp.issubdtype(jnp.result_type(y), jnp.floating) else y
+            ),
+            out,
+        )
+        return stack_leaves(result, per), out
+
+    @staticmethod
+    def _fill(nodes, objs, args):
+        it = iter(objs)
+        return [next(it) if is_node else a for a, is_node in zip(args, nodes, strict=True)]
+
+    # -- plan -------------------------------------------------------------------------
+    def _plan(self, graphdef, treedef, kinds, leaves, nodes, args, marked):
+        key = (graphdef, treedef, jax.tree.structure(args))
+        if key in self._plans:
+            return self._plans[key]
+        paths = [
+            jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, leaves))[0]
+        ]
+        per = list(marked)
+        glob_args = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=NamedSharding(self.mesh, P(self.axes))
+            ),
+            args,
+        )
+        for _ in range(len(leaves) + 1):
+            rec: dict = {"varying_update": []}
+            plan = (graphdef, treedef, kinds, per, nodes)
+            glob = [
+                jax.ShapeDtypeStruct(
+                    (self.num_devices, *np.shape(x)) if f else np.shape(x),
+                    jnp.result_type(x),
+                    sharding=NamedSharding(self.mesh, P(self.axes) if f else P()),
+                )
+                for x, f in zip(leaves, per, strict=True)
+            ]
+
+            def probe(lv, a, plan=plan, rec=rec):
+                self._local(plan, lv, a, rec)
+                return jnp.zeros(())
+
+            specs = leaf_specs(leaves, per, self.axes)
+            jax.eval_shape(
+                jax.shard_map(
+                    probe,
+                    mesh=self.mesh,
+                    in_specs=(specs, P(self.axes)),
+                    out_specs=P(),
+                    check_vma=True,
+                ),
+                glob,
+                glob_args,
+            )
+            if rec["varying_update"]:
+                i = rec["varying_update"][0]
+                raise ValueError(
+                    f"{self._name}: the optimizer's update of {paths[i]} varies across "
+                    f"devices (mesh axes {self.axes}): a stateful transform (e.g. adam) runs "
+                    "before jaxcomm.sync_gradients() in the chain, on each device's own "
+                    f"gradients. Put the sync first: {self._fix}."
+                )
+            for i, (v, k, m) in enumerate(zip(rec["vary"], kinds, marked, strict=True)):
+                if v and k == _OPT and not m:
+                    raise ValueError(
+                        f"{self._name}: optimizer state {paths[i]} comes out different on "
+                        "each device: a stateful transform (e.g. adam's moments) runs on "
+                        "each device's own gradients before jaxcomm.sync_gradients() in the "
+                        "chain, so each device would keep its own moments. Put the sync "
+                        f"first: {self._fix}. (State meant to be per device is wrapped in "
+                        "jaxcomm.PerDevice.)"
+                    )
+                if v and k != _OPT:
+                    raise ValueError(
+                        f"{self._name}: state {paths[i]} ({k}) comes out different on "
+                        "each device and is not optimizer state, batch statistics, a metric "
+                        "or an rng key; change it only from values every device shares."
+                    )
+            nxt = [a or (b and k == _OPT) for a, b, k in zip(per, rec["vary"], kinds, strict=True)]
+            if nxt == per:
+                break
+            per = nxt
+        self.per_device_paths = [p for p, f in zip(paths, per, strict=True) if f]
+        plan = (graphdef, treedef, kinds, per, nodes)
+        specs = leaf_specs(leaves, per, self.axes)
+        step = jax.jit(
+            jax.shard_map(
+                functools.partial(self._local, plan),
+                mesh=self.mesh,
+                in_specs=(specs, P(self.axes)),
+                out_specs=(specs, P()),
+                check_vma=True,
+            )
+        )
+        self._plans[key] = (plan, step)
+        return plan, step
+
+    # -- call -------------------------------------------------------------------------
+    def __call__(self, *args):
+        nodes = [self._is_node(a) for a in args]
+        objs = tuple(a for a, n in zip(args, nodes, strict=True) if n)
+        data = [None if n else a for a, n in zip(args, nodes, strict=True)]
+        for a in data:
+            jax.tree.map(lambda x: _stray(x, self._name), a)
+        graphdef, state, kinds = self._split(objs)
+        leaves, treedef = jax.tree.flatten(state)
+        data = self._shard(data)
+        (_, _, _, per, _), step = self._plan(
+            graphdef, treedef, kinds, leaves, tuple(nodes), data, _marked(objs, state)
+        )
+        stacked = NamedSharding(self.mesh, P(self.axes))
+        rep = NamedSharding(self.mesh, P())
+
+        def put(x, f):
+            if not f:
+                return jax.device_put(x, rep)
+            if isinstance(x, jax.Array) and x.sharding == stacked:
+                return x  # stacked by an earlier call
+            return jax.device_put(jnp.broadcast_to(x, (self.num_devices, *np.shape(x))), stacked)
+
+        leaves = [put(x, f) for x, f in zip(leaves, per, strict=True)]
+        new, out = step(leaves, data)
+        if jax.default_backend() == "cpu":
+            jax.block_until_ready(new)  # one step in flight on XLA:CPU (see DataParallel)
+        self._calls += 1
+        if self.check_replicas and self._calls % self.check_replicas == 0:
+            _check_replicas(key_data(new), mesh=self.mesh, what=f"state (step {self._calls})")
+        return self._write_back(objs, jax.tree.unflatten(treedef, new), out)
+
+    # -- NNX: graph nodes, Variable types, in-place updates ----------------------------
+    _name = "nnx_data_parallel"
+    _fix = (
+        "nnx.Optimizer(model, optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-3)), "
+        "wrt=nnx.Param)"
+    )
+
+    @staticmethod
+    def _is_node(a: Any) -> bool:
+        return isinstance(a, nnx.Pytree)
+
+    @staticmethod
+    def _split(objs: tuple) -> tuple[Any, Any, tuple[str, ...]]:
+        _check_metrics(objs)
+        graphdef, state = nnx.split(objs)
+        kinds = jax.tree.leaves(
+            jax.tree.map(
+                lambda v: _kind(type(v)), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+            )
+        )
+        return graphdef, state, tuple(kinds)
+
+    @staticmethod
+    def _enter(graphdef, state, log: list, old: dict):
+        objs = nnx.merge(graphdef, state)
+        opts = [o for _, o in nnx.iter_graph(objs) if isinstance(o, nnx.Optimizer)]
+        txs = [o.tx for o in opts]
+        for o in opts:
+            o.tx = _Recording(o.tx, log, old)
+
+        def restore():
+            for o, tx in zip(opts, txs, strict=True):
+                o.tx = tx
+
+        return objs, restore, bool(opts)
+
+    @staticmethod
+    def _exit(objs, out):
+        return jax.tree.leaves(nnx.split(objs)[1]), out
+
+    @staticmethod
+    def _write_back(objs, state, out):
+        nnx.update(objs, state)
+        return out
+
+    def _shard(self, data):
+        sharding = NamedSharding(self.mesh, P(self.axes))
+
+        def put(x):
+            x = x if isinstance(x, jax.Array) else np.asarray(x)
+            if x.ndim == 0 or x.shape[0] % self.num_devices:
+                raise ValueError(
+                    f"{self._name}: a batch argument of shape {x.shape} does not split "
+                    f"over the {self.num_devices} devices along its leading axis; use a "
+                    f"multiple of {self.num_devices} (non-module arguments are the batch)."
+                )
+            return jax.device_put(x, sharding)
+
+        return jax.tree.map(put, data)
+
+
+def _decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -> tuple:
+    _stray(mesh, f"{name}(mesh)")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{name}(mesh): got {type(mesh).__name__}; pass a mesh from "
+            f"jaxcomm.make_mesh() and decorate the step: @jaxcomm.{name}(mesh)."
+        )
+    n = check_int(
+        "check_replicas",
+        0 if check_replicas is None else check_replicas,
+        minimum=0,
+        fix="N compares the replicas every N steps; 0 or None turns it off",
+    )
+    return n, check_axes(axes)
+
+
+class _Slot:
+    """Where a returned ``TrainState`` goes back in the step's output."""
+
+
+jax.tree_util.register_pytree_node(_Slot, lambda _: ((), None), lambda *_: _Slot())
+
+
+def _linen_kind(path: tuple, x: Any) -> str:
+    if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+        return _KEY
+    field = _plain(path[1:2])[0]
+    return {"params": _PARAM, "opt_state": _OPT}.get(field, _OTHER)
+
+
+class LinenDataParallel(NnxDataParallel):
+    """A data-parallel Linen step on ``flax.training.train_state.TrainState``; build it with
+    :func:`linen_data_parallel`."""
+
+    _name = "linen_data_parallel"
+    _fix = "TrainState.create(..., tx=optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-3)))"
+
+    @staticmethod
+    def _is_node(a: Any) -> bool:
+        return isinstance(a, TrainState)
+
+    @staticmethod
+    def _split(objs: tuple) -> tuple[Any, Any, tuple[str, ...]]:
+        flat = jax.tree_util.tree_flatten_with_path(objs)[0]
+        return None, objs, tuple(_linen_kind(p, x) for p, x in flat)
+
+    @staticmethod
+    def _enter(graphdef, states, log: list, old: dict):
+        states = tuple(s.replace(tx=_Recording(s.tx, log, old)) for s in states)
+        return states, lambda: None, bool(states)
+
+    @staticmethod
+    def _exit(objs, out):
+        is_state = lambda x: isinstance(x, TrainState)  # noqa: E731
+        new = [x for x in jax.tree.leaves(out, is_leaf=is_state) if is_state(x)]
+        if len(new) != len(objs):
+            raise ValueError(
+                f"linen_data_parallel: the step takes {len(objs)} TrainState(s) and returns "
+                f"{len(new)}; return each new state, e.g. (state, metrics)."
+            )
+        rest = jax.tree.map(lambda x: _Slot() if is_state(x) else x, out, is_leaf=is_state)
+        return jax.tree.leaves(tuple(new)), rest
+
+    @staticmethod
+    def _write_back(objs, states, out):
+        it = iter(states)
+        return jax.tree.map(
+            lambda x: next(it) if isinstance(x, _Slot) else x,
+            out,
+            is_leaf=lambda x: isinstance(x, _Slot),
+        )
+
+
+def linen_data_parallel(
+    mesh: Mesh, *, axes: tuple[str, ...] = DATA_AXES, check_replicas: int | None = None
+) -> Callable[[Callable], LinenDataParallel]:
+    """Makes a Flax Linen train step on ``TrainState`` data-parallel (in place of ``jax.jit``).
+
+    The step is ``train_step(state, batch, ...) -> (state, metrics)`` as written for one
+    device, with ``state`` a ``flax.training.train_state.TrainState`` (or a subclass with
+    fields such as ``batch_stats`` and ``key``) whose ``tx`` starts with
+    ``jaxcomm.sync_gradients()``. Its other arguments are the global batch, split over
+    ``axes``. Inside ``shard_map(..., check_vma=True)``: ``state.params`` are replicated
+    (each device differentiates its own copy; the new params are the old plus the
+    optimizer's synchronised update, proven invariant), ``state.opt_state`` is replicated
+    except ``jaxcomm.PerDevice`` state, float fields that the step makes differ per device
+    (``batch_stats``) are averaged across devices, and a typed key field
+    (``jax.random.key``) is folded with the device index, so dropout keys drawn from it
+    (``jax.random.fold_in(state.key, state.step)``) differ per device. The returned state
+    and metrics (averaged over devices) live on the mesh with a plain sharding.
+
+    Args:
+      mesh: from :func:`jaxcomm.make_mesh`.
+      axes: data-parallel axes of ``mesh``.
+      check_replicas: every this many steps, compare every replicated leaf across devices
+        by its bits; 0/None: off.
+
+    Returns:
+      A decorator; the decorated step is a :class:`LinenDataParallel`.
+
+    Example:
+      >>> @jaxcomm.linen_data_parallel(mesh)
+      ... def train_step(state, batch):
+      ...     grads = jax.grad(loss_fn)(state.params, batch)
+      ...     return state.apply_gradients(grads=grads), {}
+    """
+    n, axes = _decorator_args("linen_data_parallel", mesh, axes, check_replicas)
+    return lambda fn: LinenDataParallel(fn, mesh, axes=axes, check_replicas=n)
+
+
+def nnx_data_parallel(
+    mesh: Mesh, *, axes: tuple[str, ...] = DATA_AXES, check_replicas: int | None = None
+) -> Callable[[Callable], NnxDataParallel]:
+    """Makes an NNX train step data-parallel over ``mesh`` (use in place of ``nnx.jit``).
+
+    The step's NNX arguments (model, ``nnx.Optimizer``, ``nnx.MultiMetric``) are updated in
+    place, as with ``nnx.jit``; its other arguments are the global batch, split along their
+    leading axis over ``axes``. The optimizer's transform must contain
+    ``jaxcomm.sync_gradients()`` before any stateful transform. What the step returns is
+    averaged over devices (float leaves). See the module docstring for how each kind of
+    state is kept; BatchNorm normalises with each device's own batch statistics (no
+    SyncBatchNorm) and averages the running statistics.
+
+    Args:
+      mesh: from :func:`jaxcomm.make_mesh`.
+      axes: data-parallel axes of ``mesh``.
+      check_replicas: every this many steps, compare every replicated leaf across devices
+        by its bits (``jaxcomm.ReplicaDivergenceError``); 0/None: off.
+
+    Returns:
+      A decorator; the decorated step is a :class:`NnxDataParallel`.
+
+    Example:
+      >>> @jaxcomm.nnx_data_parallel(mesh)
+      ... def train_step(model, optimizer, metrics, batch):
+      ...     grads = nnx.grad(loss_fn)(model, batch)
+      ...     optimizer.update(model, grads)
+    """
+    n, axes = _decorator_args("nnx_data_parallel", mesh, axes, check_replicas)
+    return lambda fn: NnxDataParallel(fn, mesh, axes=axes, check_replicas=n)

@@ -1,0 +1,72 @@
+"""python -m jaxcomm.bench compile: structure of the results, table and JSON; op counts."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from jaxcomm.bench import compile as bc
+
+KEYS = {"trace_s", "lower_s", "compile_s", "total_s", "cpu_s"}
+KEYS |= {"jaxpr_eqns", "hlo_ops_pre", "hlo_ops_post"}
+
+
+def test_run_table_and_json(mesh, tmp_path, capsys):
+    path = tmp_path / "compile.json"
+    assert bc.main(["--model", "resnet-tiny", "--options", "flat,ring", "--json", str(path)]) == 0
+    out = json.loads(path.read_text())
+    assert out["config"]["model"] == "resnet-tiny"
+    assert out["config"]["leaves"] == 38 and out["config"]["mesh"] == {"inter": 2, "intra": 4}
+    assert list(out["results"]) == ["flat", "ring"]
+    flat, ring = (out["results"][o]["sync"] for o in ("flat", "ring"))
+    for m in (flat, ring):
+        assert set(m) == KEYS
+        assert all(m[k] > 0 for k in KEYS)
+        assert np.isclose(m["total_s"], m["trace_s"] + m["lower_s"] + m["compile_s"])
+    # a ring is built from ppermutes: more equations and instructions than one psum per buffer
+    assert ring["jaxpr_eqns"] > flat["jaxpr_eqns"]
+    assert ring["hlo_ops_pre"] > flat["hlo_ops_pre"]
+    text = capsys.readouterr().out
+    lines = text.strip().splitlines()
+    assert "x flat" in lines[-3] and lines[-2].split()[0] == "flat"
+    assert lines[-2].split()[5] == lines[-2].split()[7] == "1.00"  # flat's ratios to itself
+    assert lines[-1].split()[0] == "ring"
+
+
+def test_unknown_option_is_rejected(capsys):
+    assert bc.main(["--options", "flat,nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="choose from"):
+        bc.sync_kwargs("nope")
+
+
+def test_powersgd_batches_matrices_of_one_shape(mesh):
+    """Twelve matrices of one shape cost one QR; twelve of different shapes cost twelve."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxcomm
+
+    f32 = jnp.float32
+    same = {f"w{i}": jax.ShapeDtypeStruct((64, 48), f32) for i in range(12)}
+    diff = {f"w{i}": jax.ShapeDtypeStruct((64, 40 + i), f32) for i in range(12)}
+    counts = []
+    for tree in (same, diff):
+        tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.powersgd(rank=4))
+        fn, args = bc.sync_program(tx, tree, mesh)
+        text = fn.lower(*args).compile().as_text()
+        # the QR factorizations (LAPACK custom calls on CPU) of the optimized module
+        counts.append(len(re.findall(r'custom_call_target="lapack_sgeqrf', text)))
+    assert counts == [1, 12]
+
+
+def test_step_compiles_the_whole_train_step(mesh):
+    out = bc.run(["flat"], model="resnet-tiny", step=True, step_model="resnet-tiny", mesh=mesh)
+    r = out["results"]["flat"]
+    assert set(r["step"]) == KEYS
+    # forward + backward + sync + SGD: far more than the sync alone
+    assert r["step"]["jaxpr_eqns"] > 2 * r["sync"]["jaxpr_eqns"]
+    assert r["step"]["hlo_ops_post"] > r["sync"]["hlo_ops_post"]
+    assert out["config"]["step_model"] == "resnet-tiny"
+    assert "step compile s" in bc.table(out).splitlines()[0]
