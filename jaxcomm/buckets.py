@@ -15,7 +15,9 @@ Layout (per dtype, leaves in reverse ``jax.tree`` order, each raveled):
 
 A leaf may straddle a cut; buckets are plain 1-D arrays, so any elementwise operation
 (an all-reduce, an elementwise compressor) applies to them unchanged, and
-:meth:`BucketPlan.unpack` restores the leaves exactly.
+:meth:`BucketPlan.unpack` restores the leaves exactly. Buckets are the buffers of
+``jaxcomm.packing`` (``Bucket`` and ``BucketPlan`` are its ``Buffer`` and ``BufferPlan``);
+this module decides their order and sizes.
 
 References:
   Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
@@ -25,14 +27,13 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm.packing import Buffer, BufferPlan, plan_streams
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -47,66 +48,10 @@ __all__ = [
 MiB = 1 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-    """One bucket: a 1-D buffer of one dtype.
-
-    Attributes:
-      dtype: element type.
-      pieces: ``(leaf_index, start, stop)`` element ranges of raveled leaves, in buffer order.
-      elements: buffer length.
-      nbytes: buffer size in bytes.
-    """
-
-    dtype: Any
-    pieces: tuple[tuple[int, int, int], ...]
-    elements: int
-    nbytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketPlan:
-    """How a list of leaves maps to buckets; build it with :func:`plan_buckets`.
-
-    Attributes:
-      buckets: in issue order (per dtype: reverse parameter order; dtypes in order of first
-        appearance from the back).
-      shapes: shapes of the leaves.
-      dtypes: dtypes of the leaves.
-    """
-
-    buckets: tuple[Bucket, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[Any, ...]
-
-    def pack(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
-        """Leaves -> list of 1-D bucket buffers."""
-        flat = [jnp.ravel(x) for x in leaves]
-        out = []
-        for b in self.buckets:
-            parts = [flat[i][s:e] for i, s, e in b.pieces]
-            out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
-        return out
-
-    def unpack(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
-        """List of 1-D bucket buffers -> leaves (shapes and dtypes of the plan)."""
-        if len(buffers) != len(self.buckets):
-            raise ValueError(f"expected {len(self.buckets)} buffers, got {len(buffers)}.")
-        parts: list[list[tuple[int, jax.Array]]] = [[] for _ in self.shapes]
-        for b, buf in zip(self.buckets, buffers, strict=True):
-            offset = 0
-            for i, s, e in b.pieces:
-                parts[i].append((s, buf[offset : offset + e - s]))
-                offset += e - s
-        out = []
-        for i, shape in enumerate(self.shapes):
-            if not parts[i]:  # an empty leaf is in no bucket
-                out.append(jnp.zeros(shape, self.dtypes[i]))
-                continue
-            ps = [p for _, p in sorted(parts[i], key=lambda t: t[0])]
-            flat = ps[0] if len(ps) == 1 else jnp.concatenate(ps)
-            out.append(flat.reshape(shape).astype(self.dtypes[i]))
-        return out
+# A bucket is one buffer of the one packing abstraction (``jaxcomm.packing``); these names
+# stay for users of ``jaxcomm.buckets``.
+Bucket = Buffer
+BucketPlan = BufferPlan
 
 
 def check_bucket_bytes(bucket_bytes: Any) -> Any:
@@ -135,8 +80,13 @@ def check_bucket_bytes(bucket_bytes: Any) -> Any:
 
 
 def plan_buckets(
-    leaves: Sequence[Any], *, min_bytes: int, max_bytes: int, reverse: bool = True
-) -> BucketPlan:
+    leaves: Sequence[Any],
+    *,
+    min_bytes: int,
+    max_bytes: int,
+    reverse: bool = True,
+    indices: Sequence[int] | None = None,
+) -> BufferPlan:
     """Plans buckets for ``leaves`` (arrays or ``jax.ShapeDtypeStruct``).
 
     Args:
@@ -144,9 +94,14 @@ def plan_buckets(
       min_bytes: size of the first bucket of each dtype.
       max_bytes: size of every further bucket (the last holds the remainder).
       reverse: take leaves last-to-first, the order the backward pass produces them.
+      indices: the leaves to bucket (ascending parameter order); ``None``: all. The plan
+        still describes the whole list: :meth:`~jaxcomm.packing.BufferPlan.pack` takes it,
+        :meth:`~jaxcomm.packing.BufferPlan.unpack_into` writes back only these leaves.
 
     Returns:
-      A :class:`BucketPlan`.
+      A :class:`jaxcomm.packing.BufferPlan` (alias :class:`BucketPlan`) whose ``buckets``
+      are in issue order (per dtype: reverse parameter order; dtypes in order of first
+      appearance from the back).
 
     Example:
       >>> plan = plan_buckets(jax.tree.leaves(grads), min_bytes=1 << 20, max_bytes=25 << 20)
@@ -154,33 +109,10 @@ def plan_buckets(
       >>> leaves = plan.unpack([allreduce(b) for b in bufs])
     """
     min_bytes, max_bytes = check_bucket_bytes((min_bytes, max_bytes))
-    shapes = tuple(tuple(int(d) for d in jnp.shape(x)) for x in leaves)
-    dtypes = tuple(jnp.dtype(jnp.result_type(x)) for x in leaves)
-    order = range(len(shapes) - 1, -1, -1) if reverse else range(len(shapes))
-    streams: dict[Any, list[int]] = {}
-    for i in order:
-        if int(np.prod(shapes[i])) > 0:
-            streams.setdefault(dtypes[i], []).append(i)
-    buckets: list[Bucket] = []
-    for dtype, idx in streams.items():
-        itemsize = dtype.itemsize
-        cap = max(1, min_bytes // itemsize)  # the first bucket is small
-        pieces: list[tuple[int, int, int]] = []
-        filled = 0
-        for i in idx:
-            size, start = int(np.prod(shapes[i])), 0
-            while start < size:
-                take = min(size - start, cap - filled)
-                pieces.append((i, start, start + take))
-                filled += take
-                start += take
-                if filled == cap:
-                    buckets.append(Bucket(dtype, tuple(pieces), filled, filled * itemsize))
-                    pieces, filled = [], 0
-                    cap = max(1, max_bytes // itemsize)
-        if pieces:
-            buckets.append(Bucket(dtype, tuple(pieces), filled, filled * itemsize))
-    return BucketPlan(tuple(buckets), shapes, dtypes)
+    order = list(range(len(leaves)) if indices is None else indices)
+    if reverse:
+        order.reverse()
+    return plan_streams(leaves, order, first_bytes=min_bytes, max_bytes=max_bytes)
 
 
 # --- bucket size from a cost model ---------------------------------------------------------

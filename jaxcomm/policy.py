@@ -1,10 +1,11 @@
-"""Which gradient leaves ``sync_gradients`` compresses, and how they are packed.
+"""Which gradient leaves ``sync_gradients`` compresses, and into which buffers.
 
 Step 1 of :func:`jaxcomm.sync_gradients` with ``compression=``: every leaf is *compressed*
 (``min_size`` elements or more, or what the ``compress_leaf`` predicate says, and a shape
 the compressor supports) or *plain*. Compressed leaves of an elementwise compressor are
 packed into one flat buffer per dtype, or into the gradient buckets of ``bucket_bytes``;
-matrix compressors (PowerSGD) get the leaves themselves.
+matrix compressors (PowerSGD) get the leaves themselves. The packing itself is a
+``jaxcomm.packing.BufferPlan``; this module only decides which leaves and which layout.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from jaxcomm.buckets import plan_buckets
 from jaxcomm.compression.base import Compressor
+from jaxcomm.packing import plan_streams
 
 __all__ = ["LeafPlan"]
 
@@ -61,61 +63,33 @@ class LeafPlan:
         self.elementwise = compressor.elementwise
         self.stage = stage
         # Elementwise compressors get one flat buffer per dtype, or the gradient buckets of
-        # ``bucket_bounds`` (leaves -> buckets -> compressor); matrix compressors get the
-        # leaves.
-        self.groups: list[list[int]] = []
-        self.buckets = None
+        # ``bucket_bounds`` (leaves -> buckets -> compressor): a ``jaxcomm.packing`` plan over
+        # all leaves that packs only the compressed ones. Matrix compressors get the leaves.
+        self.packing = None
+        leaves = [x for _, x in paths_leaves]
         if self.elementwise and bucket_bounds is not None and self.compressed:
-            specs = [jax.ShapeDtypeStruct(self.shapes[i], self.dtypes[i]) for i in self.compressed]
-            lo, hi = bucket_bounds(specs)
-            self.buckets = plan_buckets(specs, min_bytes=lo, max_bytes=hi)
+            lo, hi = bucket_bounds([leaves[i] for i in self.compressed])
+            self.packing = plan_buckets(leaves, min_bytes=lo, max_bytes=hi, indices=self.compressed)
         elif self.elementwise:
-            by_dtype: dict[Any, list[int]] = {}
-            for i in self.compressed:
-                by_dtype.setdefault(self.dtypes[i], []).append(i)
-            self.groups = list(by_dtype.values())
-        else:
-            self.groups = [[i] for i in self.compressed]
+            self.packing = plan_streams(leaves, self.compressed)
 
     def pack(self, leaves: list) -> list[jax.Array]:
-        if self.buckets is not None:
-            return self.buckets.pack([leaves[i] for i in self.compressed])
-        if not self.elementwise:
-            return [leaves[g[0]] for g in self.groups]
-        return [jnp.concatenate([jnp.ravel(leaves[i]) for i in g]) for g in self.groups]
+        """All leaves -> the compressor's buffers (flat buffers, or the matrix leaves)."""
+        if self.packing is None:
+            return [leaves[i] for i in self.compressed]
+        return self.packing.pack(leaves)
 
     def unpack(self, buffers: list[jax.Array], out: list) -> None:
-        if self.buckets is not None:
-            for i, r in zip(self.compressed, self.buckets.unpack(buffers), strict=True):
-                out[i] = r
+        """Writes the compressed leaves restored from ``buffers`` into ``out``."""
+        if self.packing is not None:
+            self.packing.unpack_into(buffers, out)
             return
-        for g, buf in zip(self.groups, buffers, strict=True):
-            if not self.elementwise:
-                out[g[0]] = buf.reshape(self.shapes[g[0]])
-                continue
-            offset = 0
-            for i in g:
-                size = int(np.prod(self.shapes[i]))
-                out[i] = buf[offset : offset + size].reshape(self.shapes[i])
-                offset += size
+        for i, buf in zip(self.compressed, buffers, strict=True):
+            out[i] = buf.reshape(self.shapes[i])
 
     def buffer_specs(self, inner_size: int | None) -> list[jax.ShapeDtypeStruct]:
-        if self.buckets is not None:
-            return [
-                jax.ShapeDtypeStruct(
-                    (b.elements if inner_size is None else -(-b.elements // inner_size),),
-                    b.dtype,
-                )
-                for b in self.buckets.buckets
-            ]
-        specs = []
-        for g in self.groups:
-            dtype = self.dtypes[g[0]]
-            if not self.elementwise:
-                specs.append(jax.ShapeDtypeStruct(self.shapes[g[0]], dtype))
-                continue
-            n = sum(int(np.prod(self.shapes[i])) for i in g)
-            if inner_size is not None:  # compress_stage='inter': the intra shard
-                n = -(-n // inner_size)
-            specs.append(jax.ShapeDtypeStruct((n,), dtype))
-        return specs
+        """Shapes of the compressor's buffers; with ``inner_size``
+        (``compress_stage='inter'``), of one device's intra-node shard of each."""
+        if self.packing is None:
+            return [jax.ShapeDtypeStruct(self.shapes[i], self.dtypes[i]) for i in self.compressed]
+        return self.packing.specs(inner_size)

@@ -17,7 +17,7 @@ from jaxcomm.collectives.auto import check_topology, fit_to_mesh
 from jaxcomm.collectives.base import (
     ALGORITHMS,
     OPS,
-    Packing,
+    allreduce_plan,
     axes_size,
     check_algorithm,
     check_axes,
@@ -111,7 +111,7 @@ def allreduce(
     if not leaves:
         return tree
     leaves = [jnp.asarray(x) for x in leaves]
-    plan = Packing(leaves)
+    plan = allreduce_plan(leaves)
     with _auto.use_topology(topology):
         reduced = [fn(buf, axes) for buf in plan.pack(leaves)]
     if op == "mean":

@@ -1,9 +1,11 @@
-"""Shared pieces of the all-reduce algorithms: validation, packing, the algorithm registry.
+"""Shared pieces of the all-reduce algorithms: validation, which leaves share a buffer, the
+algorithm registry.
 
 An *algorithm* is a function ``fn(x, axes) -> y`` that sums a 1-D array over the named
 mesh axes (called inside ``jax.shard_map``) and returns an array of the same shape. The
-public :func:`jaxcomm.allreduce` validates the pytree, packs its leaves into 1-D buffers,
-calls the algorithm on each and unpacks the results.
+public :func:`jaxcomm.allreduce` validates the pytree, packs its leaves into 1-D buffers
+(:func:`allreduce_plan`, a ``jaxcomm.packing`` plan), calls the algorithm on each and
+unpacks the results.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxcomm.packing import BufferPlan, plan_groups
 
 AlgorithmFn = Callable[[jax.Array, tuple[str, ...]], jax.Array]
 
@@ -133,34 +137,16 @@ def pad_to_multiple(x: jax.Array, multiple: int) -> tuple[jax.Array, int]:
     return x, pad
 
 
-class Packing:
-    """Plan that turns a list of leaves into 1-D buffers (and back).
-
-    Large leaves get a buffer each; leaves under ``small_elements`` elements are
-    concatenated per dtype, in the order given.
-    """
-
-    def __init__(self, leaves: Sequence[jax.Array], small_elements: int = SMALL_LEAF_ELEMENTS):
-        self.shapes = [jnp.shape(x) for x in leaves]
-        self.dtypes = [jnp.result_type(x) for x in leaves]
-        self.groups: list[list[int]] = []
-        small: dict[Any, list[int]] = {}
-        for i, shape in enumerate(self.shapes):
-            if int(np.prod(shape)) < small_elements:
-                small.setdefault(self.dtypes[i], []).append(i)
-            else:
-                self.groups.append([i])
-        self.groups.extend(small.values())
-
-    def pack(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
-        return [jnp.concatenate([jnp.ravel(leaves[i]) for i in g]) for g in self.groups]
-
-    def unpack(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
-        out: list[Any] = [None] * len(self.shapes)
-        for g, buf in zip(self.groups, buffers, strict=True):
-            offset = 0
-            for i in g:
-                size = int(np.prod(self.shapes[i]))
-                out[i] = buf[offset : offset + size].reshape(self.shapes[i])
-                offset += size
-        return out
+def allreduce_plan(
+    leaves: Sequence[jax.Array], small_elements: int = SMALL_LEAF_ELEMENTS
+) -> BufferPlan:
+    """The buffers :func:`jaxcomm.allreduce` reduces: a large leaf alone (no copy), the
+    leaves under ``small_elements`` elements concatenated per dtype, in the order given."""
+    groups: list[list[int]] = []
+    small: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if int(np.prod(jnp.shape(x))) < small_elements:
+            small.setdefault(jnp.result_type(x), []).append(i)
+        else:
+            groups.append([i])
+    return plan_groups(leaves, [*groups, *small.values()])
