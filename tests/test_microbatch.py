@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
+from helpers import assert_replicas_equal
 from mlp import mlp_init, mlp_logits, mlp_loss
 
 import jaxcomm
@@ -42,15 +42,7 @@ def test_microbatched_step_equals_plain_step(mesh, batches, algorithm, bucket_by
             jaxcomm.sync_gradients(algorithm=algorithm, bucket_bytes=bucket_bytes),
             optax.adam(1e-2),
         )
-        dp = jaxcomm.data_parallel(
-            _loss,
-            tx,
-            mesh,
-            has_aux=True,
-            microbatches=n,
-            accumulate=accumulate,
-            check_replicas=1,
-        )
+        dp = _data_parallel(tx, mesh, n, accumulate)
         state = dp.init(params)
         metrics = []
         for b in batches:
@@ -139,35 +131,19 @@ COMPRESSORS = {
 }
 
 
-def replicas_equal(tree, specs) -> bool:
-    """Every leaf whose spec is ``P()`` holds the same bytes on every device."""
-    leaves = jax.tree.leaves(tree)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    assert len(leaves) == len(spec_leaves)
-    for x, spec in zip(leaves, spec_leaves, strict=True):
-        if spec != P():
-            continue
-        shards = {np.asarray(s.data).tobytes() for s in x.addressable_shards}
-        if len(shards) != 1:
-            return False
-    return True
-
-
 def _dp(mesh, algorithm, compressor, n, accumulate="local", **kw):
     sync = jaxcomm.sync_gradients(
         algorithm=algorithm, compression=COMPRESSORS[compressor](), min_size=0
     )
-    tx = optax.chain(sync, optax.sgd(0.5))
+    return _data_parallel(optax.chain(sync, optax.sgd(0.5)), mesh, n, accumulate, **kw)
+
+
+def _data_parallel(tx, mesh, n, accumulate, **kw):
+    """The MLP step with ``n`` microbatches, replicas compared by their bits every step."""
     return jaxcomm.data_parallel(
-        _loss,
-        tx,
-        mesh,
-        has_aux=True,
-        microbatches=n,
-        accumulate=accumulate,
-        check_replicas=1,
-        **kw,
-    )
+        _loss, tx, mesh, has_aux=True, microbatches=n, accumulate=accumulate,
+        check_replicas=1, **kw,
+    )  # fmt: skip
 
 
 def _compile(dp, state, batch):
@@ -233,9 +209,9 @@ def test_local_accumulation_reduces_once(mesh, batches, metrics_bytes, algorithm
     assert _sync_count(sl) == 2  # one synchronisation per step
 
     # (c) replicas agree bitwise after 2 steps, in both modes.
-    assert replicas_equal(sl, local.state_specs(sl))
+    assert_replicas_equal(sl)
     so = _run(co, overlap, so, batches[:2])
-    assert replicas_equal(so, overlap.state_specs(so))
+    assert_replicas_equal(so)
     assert _sync_count(so) == 2 * N  # overlap: one synchronisation per microbatch
 
 
