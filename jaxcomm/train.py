@@ -144,6 +144,7 @@ class DataParallel:
         self._compiled_step: Any = None
         self._opt_layout: list[bool] | None = None  # per optimizer-state leaf: per device?
         self._opt_paths: list[str] = []
+        self._opt_local: Any = None  # this device's optimizer state shapes, from the probe
         self._calls = 0
 
     # -- state ------------------------------------------------------------------------
@@ -197,6 +198,7 @@ class DataParallel:
 
         jax.eval_shape(self._probe_map(init_probe, (P(),)), params)
         self._opt_paths = rec["paths"]
+        self._opt_local = jax.tree.unflatten(rec["treedef"], rec["local"])
         if not self._require_sync:
             # The user reduces (or, for a compute-only twin, skips) the gradients: nothing
             # is proven, so only explicit marks decide (and check_replicas=N checks values).
@@ -303,7 +305,7 @@ class DataParallel:
             lambda p: stack_leaves(self.optimizer.init(p), per),
             mesh=self.mesh,
             in_specs=(P(),),
-            out_specs=self._init_specs(params, per),
+            out_specs=leaf_specs(self._opt_local, per, self.axes),
         )
         opt_state = jax.jit(init_fn)(params)
         return TrainState(
@@ -312,16 +314,6 @@ class DataParallel:
             opt_state=opt_state,
             model_state=model_state,
         )
-
-    def _init_specs(self, params: Any, per: list[bool]) -> Any:
-        local = jax.eval_shape(
-            jax.shard_map(
-                self.optimizer.init, mesh=self.mesh, in_specs=(P(),), out_specs=P(),
-                check_vma=False,
-            ),
-            params,
-        )  # fmt: skip
-        return leaf_specs(local, per, self.axes)
 
     # -- batch ------------------------------------------------------------------------
     def shard_batch(self, batch: Any) -> Any:
