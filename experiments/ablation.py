@@ -19,10 +19,21 @@ other processes' interference) gives the figures below; the medians are in the J
 * ``speedup``: baseline step time over the row's, ``images_per_s``: global batch over
   step time.
 
+On a network (``link_bps`` given, e.g. on ``jaxcomm.testbed``), three columns put each row
+beside its link bound:
+
+* ``link_bytes``: bytes per step that cross a node's link in each direction, read from the
+  row's compiled HLO (``jaxcomm.wire_bytes(...)['crossing']['inter']``: every collective
+  whose replica groups span the ``inter`` mesh axis counts its per-device bus bytes, because
+  a ring ordered by node crosses each node's link once in each direction, carrying what one
+  device sends).
+* ``link_bound_s = link_bytes / (link_bps / 8)``: the time those bytes need at line rate.
+* ``link_efficiency = link_bound_s / (step - twin)``: how close the exposed communication
+  comes to the wire (1.0: exactly the line-rate time; above 1: part of it is hidden).
+
 Quality (``run_accuracy``). The digits quality guard of the compression issue,
 ``jaxcomm.bench.digits.digits_accuracy``, trains a small model on scikit-learn's bundled
-digits under each row's settings and returns the test accuracy; where that module is not
-installed, accuracy is reported as missing.
+digits under each row's settings and returns the test accuracy.
 """
 
 from __future__ import annotations
@@ -39,11 +50,10 @@ import jaxcomm
 from experiments import step as steplib
 from experiments.data import SyntheticImages
 from experiments.presets import Preset
-from experiments.rows import Call, Resolved
+from experiments.rows import Resolved
+from jaxcomm.bench.digits import digits_accuracy
 
-__all__ = ["DIGITS", "run_accuracy", "run_speed"]
-
-DIGITS = Call("bench.digits.digits_accuracy", call=False)
+__all__ = ["run_accuracy", "run_speed"]
 
 
 def _timed(fn: Callable, state: Any, batch: Any, n: int) -> tuple[Any, float, Any]:
@@ -62,8 +72,7 @@ def _base_result(r: Resolved) -> dict:
     return {
         "config": r.row.config,
         "technique": r.row.technique,
-        "status": "missing" if r.missing else "ok",
-        "missing": r.missing,
+        "status": "ok",
         "techniques": list(r.techniques),
         "settings": r.describe(),
         "step_time_s": None,
@@ -72,18 +81,29 @@ def _base_result(r: Resolved) -> dict:
         "comm_fraction": None,
         "comm_fraction_source": None,
         "images_per_s": None,
+        "link_bytes": None,
+        "link_bound_s": None,
+        "link_efficiency": None,
     }
 
 
 class _Step:
-    """A compiled step with its own state: ``run(n)`` times ``n`` steps on ``batch``."""
+    """A compiled step with its own state: ``run(n)`` times ``n`` steps on ``batch``.
+
+    The step is compiled once, ahead of time, and that executable is both timed and read
+    (``wire``: ``jaxcomm.wire_bytes`` of its HLO), so the bytes are those of the program
+    that ran.
+    """
 
     def __init__(self, dp: Any, state: Any, batch: Any):
-        self.dp, self.state, self.batch = dp, state, batch
+        self.batch = dp.shard_batch(batch)
+        self.compiled = dp.lower(state, batch).compile()
+        self.wire = jaxcomm.wire_bytes(self.compiled, mesh=dp.mesh)
+        self.state = state
         self.metrics = None
 
     def run(self, steps: int) -> float:
-        self.state, t, self.metrics = _timed(self.dp, self.state, self.batch, steps)
+        self.state, t, self.metrics = _timed(self.compiled, self.state, self.batch, steps)
         return t
 
 
@@ -123,7 +143,7 @@ class _Bench:
         self.full = _Step(dp, state, batch)
         self.full.run(warmup)  # compiles
         settings = r.describe()
-        key = repr((settings["make_mesh"], settings["compiler_options"]))
+        key = repr((settings["topology"], settings["compiler_options"]))
         if twins is not None and key not in twins:
             twin_dp, twin_state = steplib.build_step(
                 parts,
@@ -144,10 +164,13 @@ class _Bench:
         if self.twin is not None:
             self.t_twin.append(self.twin.run(steps))
 
-    def result(self) -> dict:
+    def result(self, link_bps: float | None) -> dict:
         # Best round, as timeit does: slower rounds are other processes' interference.
         step_time = min(self.t_full)
         twin_time = min(self.t_twin) if self.t_twin else None
+        crossing = self.full.wire["crossing"].get("inter", 0.0)
+        bound = crossing / (link_bps / 8) if link_bps else None
+        comm = twin_time and step_time - twin_time
         return {
             "step_time_s": step_time,
             "step_time_median_s": statistics.median(self.t_full),
@@ -163,6 +186,11 @@ class _Bench:
             "devices": self.devices,
             "mesh": self.mesh_shape,
             "loss": float(self.full.metrics["loss"]),
+            "wire_bytes": self.full.wire["total"],
+            "link_bytes": crossing,
+            "link_bps": link_bps,
+            "link_bound_s": bound,
+            "link_efficiency": bound / comm if bound is not None and comm and comm > 0 else None,
         }
 
 
@@ -179,6 +207,7 @@ def run_speed(
     seed: int = 0,
     progress: Callable[[Sequence], Any] = iter,
     twins: bool = True,
+    link_bps: float | None = None,
 ) -> list[dict]:
     """Times every available row (see the module docstring).
 
@@ -195,20 +224,21 @@ def run_speed(
       twins: also time each row's compute-only twin (``False``: only the rows, and the
         ``compute_only_*`` and ``comm_fraction`` fields are ``None``; used where the step
         has no communication to expose, e.g. one device).
+      link_bps: the inter-node link rate in bit/s per direction (the testbed's ``--link``);
+        ``None``: no link-bound columns.
 
     Returns:
-      One dict per row, with ``status`` ``'ok'``, ``'missing'`` (technique not installed:
-      ``missing`` says why) or ``'error'`` (it raised: ``error`` holds the message).
+      One dict per row, with ``status`` ``'ok'`` or ``'error'`` (it raised: ``error``
+      holds the message).
     """
     results = [_base_result(r) for r in resolved]
     benches: dict[int, _Bench] = {}
     twin_steps: dict[str, _Step] | None = {} if twins else None
     for i, r in enumerate(progress(resolved)):
-        if r.missing is None:
-            try:
-                benches[i] = _Bench(r, preset, intra=intra, seed=seed, twins=twin_steps)
-            except Exception as e:  # report the row, keep the other rows going
-                _error(results[i], e)
+        try:
+            benches[i] = _Bench(r, preset, intra=intra, seed=seed, twins=twin_steps)
+        except Exception as e:  # report the row, keep the other rows going
+            _error(results[i], e)
     for _ in range(preset.repeats):
         for i, bench in list(benches.items()):
             try:
@@ -217,7 +247,7 @@ def run_speed(
                 _error(results[i], e)
                 del benches[i]
     for i, bench in benches.items():
-        results[i].update(bench.result())
+        results[i].update(bench.result(link_bps))
     base = next((x for x in results if x["config"] == "baseline" and x["step_time_s"]), None)
     for x in results:
         if base and x["step_time_s"]:
@@ -236,35 +266,25 @@ def run_accuracy(
     """The digits quality guard under every available row.
 
     Returns:
-      One dict per row: ``config``, ``accuracy_status`` (``'ok'``, ``'missing'``,
-      ``'error'``), ``accuracy``, ``final_loss`` and ``accuracy_note``.
+      One dict per row: ``config``, ``accuracy_status`` (``'ok'`` or ``'error'``),
+      ``accuracy``, ``final_loss`` and ``accuracy_note``.
     """
-    try:
-        digits_accuracy = DIGITS.lookup()
-        unavailable = None
-    except LookupError as e:
-        digits_accuracy, unavailable = None, str(e)
     out = []
     for r in progress(resolved):
         res = {"config": r.row.config, "accuracy": None, "final_loss": None}
-        if r.missing is not None:
-            res.update(accuracy_status="missing", accuracy_note=r.missing)
-        elif digits_accuracy is None:
-            res.update(accuracy_status="missing", accuracy_note=unavailable)
-        else:
-            try:
-                sync, options, mesh_kwargs = r.build()
-                mesh = jaxcomm.make_mesh(intra=intra, **mesh_kwargs)
-                got = digits_accuracy(
-                    sync, steps=steps, seed=seed, mesh=mesh, compiler_options=options or None
-                )
-                res.update(
-                    accuracy_status="ok",
-                    accuracy=float(got["accuracy"]),
-                    final_loss=float(got["final_loss"]),
-                    accuracy_note=None,
-                )
-            except Exception as e:
-                res.update(accuracy_status="error", accuracy_note=f"{type(e).__name__}: {e}")
+        try:
+            sync, options, mesh_kwargs = r.build()
+            mesh = jaxcomm.make_mesh(intra=intra, **mesh_kwargs)
+            got = digits_accuracy(
+                sync, steps=steps, seed=seed, mesh=mesh, compiler_options=options or None
+            )
+            res.update(
+                accuracy_status="ok",
+                accuracy=float(got["accuracy"]),
+                final_loss=float(got["final_loss"]),
+                accuracy_note=None,
+            )
+        except Exception as e:
+            res.update(accuracy_status="error", accuracy_note=f"{type(e).__name__}: {e}")
         out.append(res)
     return out

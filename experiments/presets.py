@@ -1,10 +1,12 @@
 """Run presets for the ResNet experiment: one per kind of machine.
 
-The default preset follows the platform: ``cpu-smoke`` on CPU (a small ResNet on small
-images that finishes in minutes on 2 cores with 8 fake devices), ``gpu-node`` on one GPU node
-(ResNet-152, 224 x 224, bf16 compute), ``cluster`` when several processes run (ResNet-152 over
-all nodes, longer runs, periodic checkpoints). Every field can be overridden on the command
-line. This module imports no JAX, so ``--help`` stays instant and the fake-device set-up can
+The default preset follows the platform: on CPU ``testbed`` when this machine can build the
+emulated network (root, iproute2: ResNet-18 on 2 nodes x 2 devices joined by a 250 Mbit/s
+link, ``jaxcomm.testbed``), else ``cpu-smoke`` (a small ResNet on small images that finishes
+in minutes on 2 cores with 8 fake devices); ``gpu-node`` on one GPU node (ResNet-152, 224 x
+224, bf16 compute), ``cluster`` when several processes run (ResNet-152 over all nodes, longer
+runs, periodic checkpoints). Every field can be overridden on the command line. This module
+imports no JAX, so ``--help`` stays instant and the fake-device set-up can
 run before JAX is imported.
 """
 
@@ -37,6 +39,9 @@ class Preset:
       lr_warmup: learning-rate warm-up steps.
       checkpoint_every: checkpoint period in steps when a checkpoint dir is given.
       accuracy_steps: training steps of the digits quality guard per ablation row.
+      modes: the modes run when no mode flag is given.
+      link: the emulated link rate (tc units) when the preset builds a testbed; ``None``:
+        the preset runs on the devices it is given.
     """
 
     name: str
@@ -54,6 +59,8 @@ class Preset:
     lr_warmup: int
     checkpoint_every: int
     accuracy_steps: int
+    modes: tuple[str, ...] = MODES
+    link: str | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -74,6 +81,51 @@ PRESETS: dict[str, Preset] = {
         lr_warmup=2,
         checkpoint_every=10,
         accuracy_steps=300,
+    ),
+    # The first run on a machine that can build the emulated network (root, iproute2): 2
+    # nodes x 2 CPU devices joined by a 50 Mbit/s link, the tiny ResNet (1.2 MB of f32
+    # gradient, 0.3 s on the link against tens of ms of compute), so that the table, with
+    # its quality guard, fits in a few minutes on 2 cores.
+    "testbed": Preset(
+        name="testbed",
+        model="resnet-tiny",
+        image_size=32,
+        num_classes=10,
+        per_device_batch=4,
+        steps=20,
+        warmup_steps=2,
+        timing_steps=3,
+        repeats=3,
+        dtype="float32",
+        intra=None,
+        lr=0.1,
+        lr_warmup=2,
+        checkpoint_every=10,
+        accuracy_steps=300,
+        modes=("ablation", "accuracy"),
+        link="50mbit",
+    ),
+    # The ablation issue's configuration: ResNet-18 (46.8 MB of f32 gradient) on 32 px
+    # images over 250 Mbit/s: the gradient's time on the link is several times the compute,
+    # as on the seed's 64-node cluster. About 25 minutes on 2 cores (compilation dominates).
+    "testbed-resnet18": Preset(
+        name="testbed-resnet18",
+        model="resnet18",
+        image_size=32,
+        num_classes=10,
+        per_device_batch=4,
+        steps=20,
+        warmup_steps=2,
+        timing_steps=2,
+        repeats=3,
+        dtype="float32",
+        intra=None,
+        lr=0.1,
+        lr_warmup=2,
+        checkpoint_every=10,
+        accuracy_steps=300,
+        modes=("ablation", "accuracy"),
+        link="250mbit",
     ),
     # One node with several GPUs (e.g. 8 x H100): the seed's model at ImageNet resolution.
     "gpu-node": Preset(
@@ -114,8 +166,19 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def default_preset_name(backend: str, process_count: int) -> str:
-    """The preset that fits the platform: ``cpu-smoke`` on CPU, else by process count."""
+def default_preset_name(backend: str, process_count: int, *, testbed: bool = False) -> str:
+    """The preset that fits the platform.
+
+    Args:
+      backend: ``jax.default_backend()``.
+      process_count: ``jax.process_count()``.
+      testbed: whether this machine can build the emulated network
+        (``jaxcomm.testbed.available()``).
+
+    Returns:
+      ``'testbed'`` on one CPU process that can build the network, ``'cpu-smoke'`` on CPU
+      otherwise; on accelerators ``'cluster'`` with several processes, else ``'gpu-node'``.
+    """
     if backend == "cpu":
-        return "cpu-smoke"
+        return "testbed" if testbed and process_count == 1 else "cpu-smoke"
     return "cluster" if process_count > 1 else "gpu-node"

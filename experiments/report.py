@@ -6,7 +6,36 @@ import json
 import os
 from collections.abc import Sequence
 
-__all__ = ["format_table", "merge_accuracy", "write_chart", "write_json"]
+__all__ = [
+    "fake_devices_note",
+    "format_table",
+    "merge_accuracy",
+    "summary_line",
+    "write_chart",
+    "write_json",
+]
+
+
+def fake_devices_note(devices: int, testbed: str) -> str:
+    """Two lines printed before a table measured on fake CPU devices of one process.
+
+    Args:
+      devices: the number of fake devices.
+      testbed: whether this machine can build the emulated network, in words (the reason
+        from ``jaxcomm.testbed.available()`` when it cannot).
+    """
+    cores = os.cpu_count()
+    return (
+        f"note: {devices} fake CPU devices share {cores} cores with no slow link between them: "
+        "each technique can only add work here (the table shows that it runs, and its cost).\n"
+        "      to see them win: as root, python -m experiments.resnet152 --preset testbed "
+        f"(emulated network; {testbed}); python -m jaxcomm.simulate; --preset gpu-node on GPUs"
+    )
+
+
+#: Quality counts as unchanged when every row's digits accuracy is within this of the
+#: baseline's (the ablation issue's guard: 0.5 points).
+QUALITY_TOLERANCE = 0.005
 
 
 def merge_accuracy(rows: Sequence[dict], accuracy: Sequence[dict]) -> list[dict]:
@@ -15,15 +44,62 @@ def merge_accuracy(rows: Sequence[dict], accuracy: Sequence[dict]) -> list[dict]
     return [{**r, **{k: v for k, v in by_config.get(r["config"], {}).items()}} for r in rows]
 
 
+def summary_line(rows: Sequence[dict]) -> str | None:
+    """One line that reads the table: the last row's speedup over the baseline, the exposed
+    communication share of both, and the quality guard, computed from ``rows``.
+
+    Returns ``None`` when the baseline or the last row has no step time.
+
+    Example:
+      ``stacked 2.61x (+batching vs baseline); exposed communication 77% -> 12% of the step
+      (link bound 0.32 s -> 0.08 s); quality unchanged (digits within 0.3 points)``
+    """
+    timed = [r for r in rows if r.get("step_time_s")]
+    base = next((r for r in timed if r["config"] == "baseline"), None)
+    if base is None or len(timed) < 2:
+        return None
+    last = timed[-1]
+    parts = [f"stacked {base['step_time_s'] / last['step_time_s']:.2f}x "
+             f"({last['config']} vs baseline)"]  # fmt: skip
+    fb, fl = base.get("comm_fraction"), last.get("comm_fraction")
+    if fb is not None and fl is not None:
+        comm = f"exposed communication {fb:.0%} -> {fl:.0%} of the step"
+        cb, cl = (r["step_time_s"] - r["compute_only_step_time_s"] for r in (base, last))
+        comm += f", {cb:.3g} s -> {cl:.3g} s"
+        parts.append(comm)
+    slower = [
+        r["config"] for r in timed if r is not base and r["step_time_s"] > base["step_time_s"]
+    ]
+    if slower:
+        parts.append(f"slower than the baseline: {', '.join(slower)}")
+    acc = {r["config"]: r.get("accuracy") for r in rows if r.get("accuracy") is not None}
+    if "baseline" in acc and len(acc) > 1:
+        worst = max(acc, key=lambda k: abs(acc[k] - acc["baseline"]))
+        gap = abs(acc[worst] - acc["baseline"])
+        if gap <= QUALITY_TOLERANCE:
+            parts.append(f"quality unchanged (digits within {gap * 100:.1f} points of baseline)")
+        else:
+            parts.append(
+                f"quality changed: {worst} digits {acc[worst]:.3f} vs baseline "
+                f"{acc['baseline']:.3f}"
+            )
+    return "; ".join(parts)
+
+
 def _fmt(v, spec: str, scale: float = 1.0) -> str:
     return "-" if v is None else format(v * scale, spec)
 
 
 def format_table(rows: Sequence[dict]) -> str:
     """A fixed-width table: config, status, step ms, compute-only ms, speedup, comm %,
-    images/s and (when measured) digits accuracy; missing rows say what is missing."""
+    images/s, on a network the link columns (MB per step across a node's link, their
+    line-rate time, efficiency = that time / exposed communication) and (when measured)
+    digits accuracy; errors are listed under the table."""
     with_acc = any("accuracy_status" in r for r in rows)
+    with_link = any(r.get("link_bound_s") is not None for r in rows)
     head = ["config", "status", "step ms", "compute ms", "speedup", "comm %", "img/s"]
+    if with_link:
+        head += ["link MB", "bound ms", "effic."]
     if with_acc:
         head.append("digits acc")
     lines = []
@@ -38,12 +114,18 @@ def format_table(rows: Sequence[dict]) -> str:
             _fmt(r.get("comm_fraction"), ".1f", 100),
             _fmt(r.get("images_per_s"), ".0f"),
         ]
+        if with_link:
+            cells += [
+                _fmt(r.get("link_bytes"), ".1f", 1e-6),
+                _fmt(r.get("link_bound_s"), ".0f", 1e3),
+                _fmt(r.get("link_efficiency"), ".2f"),
+            ]
         if with_acc:
             acc = r.get("accuracy")
             cells.append(_fmt(acc, ".3f") if acc is not None else r.get("accuracy_status", "-"))
         lines.append(cells)
-        for key in ("missing", "error", "accuracy_note"):
-            if r.get(key) and not (key == "accuracy_note" and r[key] == r.get("missing")):
+        for key in ("error", "accuracy_note"):
+            if r.get(key):
                 notes.append(f"  {r['config']}: {key.replace('_', ' ')}: {r[key]}")
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
     fmt_row = lambda cells: "  ".join(  # noqa: E731

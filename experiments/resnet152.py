@@ -7,6 +7,13 @@ technique added in turn: step time, speedup, exposed communication, images/s) an
 accuracy of every row. Results go to ``--out`` (``results.json``, ``ablation.png``,
 ``train.json``, ``meta.json``).
 
+On CPU, when this machine can build the emulated network (root and iproute2), the default
+is the ``testbed`` preset: the command re-runs itself as one process per emulated node under
+``jaxcomm.testbed`` (2 nodes x 2 devices, ``--link`` between them) and the table gains the
+link columns (bytes per step across the link from the compiled HLO, their line-rate time,
+efficiency). Otherwise it runs on fake CPU devices and says, before the table, what those
+can and cannot show.
+
 Multi-process: start one process per node with ``jaxcomm.launch``, the testbed, SLURM or
 Open MPI; ``jax.distributed`` is initialised from the environment, each process feeds its
 own part of every batch, and process 0 prints and writes the results.
@@ -19,6 +26,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from experiments import runtime
@@ -50,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Data-parallel ResNet training with jaxcomm. Modes: --train (a training run "
             "with progress bar and optional checkpoints), --ablation (baseline, "
             "+hierarchical, +overlap, +compression, +topology, +batching, each adding one "
-            "technique: step time, speedup, exposed communication fraction, images/s; "
-            "rows whose technique is not installed are reported as missing), --accuracy "
+            "technique: step time, speedup, exposed communication fraction, images/s), "
+            "--accuracy "
             "(digits test accuracy under each row). No mode flag: all three."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -61,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=sorted(PRESETS),
         default=None,
-        help="configuration; default: cpu-smoke on CPU, gpu-node on one GPU "
-        "process, cluster with several processes",
+        help="configuration; default: testbed on CPU as root with iproute2 (an emulated "
+        "network), else cpu-smoke on CPU, gpu-node on one GPU process, cluster with several "
+        "processes",
     )
     g.add_argument("--train", action="store_true", help="run the training mode")
     g.add_argument("--ablation", action="store_true", help="run the ablation table")
@@ -77,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--config",
         default=None,
-        help="ablation row whose settings --train uses (default: the last "
-        "available row, i.e. every installed technique)",
+        help="ablation row whose settings --train uses (default: the last row, "
+        "i.e. every technique)",
     )
     g.add_argument(
         "--out",
@@ -115,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop --train after this step (an interruption; the schedule still "
         "spans --steps, so a later --resume continues the same run)",
     )
+    n = p.add_argument_group("emulated network (--preset testbed; needs root and iproute2)")
+    n.add_argument(
+        "--link", default=None, help="link rate between nodes, tc units (default: the preset's)"
+    )
+    n.add_argument("--nodes", type=int, default=2, help="emulated nodes (processes)")
+    n.add_argument("--devices-per-node", type=int, default=2, help="CPU devices per node")
     r = p.add_argument_group("runtime")
     r.add_argument(
         "--cpu-devices",
@@ -126,8 +141,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _preset(args, jax) -> Any:
-    name = args.preset or default_preset_name(jax.default_backend(), jax.process_count())
+def _launch_testbed(args, argv: list[str], preset) -> int:
+    """Runs this command once per emulated node under ``jaxcomm.testbed``; its exit code."""
+    from jaxcomm.testbed import Testbed, available
+
+    ok, why = available()
+    if not ok:
+        print(f"--preset {preset.name} builds an emulated network and cannot here: {why}.\n"
+              "Run it as root with iproute2 installed, or choose --preset cpu-smoke.",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    link = args.link or preset.link
+    child, skip = [], False
+    for a in argv:  # the same command, with the preset named (a default one included)
+        if not skip and not a.startswith("--preset"):
+            child.append(a)
+        skip = a == "--preset"
+    child = [sys.executable, "-m", "experiments.resnet152", "--preset", preset.name, *child]
+    with Testbed(nodes=args.nodes, devices_per_node=args.devices_per_node, link=link) as tb:
+        print(f"[testbed] {args.nodes} nodes x {args.devices_per_node} CPU devices, link {link} "
+              f"per direction between nodes ({' '.join(child[1:])})", flush=True)  # fmt: skip
+        return tb.run(child)
+
+
+def _preset(args, jax, *, testbed: bool = False) -> Any:
+    name = args.preset or default_preset_name(
+        jax.default_backend(), jax.process_count(), testbed=testbed
+    )
     overrides = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
     if jax.process_count() > 1 and args.intra is None:
         overrides["intra"] = None  # intra groups = the devices of one process (node)
@@ -154,13 +194,11 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     from experiments.data import ImageFolder, SyntheticImages
     from experiments.training import train
 
-    available = [r for r in resolved if r.missing is None]
-    name = args.config or available[-1].row.config
+    name = args.config or resolved[-1].row.config
     chosen = next((r for r in resolved if r.row.config == name), None)
-    if chosen is None or chosen.missing:
-        why = "unknown" if chosen is None else f"missing ({chosen.missing})"
-        names = [r.row.config for r in available]
-        raise SystemExit(f"--config {name!r} is {why}; available: {names}")
+    if chosen is None:
+        names = [r.row.config for r in resolved]
+        raise SystemExit(f"--config {name!r} is not a row; choose one of {names}.")
     sync, options, mesh_kwargs = chosen.build()
     mesh = jaxcomm.make_mesh(intra=preset.intra, **mesh_kwargs)
     global_batch = preset.per_device_batch * mesh.devices.size
@@ -256,7 +294,29 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     return result
 
 
+def _testbed_possible(args) -> bool:
+    """Whether the default preset may be the emulated network: no preset asked for, one
+    process on CPU, and this machine can build it (root, iproute2)."""
+    if args.preset is not None or runtime.distributed_requested():
+        return False
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return False
+    from jaxcomm.testbed import available
+
+    return available()[0]
+
+
+def _testbed_unavailable_reason() -> str:
+    from jaxcomm.testbed import available
+
+    ok, why = available()
+    return "this machine can build it" if ok else why
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     runtime.ensure_cpu_devices(args.cpu_devices)  # before JAX is imported
     import jax
@@ -265,15 +325,16 @@ def main(argv: list[str] | None = None) -> int:
     from experiments import ablation, report
     from experiments.rows import resolve_rows
 
+    preset = _preset(args, jax, testbed=_testbed_possible(args))
+    if preset.link is not None and not runtime.distributed_requested():
+        return _launch_testbed(args, argv, preset)
+    link_bps = runtime.testbed_link_bps()
     is_main = jax.process_index() == 0
-    preset = _preset(args, jax)
-    modes = [m for m in MODES if getattr(args, m)] or list(MODES)
+    modes = [m for m in MODES if getattr(args, m)] or list(preset.modes)
     resolved = _select_rows(resolve_rows(), args.rows)
     out = args.out
     meta = {
-        "command": " ".join(
-            ["python -m experiments.resnet152", *(sys.argv[1:] if argv is None else argv)]
-        ),
+        "command": " ".join(["python -m experiments.resnet152", *argv]),
         "preset": dataclasses.asdict(preset),
         "modes": modes,
         "backend": jax.default_backend(),
@@ -281,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         "device_kind": jax.devices()[0].device_kind,
         "processes": jax.process_count(),
         "jax": jax.__version__,
+        "link": os.environ.get("JAXCOMM_TESTBED_LINK"),
+        "link_bps": link_bps,
+        "load_average": os.getloadavg(),
     }
     if is_main:
         os.makedirs(out, exist_ok=True)
@@ -300,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(out, "train.json"), "w") as f:
                 json.dump(train_result, f, indent=2, default=str)
     rows = None
+    seconds = meta["seconds"] = {}
+    t0 = time.perf_counter()
     if "ablation" in modes:
         rows = ablation.run_speed(
             resolved,
@@ -307,9 +373,12 @@ def main(argv: list[str] | None = None) -> int:
             intra=preset.intra,
             seed=args.seed,
             progress=lambda r: progress(r, desc="ablation") if progress is not iter else iter(r),
+            link_bps=link_bps,
         )
         status |= any(r["status"] == "error" for r in rows)
+        seconds["ablation"] = time.perf_counter() - t0
     if "accuracy" in modes:
+        t0 = time.perf_counter()
         acc = ablation.run_accuracy(
             resolved,
             intra=preset.intra,
@@ -318,12 +387,12 @@ def main(argv: list[str] | None = None) -> int:
             progress=lambda r: progress(r, desc="accuracy") if progress is not iter else iter(r),
         )
         status |= any(a["accuracy_status"] == "error" for a in acc)
+        seconds["accuracy"] = time.perf_counter() - t0
         if rows is None:
             rows = [
                 {
                     "config": r.row.config,
-                    "status": "missing" if r.missing else "ok",
-                    "missing": r.missing,
+                    "status": "ok",
                     "techniques": list(r.techniques),
                     "step_time_s": None,
                     "speedup": None,
@@ -335,7 +404,16 @@ def main(argv: list[str] | None = None) -> int:
         rows = report.merge_accuracy(rows, acc)
     if rows is not None and is_main:
         print()
+        if meta["backend"] == "cpu" and meta["processes"] == 1 and meta["devices"] > 1:
+            print(report.fake_devices_note(meta["devices"], _testbed_unavailable_reason()))
+        elif link_bps:
+            print(f"link {meta['link']} per direction between {meta['processes']} nodes; "
+                  f"load average {meta['load_average'][0]:.2f}")  # fmt: skip
         print(report.format_table(rows))
+        summary = report.summary_line(rows)
+        if summary:
+            print(summary)
+            meta["summary"] = summary
         report.write_json(rows, os.path.join(out, "results.json"))
         title = (
             f"{preset.model}, {preset.image_size}px, {meta['devices']} x "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["distributed_requested", "ensure_cpu_devices", "init_distributed"]
+__all__ = ["distributed_requested", "ensure_cpu_devices", "init_distributed", "testbed_link_bps"]
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -46,32 +46,21 @@ def distributed_requested() -> bool:
 
 
 def init_distributed() -> bool:
-    """Starts ``jax.distributed`` when the environment asks for it.
-
-    Uses ``jaxcomm.init_distributed()`` when this jaxcomm has it (the profiler/launcher
-    issue); otherwise ``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES``,
-    ``JAXCOMM_PROCESS_ID`` (and ``JAXCOMM_LOCAL_DEVICES`` CPU devices) if set, else
-    ``jax.distributed.initialize()``'s own detection (SLURM, Open MPI).
+    """Starts ``jax.distributed`` (``jaxcomm.init_distributed()``) when the environment asks
+    for it (``jaxcomm.launch``, the testbed, SLURM, Open MPI).
 
     Returns:
       ``True`` when a distributed runtime was started.
     """
     if not distributed_requested():
         return False
-    import jax
-
     import jaxcomm
 
-    if hasattr(jaxcomm, "init_distributed"):
-        jaxcomm.init_distributed()
-    elif os.environ.get("JAXCOMM_COORDINATOR"):
-        if os.environ.get("JAXCOMM_LOCAL_DEVICES"):
-            jax.config.update("jax_num_cpu_devices", int(os.environ["JAXCOMM_LOCAL_DEVICES"]))
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAXCOMM_COORDINATOR"],
-            num_processes=int(os.environ["JAXCOMM_NUM_PROCESSES"]),
-            process_id=int(os.environ["JAXCOMM_PROCESS_ID"]),
-        )
-    else:
-        jax.distributed.initialize()
+    jaxcomm.init_distributed()
     return True
+
+
+def testbed_link_bps() -> float | None:
+    """The emulated link rate in bit/s when running under ``jaxcomm.testbed``, else ``None``."""
+    rate = os.environ.get("JAXCOMM_TESTBED_LINK_BPS")
+    return float(rate) if rate else None

@@ -326,7 +326,11 @@ def compiled_text(
     fn: Callable, *args: Any, compiler_options: Mapping[str, Any] | None = None, **kwargs: Any
 ) -> str:
     """Compiles ``fn`` for ``args`` (arrays or ``jax.ShapeDtypeStruct``) and returns the
-    optimized HLO text. ``fn`` may be jitted already; otherwise it is wrapped in ``jax.jit``."""
+    optimized HLO text. ``fn`` may be jitted already; otherwise it is wrapped in ``jax.jit``.
+    A ``jax.stages.Compiled`` (e.g. ``dp.lower(state, batch).compile()``) is read as it is,
+    with no second compilation."""
+    if isinstance(fn, jax.stages.Compiled):
+        return fn.as_text()
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     lowered = jitted.lower(*args, **kwargs)
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()

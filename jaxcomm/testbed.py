@@ -7,11 +7,21 @@ Each node is a network namespace running one ``jax.distributed`` process with
 namespace (loopback); traffic between nodes crosses a veth link shaped with ``tc tbf``. That is
 a real two-level hierarchy, with the slow level a link you choose.
 
+With ``--leaves L --spine RATE`` the nodes hang under ``L`` leaf switches joined by a slower
+spine (a leaf-spine fabric, one more level): node ``i`` sits under leaf ``i % L``, so
+consecutive process ids alternate leaves, as a scheduler that knows nothing of the network
+hands them out. A ring in process order then crosses the spine at every hop; one ordered by
+leaf crosses it ``L`` times. The fabric is written as a ``jaxcomm.topology`` file (levels node
+/ leaf / spine, the placement, the link rates) named by ``JAXCOMM_TOPO_FILE`` in every node's
+environment, so ``jaxcomm.topology.detect()`` inside the job sees it, and the bytes the spine
+carried are read from its ``tc`` counters (:func:`spine_bytes`, ``JAXCOMM_TESTBED_SPINE``).
+
 Set-up (all names start with ``jc`` plus a per-run tag, so parallel runs do not collide):
 
 1. ``ip netns add`` one namespace per node, ``lo`` up.
 2. Two nodes: one veth pair between them. More: a hub namespace with a bridge, one veth pair
-   per node (a switch with one port per node).
+   per node (a switch with one port per node). Leaf-spine: one hub per leaf, and the leaf
+   hubs joined by one veth pair (two leaves) or through a spine hub (more).
 3. ``tc qdisc add dev X root tbf rate R burst B latency 10ms`` on every link end, so each
    direction of each link carries at most R. netem is not available in this kernel, so
    ``--latency`` is applied with netem when the kernel has it and otherwise reported as not
@@ -32,6 +42,7 @@ Needs root and iproute2 (``ip``, ``tc``); without them it says so and exits with
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import secrets
@@ -40,12 +51,23 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Sequence
 
 from jaxcomm.launch import rank_env, run_group
 from jaxcomm.validate import check_int
 
-__all__ = ["Testbed", "available", "main", "parse_rate", "parse_time"]
+__all__ = [
+    "Testbed",
+    "available",
+    "main",
+    "parse_link_schedule",
+    "parse_rate",
+    "parse_time",
+    "spine_bytes",
+]
 
 SUBNET = "10.231.0"
 COORDINATOR_PORT = 23456
@@ -96,6 +118,30 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+def spine_bytes(ends: str | None = None) -> int:
+    """Bytes sent so far through the spine's link ends (both directions summed).
+
+    Args:
+      ends: ``'ns/dev,ns/dev'``; default ``JAXCOMM_TESTBED_SPINE`` (set by a leaf-spine
+        testbed in every node's environment).
+
+    Returns:
+      The sum of the ``Sent N bytes`` counters of the ``tc`` qdiscs on those ends.
+
+    Raises:
+      RuntimeError: no spine (not a leaf-spine testbed) or ``tc`` failed.
+    """
+    ends = os.environ.get("JAXCOMM_TESTBED_SPINE") if ends is None else ends
+    if not ends:
+        raise RuntimeError("spine_bytes: no spine; run under a testbed with --leaves >= 2.")
+    total = 0
+    for end in ends.split(","):
+        ns, dev = end.split("/")
+        out = _sh("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev).stdout
+        total += int(re.search(r"Sent (\d+) bytes", out).group(1))
+    return total
+
+
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run(list(args), capture_output=True, text=True)
     if check and r.returncode != 0:
@@ -112,6 +158,9 @@ class Testbed:
       link: per-direction link rate in tc units, e.g. '1gbit', '250mbit'.
       latency: one-way added delay ('100us'); needs netem, reported as not applied without.
       burst: tbf bucket size.
+      leaves: leaf switches (1: all nodes under one switch). With 2 or more, node ``i``
+        hangs under leaf ``i % leaves`` and the leaves are joined by the spine.
+      spine: per-direction rate of each leaf's spine link (default: ``link``).
 
     Example:
       >>> with Testbed(nodes=2, devices_per_node=2, link="1gbit") as tb:
@@ -126,10 +175,24 @@ class Testbed:
         link: str = "1gbit",
         latency: str = "0",
         burst: str = "128kb",
+        leaves: int = 1,
+        spine: str | None = None,
     ):
         fix = f"a testbed needs at least 2 nodes, and at most 200 fit the {SUBNET}.0/24 subnet"
         nodes = check_int("nodes", nodes, minimum=2, maximum=200, fix=fix)
         devices_per_node = check_int("devices_per_node", devices_per_node, minimum=1)
+        leaves = check_int("leaves", leaves, minimum=1, maximum=nodes,
+                           fix="leaf switches, at most one per node")  # fmt: skip
+        if nodes % leaves or (leaves > 1 and nodes // leaves < 2):
+            raise ValueError(
+                f"leaves={leaves} must divide nodes={nodes} with at least 2 nodes per leaf; "
+                f"e.g. nodes={2 * leaves}."
+            )
+        if spine is not None and leaves == 1:
+            raise ValueError(f"spine={spine!r} needs leaves >= 2 (a spine joins leaf switches).")
+        self.leaves = leaves
+        self.spine = spine or (link if leaves > 1 else None)
+        self.spine_bps = parse_rate(self.spine) if self.spine else None
         self.nodes = nodes
         self.devices_per_node = devices_per_node
         self.link = link
@@ -139,38 +202,117 @@ class Testbed:
         self.burst = burst
         self.tag = f"jc{secrets.token_hex(3)}"
         self.namespaces = [f"{self.tag}n{i}" for i in range(nodes)]
-        self.hub = f"{self.tag}hub" if nodes > 2 else None
+        self.hub = f"{self.tag}hub" if nodes > 2 and leaves == 1 else None
+        self.leaf_hubs = [f"{self.tag}l{j}" for j in range(leaves)] if leaves > 1 else []
+        self.spine_hub = f"{self.tag}sp" if leaves > 2 else None
+        self.spine_ends: list[tuple[str, str]] = []
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(nodes)]
         self.latency_applied = self.latency_s == 0
+        self.topology_file: str | None = None
+        self.link_log: str | None = None
+        self._link_ends: list[tuple[str, str, list[str]]] = []
         self._created: list[str] = []
         self._hosts_dirs: list[str] = []
 
     # -- set-up -------------------------------------------------------------------------
-    def _shape(self, ns: str, dev: str) -> None:
-        tbf = ["tbf", "rate", self.link, "burst", self.burst, "latency", "10ms"]
+    def leaf_of(self, node: int) -> int:
+        """The leaf switch of node ``node`` (0 without a spine)."""
+        return node % self.leaves
+
+    def placement(self) -> list[int]:
+        """Physical slot of each node (process), leaves contiguous: the topology's
+        ``placement``."""
+        per_leaf = self.nodes // self.leaves
+        return [self.leaf_of(i) * per_leaf + i // self.leaves for i in range(self.nodes)]
+
+    def topology(self) -> dict:
+        """The fabric as a ``jaxcomm.topology`` JSON dict (bandwidths per device).
+
+        The node level's figure is loopback gloo between a process's devices as measured
+        by ``python -m jaxcomm.bench testbed`` on the 2-core reference machine (about 0.3
+        GB/s bus bandwidth); the link levels are the shaped rates shared by the devices
+        behind them.
+        """
+        g = self.devices_per_node
+        levels = [{"name": "node", "size": g, "bandwidth_GBps": 0.3, "latency_us": 50}]
+        per_leaf = self.nodes // self.leaves
+        leaf_bw = self.rate_bps / 8 / g / 1e9
+        levels.append({"name": "leaf" if self.leaves > 1 else "switch", "size": per_leaf,
+                       "bandwidth_GBps": leaf_bw, "latency_us": 100})  # fmt: skip
+        if self.leaves > 1:
+            spine_bw = self.spine_bps / 8 / (g * per_leaf) / 1e9
+            levels.append({"name": "spine", "size": self.leaves, "latency_us": 150,
+                           "bandwidth_GBps": spine_bw})  # fmt: skip
+        return {"name": f"testbed-{self.tag}", "levels": levels, "placement": self.placement()}
+
+    def _shape(self, ns: str, dev: str, rate: str | None = None) -> None:
+        tbf = ["tbf", "rate", rate or self.link, "burst", self.burst, "latency", "10ms"]
+        under_netem = False
         if self.latency_s > 0:
             delay = f"{self.latency_s * 1e6:.0f}us"
             r = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
                     "handle", "1:", "netem", "delay", delay, check=False)  # fmt: skip
-            if r.returncode == 0:
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev,
-                    "parent", "1:1", "handle", "10:", *tbf)  # fmt: skip
-                self.latency_applied = True
-                return
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf)
+            under_netem = self.latency_applied = r.returncode == 0
+        where = ["parent", "1:1", "handle", "10:"] if under_netem else ["root"]
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *where, *tbf)
+        if rate is None:  # a node link (not the spine): what set_link changes
+            self._link_ends.append((ns, dev, where))
 
     def _up(self, ns: str, dev: str, addr: str | None = None) -> None:
         if addr:
             _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
         _sh("ip", "-n", ns, "link", "set", dev, "up")
 
+    def _bridge(self, ns: str) -> None:
+        _sh("ip", "-n", ns, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", ns, "link", "set", "br0", "up")
+
+    def _port(self, ns: str, end: str, hub: str, hub_end: str, rate: str | None = None) -> None:
+        """A veth from ``ns`` (end ``end``) to a bridge port of ``hub``, shaped both ways."""
+        _sh("ip", "link", "add", end, "netns", ns, "type", "veth", "peer", "name", hub_end,
+            "netns", hub)  # fmt: skip
+        _sh("ip", "-n", hub, "link", "set", hub_end, "master", "br0")
+        self._up(hub, hub_end)
+        self._shape(ns, end, rate)  # towards the switch
+        self._shape(hub, hub_end, rate)  # from the switch
+
+    def _setup_fabric(self) -> None:
+        for hub in self.leaf_hubs:
+            self._bridge(hub)
+        for i, ns in enumerate(self.namespaces):
+            j = self.leaf_of(i)
+            self._port(ns, f"{self.tag}e{i}", self.leaf_hubs[j], f"{self.tag}h{i}")
+            self._up(ns, f"{self.tag}e{i}", self.addresses[i])
+        if self.spine_hub is None:  # two leaves: one spine link between their switches
+            a, b = f"{self.tag}s0", f"{self.tag}s1"
+            l0, l1 = self.leaf_hubs
+            _sh("ip", "link", "add", a, "netns", l0, "type", "veth", "peer", "name", b,
+                "netns", l1)  # fmt: skip
+            for hub, end in ((l0, a), (l1, b)):
+                _sh("ip", "-n", hub, "link", "set", end, "master", "br0")
+                self._up(hub, end)
+                self._shape(hub, end, self.spine)
+                self.spine_ends.append((hub, end))
+        else:
+            self._bridge(self.spine_hub)
+            for j, hub in enumerate(self.leaf_hubs):
+                up, down = f"{self.tag}u{j}", f"{self.tag}d{j}"
+                self._port(hub, up, self.spine_hub, down, self.spine)
+                _sh("ip", "-n", hub, "link", "set", up, "master", "br0")
+                self._up(hub, up)
+                self.spine_ends.append((hub, up))
+
     def setup(self) -> None:
-        """Creates the namespaces, links, shaping and hosts files."""
-        for ns in self.namespaces + ([self.hub] if self.hub else []):
+        """Creates the namespaces, links, shaping, hosts files and the topology file."""
+        hubs = [self.hub] if self.hub else [*self.leaf_hubs]
+        hubs += [self.spine_hub] if self.spine_hub else []
+        for ns in self.namespaces + hubs:
             _sh("ip", "netns", "add", ns)
             self._created.append(ns)
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        if self.hub is None:
+        if self.leaves > 1:
+            self._setup_fabric()
+        elif self.hub is None:
             a, b = f"{self.tag}a", f"{self.tag}b"
             n0, n1 = self.namespaces
             _sh("ip", "link", "add", a, "netns", n0, "type", "veth", "peer", "name", b,
@@ -180,17 +322,19 @@ class Testbed:
             self._shape(n0, a)
             self._shape(n1, b)
         else:
-            _sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-            _sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+            self._bridge(self.hub)
             for i, ns in enumerate(self.namespaces):
-                node_end, hub_end = f"{self.tag}e{i}", f"{self.tag}h{i}"
-                _sh("ip", "link", "add", node_end, "netns", ns, "type", "veth", "peer", "name",
-                    hub_end, "netns", self.hub)  # fmt: skip
-                _sh("ip", "-n", self.hub, "link", "set", hub_end, "master", "br0")
-                self._up(ns, node_end, self.addresses[i])
-                self._up(self.hub, hub_end)
-                self._shape(ns, node_end)  # node -> switch
-                self._shape(self.hub, hub_end)  # switch -> node
+                self._port(ns, f"{self.tag}e{i}", self.hub, f"{self.tag}h{i}")
+                self._up(ns, f"{self.tag}e{i}", self.addresses[i])
+        d = tempfile.mkdtemp(prefix=f"{self.tag}-")
+        self._hosts_dirs.append(d)
+        self.topology_file = os.path.join(d, "topology.json")
+        with open(self.topology_file, "w") as f:
+            json.dump(self.topology(), f, indent=1)
+        self.link_log = os.path.join(d, "links.jsonl")
+        with open(self.link_log, "w") as f:
+            f.write(json.dumps({"time": time.time(), "link": self.link,
+                                "link_bps": self.rate_bps}) + "\n")  # fmt: skip
         host = socket.gethostname()
         for ns, addr in zip(self.namespaces, self.addresses, strict=True):
             d = f"/etc/netns/{ns}"
@@ -198,6 +342,18 @@ class Testbed:
             self._hosts_dirs.append(d)
             with open(f"{d}/hosts", "w") as f:
                 f.write(f"127.0.0.1\tlocalhost\n{addr}\t{host}\n")
+
+    def set_link(self, rate: str) -> None:
+        """Changes the rate of every node link while the job runs (``tc qdisc change``) and
+        appends ``{"time": unix seconds, "link": rate, "link_bps": ...}`` to
+        :attr:`link_log` (``JAXCOMM_TESTBED_LINK_LOG`` in the nodes' environment)."""
+        bps = parse_rate(rate)
+        for ns, dev, where in self._link_ends:
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", dev, *where, "tbf",
+                "rate", rate, "burst", self.burst, "latency", "10ms")  # fmt: skip
+        self.link, self.rate_bps = rate, bps
+        with open(self.link_log, "a") as f:
+            f.write(json.dumps({"time": time.time(), "link": rate, "link_bps": bps}) + "\n")
 
     def cleanup(self) -> None:
         """Removes everything :meth:`setup` created; safe to call twice."""
@@ -230,15 +386,65 @@ class Testbed:
             JAXCOMM_TESTBED_LATENCY_S=str(self.latency_s),
             JAXCOMM_TESTBED_LATENCY_APPLIED=str(int(self.latency_applied)),
             JAXCOMM_TESTBED_ADDRESSES=",".join(self.addresses),
+            JAXCOMM_TOPO_FILE=self.topology_file or "",
+            JAXCOMM_TESTBED_LINK_LOG=self.link_log or "",
         )
+        if self.spine_ends:
+            env["JAXCOMM_TESTBED_SPINE"] = ",".join(f"{ns}/{dev}" for ns, dev in self.spine_ends)
+            env["JAXCOMM_TESTBED_SPINE_BPS"] = str(self.spine_bps)
         return env
 
-    def run(self, cmd: Sequence[str], *, timeout_s: float | None = None) -> int:
-        """Runs ``cmd`` once per node inside its namespace; returns the first failing code."""
+    def run(
+        self,
+        cmd: Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        link_schedule: Sequence[tuple[float, str]] = (),
+    ) -> int:
+        """Runs ``cmd`` once per node inside its namespace; returns the first failing code.
+
+        Args:
+          cmd: the command of every node.
+          timeout_s: end all after this many seconds.
+          link_schedule: ``(seconds after start, rate)`` pairs: :meth:`set_link` at those
+            times while the job runs (see :func:`parse_link_schedule`).
+        """
         commands = [["ip", "netns", "exec", ns, *cmd] for ns in self.namespaces]
         envs = [self.env(i) for i in range(self.nodes)]
         prefixes = [f"[node{i}] " for i in range(self.nodes)]
-        return run_group(commands, envs, prefixes=prefixes, timeout_s=timeout_s)
+        done = threading.Event()
+
+        def changes():
+            start = time.monotonic()
+            for at, rate in sorted(link_schedule):
+                if done.wait(max(0.0, start + at - time.monotonic())):
+                    return
+                self.set_link(rate)
+                print(f"[testbed] t={at:g}s: link -> {rate}", flush=True)
+
+        thread = threading.Thread(target=changes, daemon=True)
+        thread.start()
+        try:
+            return run_group(commands, envs, prefixes=prefixes, timeout_s=timeout_s)
+        finally:
+            done.set()
+            thread.join(timeout=10)
+
+
+def parse_link_schedule(text: str) -> list[tuple[float, str]]:
+    """``'60s:100mbit,120s:1gbit'`` -> ``[(60.0, '100mbit'), (120.0, '1gbit')]``.
+
+    Raises:
+      ValueError: a malformed entry (the message shows the form).
+    """
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        at, sep, rate = item.partition(":")
+        if not sep:
+            raise ValueError(f"link schedule entry {item!r}: use TIME:RATE, e.g. '60s:100mbit'.")
+        parse_rate(rate)
+        out.append((parse_time(at), rate.strip()))
+    return out
 
 
 def _on_sigterm(signum, frame):
@@ -258,6 +464,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--link", default="1gbit", help="per-direction rate, e.g. 250mbit")
     parser.add_argument("--latency", default="0", help="added one-way delay (needs netem)")
     parser.add_argument("--burst", default="128kb", help="tbf burst (default 128kb)")
+    parser.add_argument(
+        "--leaves", type=int, default=1,
+        help="leaf switches joined by a spine (node i under leaf i %% LEAVES; default 1: one "
+        "switch)",
+    )  # fmt: skip
+    parser.add_argument("--spine", default=None, help="spine link rate (default: --link)")
+    parser.add_argument(
+        "--link-schedule", default="",
+        help="change the node links' rate while the job runs, e.g. '60s:100mbit,120s:1gbit' "
+        "(times after the start; each change is logged to JAXCOMM_TESTBED_LINK_LOG)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=None, help="end all after N seconds")
     if "--" not in argv:
         if {"-h", "--help"} & set(argv):
@@ -272,6 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("no command after --")
     try:
         parse_rate(args.link), parse_time(args.latency)
+        schedule = parse_link_schedule(args.link_schedule)
     except ValueError as e:
         parser.error(str(e))
     ok, why = available()
@@ -289,14 +507,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             link=args.link,
             latency=args.latency,
             burst=args.burst,
+            leaves=args.leaves,
+            spine=args.spine,
         ) as tb:
+            fabric = f", {tb.leaves} leaves joined by a {tb.spine} spine" if tb.leaves > 1 else ""
             print(
                 f"[testbed] {args.nodes} nodes x {args.devices_per_node} devices, link "
-                f"{args.link} per direction, namespaces {tb.namespaces}, latency "
+                f"{args.link} per direction{fabric}, namespaces {tb.namespaces}, latency "
                 + (args.latency if tb.latency_applied else "not applied (no netem in kernel)"),
                 flush=True,
             )
-            return tb.run(cmd, timeout_s=args.timeout)
+            return tb.run(cmd, timeout_s=args.timeout, link_schedule=schedule)
     except KeyboardInterrupt:
         print("[testbed] interrupted; cleaned up", file=sys.stderr)
         return 130

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxcomm import hlo
@@ -69,8 +70,37 @@ def _split(records: list[dict], key: str) -> dict[str, float]:
     return dict(out)
 
 
-def summarize(mod: hlo.HloModule) -> dict:
+def _crossing(counted: list[dict], mesh: Mesh) -> dict[str, float]:
+    """Bytes per call that leave one slice of each mesh axis (a node, for ``'inter'``), in
+    each direction.
+
+    The slice is the devices at coordinate 0 of the axis. A collective's replica group that
+    has members both inside and outside the slice is taken as a ring ordered by position,
+    which crosses the slice boundary once per direction carrying what one device sends (its
+    bus bytes); a collective-permute pair crosses when its source is inside and its target
+    outside. Groups of the same collective that run side by side (e.g. one per intra-node
+    device, each over ``'inter'``) share the link, so each counts.
+    """
+    coords = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape), -1)
+    out = {}
+    for i, axis in enumerate(mesh.axis_names):
+        inside = coords[:, i] == 0
+        total = 0.0
+        for r in counted:
+            if r["kind"] == "collective-permute":
+                n = sum(bool(inside[s] and not inside[t]) for s, t in r["pairs"])
+                total += n * float(r["operand_bytes"])  # each pair sends its whole operand
+            else:
+                n = sum(1 for g in r["groups"] if 0 < sum(bool(inside[d]) for d in g) < len(g))
+                total += n * r["bytes"]
+        out[axis] = total
+    return out
+
+
+def summarize(mod: hlo.HloModule, mesh: Mesh | None = None) -> dict:
     """Prices the collectives of a parsed module (see :func:`wire_bytes` for the keys).
+
+    ``crossing`` needs the ``mesh`` the module was compiled for (empty without).
 
     The one place that walks a module's conditionals: :func:`wire_bytes` and
     :class:`jaxcomm.CommProfiler` both count what this returns.
@@ -89,6 +119,8 @@ def summarize(mod: hlo.HloModule) -> dict:
             "operand_bytes": c.operand_bytes,
             "bytes": bus_bytes(c),
             "branch": chain,
+            "groups": c.replica_groups,
+            "pairs": c.source_target_pairs,
         }
         records.append(rec)
         node = root
@@ -118,13 +150,17 @@ def summarize(mod: hlo.HloModule) -> dict:
         "total": sum(r["bytes"] for r in counted),
         "by_kind": _split(counted, "kind"),
         "by_axis": _split(counted, "axes_key"),
+        "crossing": {} if mesh is None else _crossing(counted, mesh),
         "operand_bytes": float(sum(r["operand_bytes"] for r in counted)),
         "num_collectives": len(counted),
         "conditionals": CONDITIONALS,
         "unconditional": sum(r["bytes"] for r in records if not r["branch"]),
         "branches": branches,
         "collectives": [
-            {**{k: v for k, v in r.items() if k != "axes_key"}, "counted": id(r) in counted_ids}
+            {
+                **{k: v for k, v in r.items() if k not in ("axes_key", "groups", "pairs")},
+                "counted": id(r) in counted_ids,
+            }
             for r in records
         ],
     }
@@ -148,7 +184,8 @@ def wire_bytes(
     """Compiles ``fn(*args)`` and returns the bytes each device sends per call.
 
     Args:
-      fn: a function or jitted function (typically a ``jax.shard_map`` of a step).
+      fn: a function or jitted function (typically a ``jax.shard_map`` of a step), or a
+        ``jax.stages.Compiled`` program, read without compiling again (give ``mesh``).
       *args: arrays or ``jax.ShapeDtypeStruct`` with shardings.
       mesh: names the mesh axes of each collective; found from the arguments' shardings
         when not given.
@@ -159,6 +196,10 @@ def wire_bytes(
       A dict: ``total`` (bytes per device, unconditional + the largest branch of each
       conditional), ``by_kind`` and ``by_axis`` (the same total split by collective kind
       and by mesh axes, ``'inter+intra'``-style keys, ``'unknown'`` without a mesh),
+      ``crossing`` (``{axis: bytes}`` with a mesh: the bytes that leave one slice of the
+      axis in each direction, i.e. for ``'inter'`` what crosses a node's link per call:
+      every replica group spanning nodes counts its bus bytes once, as a ring ordered by
+      node crosses each node's link once per direction; groups side by side add up),
       ``operand_bytes`` and ``num_collectives`` (input bytes and number of the collectives
       that total counts), ``conditionals`` (the rule: ``'largest_branch'``),
       ``unconditional`` (bytes outside any conditional), ``branches`` (``{conditional:
@@ -172,4 +213,4 @@ def wire_bytes(
     """
     mesh = mesh if mesh is not None else _find_mesh((args, kwargs))
     mod = hlo.collectives(fn, *args, mesh=mesh, compiler_options=compiler_options, **kwargs)
-    return summarize(mod)
+    return summarize(mod, mesh)

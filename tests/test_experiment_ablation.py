@@ -6,51 +6,88 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from experiments import resnet152, runtime
-from experiments.rows import ROWS, Call, Row, resolve_rows
+import jaxcomm
+from experiments import ablation, report, resnet152, runtime
+from experiments.presets import PRESETS, default_preset_name
+from experiments.rows import ROWS, Row, resolve_rows
 
 SPEED_KEYS = {"config", "step_time_s", "speedup", "comm_fraction", "images_per_s", "status"}
 
 
-def test_rows_follow_the_seed_table_and_accumulate():
+def test_rows_follow_the_seed_table_and_accumulate(monkeypatch):
     assert [r.config for r in ROWS] == [
         "baseline", "+hierarchical", "+overlap", "+compression", "+topology", "+batching",
     ]  # fmt: skip
+    topo = jaxcomm.topology.from_dict({"preset": "dgx_h100", "nodes": 2})
+    monkeypatch.setattr(jaxcomm.topology, "detect", lambda: topo)
+    calls = []
     rows = resolve_rows(
         [
             Row("baseline", "flat", sync={"algorithm": "flat"}),
-            Row("+ghost", "absent module", sync={"compression": Call("no_such_module.make")}),
-            Row("+kwarg", "absent argument", sync={"no_such_argument": 1}),
-            Row("+alg", "absent algorithm", sync={"algorithm": "no_such_algorithm"}),
-            Row("+req", "absent attribute", requires=("collectives.NO_SUCH",)),
-            Row(
-                "+hier",
-                "hierarchical",
-                sync={"algorithm": "hierarchical"},
-                compiler_options={"opt": 1},
-            ),  # fmt: skip
+            Row("+hier", "hierarchical", sync={"algorithm": "hierarchical"},
+                compiler_options=lambda: calls.append(1) or {"opt": 1}),
+            Row("+int8", "int8", sync={"compression": jaxcomm.compression.int8()}),
+            Row("+topo", "topology", sync={"algorithm": "auto"}, topology=True),
         ]
+    )  # fmt: skip
+    assert [r.techniques for r in rows][-1] == ("baseline", "+hier", "+int8", "+topo")
+    assert rows[0].build() == ({"algorithm": "flat"}, {}, {})
+    assert calls == []  # option functions run when a row is built, not before
+    sync, options, mesh = rows[2].build()
+    assert sync["algorithm"] == "hierarchical" and sync["compression"].name == "int8"
+    assert options == {"opt": 1} and mesh == {} and calls == [1]
+    sync, options, mesh = rows[3].build()
+    assert sync["algorithm"] == "auto" and sync["topology"] is topo and mesh == {"topology": topo}
+    described = rows[3].describe()
+    assert described["sync_gradients"]["compression"] == "jaxcomm.compression.int8"
+    assert described["topology"] == "jaxcomm.topology.detect()"
+    assert described["compiler_options"][0].endswith(
+        "test_rows_follow_the_seed_table_and_accumulate.<locals>.<lambda>"
     )
-    missing = {r.row.config: r.missing for r in rows}
-    assert missing["baseline"] is None and missing["+hier"] is None
-    assert missing["+ghost"] == "jaxcomm.no_such_module does not exist"
-    assert missing["+kwarg"] == "jaxcomm.sync_gradients has no argument no_such_argument"
-    assert "'no_such_algorithm' is not registered" in missing["+alg"]
-    assert missing["+req"] == "jaxcomm.collectives.NO_SUCH does not exist"
-    last = rows[-1]
-    # missing rows drop out of the later rows' settings
-    assert last.techniques == ("baseline", "+hier")
-    assert last.sync == {"algorithm": "hierarchical"}
-    assert last.build() == ({"algorithm": "hierarchical"}, {"opt": 1}, {})
-    assert rows[1].sync == {"algorithm": "flat"}
 
 
-def test_call_resolves_jaxcomm_paths():
-    from jaxcomm.collectives import ALGORITHMS
+def test_default_preset_follows_the_machine():
+    assert default_preset_name("cpu", 1, testbed=True) == "testbed"
+    assert default_preset_name("cpu", 1, testbed=False) == "cpu-smoke"
+    assert default_preset_name("cpu", 2, testbed=True) == "cpu-smoke"  # already distributed
+    assert default_preset_name("gpu", 1, testbed=True) == "gpu-node"
+    assert default_preset_name("gpu", 4) == "cluster"
+    assert PRESETS["testbed"].link == "50mbit" and PRESETS["testbed-resnet18"].link == "250mbit"
+    assert PRESETS["testbed"].modes == ("ablation", "accuracy")
 
-    assert Call("collectives.base.ALGORITHMS", call=False).lookup() is ALGORITHMS
-    assert Call("make_mesh", {"intra": 4})().shape == {"inter": 2, "intra": 4}
-    assert str(Call("compression.int8", {"block": 256})) == "jaxcomm.compression.int8(block=256)"
+
+def test_without_a_testbed_the_default_falls_back_and_says_why(monkeypatch, capsys):
+    import jaxcomm.testbed
+
+    monkeypatch.setattr(jaxcomm.testbed, "available", lambda: (False, "the testbed needs root"))
+    args = resnet152.build_parser().parse_args([])
+    assert not resnet152._testbed_possible(args)
+    assert resnet152._launch_testbed(args, [], PRESETS["testbed"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot here: the testbed needs root" in err and "--preset cpu-smoke" in err
+    note = report.fake_devices_note(8, "the testbed needs root").splitlines()
+    assert len(note) == 2 and "8 fake CPU devices" in note[0]
+    assert "--preset testbed" in note[1] and "the testbed needs root" in note[1]
+
+
+def _row(config, step, twin, acc=None):
+    return {"config": config, "step_time_s": step, "compute_only_step_time_s": twin,
+            "comm_fraction": (step - twin) / step, "accuracy": acc}  # fmt: skip
+
+
+def test_summary_line_reads_the_table():
+    rows = [_row("baseline", 4.0, 1.0, 0.950), _row("+a", 2.0, 1.0, 0.948),
+            _row("+b", 1.25, 1.0, 0.952)]  # fmt: skip
+    line = report.summary_line(rows)
+    assert line.startswith("stacked 3.20x (+b vs baseline)")
+    assert "exposed communication 75% -> 20% of the step, 3 s -> 0.25 s" in line
+    assert "quality unchanged (digits within 0.2 points of baseline)" in line
+    rows[1]["accuracy"] = 0.90
+    rows.append(_row("+c", 5.0, 1.0))
+    line = report.summary_line(rows)
+    assert "stacked 0.80x (+c vs baseline)" in line and "slower than the baseline: +c" in line
+    assert "quality changed: +a digits 0.900 vs baseline 0.950" in line
+    assert report.summary_line(rows[:1]) is None
 
 
 def test_cpu_devices_are_set_only_when_absent(monkeypatch):
@@ -107,21 +144,18 @@ def test_smoke_ablation_writes_results_and_chart(smoke_run, capsys):
     assert rc == 0  # no row raised
     rows = json.loads((out / "results.json").read_text())
     assert [r["config"] for r in rows] == [r.config for r in ROWS]
-    expected_missing = {r.row.config: r.missing for r in resolve_rows()}
     for r in rows:
         assert SPEED_KEYS <= set(r) and "accuracy" in r
-        if expected_missing[r["config"]]:
-            assert r["status"] == "missing" and r["missing"] == expected_missing[r["config"]]
-            assert r["step_time_s"] is None and r["speedup"] is None
-        else:
-            assert r["status"] == "ok", r.get("error")
-            assert r["step_time_s"] > 0 and r["compute_only_step_time_s"] > 0
-            assert r["comm_fraction"] == pytest.approx(
-                1 - r["compute_only_step_time_s"] / r["step_time_s"]
-            )
-            assert r["images_per_s"] == pytest.approx(16 / r["step_time_s"])
-            assert r["devices"] == 8 and r["mesh"] == {"inter": 2, "intra": 4}
-            assert np.isfinite(r["loss"])
+        assert r["status"] == "ok", r.get("error")
+        assert r["step_time_s"] > 0 and r["compute_only_step_time_s"] > 0
+        assert r["comm_fraction"] == pytest.approx(
+            1 - r["compute_only_step_time_s"] / r["step_time_s"]
+        )
+        assert r["images_per_s"] == pytest.approx(16 / r["step_time_s"])
+        assert r["devices"] == 8 and r["mesh"] == {"inter": 2, "intra": 4}
+        assert np.isfinite(r["loss"])
+        # bytes from the compiled program; no link rate on fake devices, so no bound
+        assert r["wire_bytes"] > 0 and r["link_bytes"] > 0 and r["link_bound_s"] is None
     base = rows[0]
     assert base["speedup"] == 1.0 and base["settings"]["sync_gradients"] == {"algorithm": "flat"}
     assert rows[1]["speedup"] == pytest.approx(base["step_time_s"] / rows[1]["step_time_s"])
@@ -129,6 +163,7 @@ def test_smoke_ablation_writes_results_and_chart(smoke_run, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     meta = json.loads((out / "meta.json").read_text())
     assert meta["devices"] == 8 and meta["modes"] == ["train", "ablation", "accuracy"]
+    assert meta["summary"] == report.summary_line(rows)
 
 
 def test_smoke_training_reads_the_folder_and_checkpoints(smoke_run):

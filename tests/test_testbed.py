@@ -1,5 +1,6 @@
 """jaxcomm.testbed: namespaces + shaped veth links; runs where root and iproute2 exist (CI)."""
 
+import json
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import jaxcomm
 from jaxcomm import testbed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,3 +124,88 @@ def test_failure_and_ctrl_c_clean_up():
     p.send_signal(signal.SIGINT)
     assert p.wait(timeout=30) == 130
     assert not set(names) & set(_ours())
+
+
+def test_fabric_topology_and_validation():
+    tb = testbed.Testbed(nodes=4, devices_per_node=2, link="1gbit", leaves=2, spine="250mbit")
+    assert [tb.leaf_of(i) for i in range(4)] == [0, 1, 0, 1]  # process ids alternate leaves
+    assert tb.placement() == [0, 2, 1, 3]  # physical slots: leaf 0 holds slots 0, 1
+    topo = jaxcomm.topology.from_dict(tb.topology())
+    assert topo.num_nodes == 4 and topo.devices_per_node == 2
+    assert [lv.name for lv in topo.levels] == ["node", "leaf", "spine"]
+    assert topo.node_level(0, 2) == 1 and topo.node_level(0, 1) == 2  # 0, 2 share a leaf
+    assert topo.levels[2].bandwidth == pytest.approx(250e6 / 8 / 4)  # spine per device
+    with pytest.raises(ValueError, match="must divide nodes=4"):
+        testbed.Testbed(nodes=4, leaves=3)
+    with pytest.raises(ValueError, match="needs leaves >= 2"):
+        testbed.Testbed(nodes=4, spine="100mbit")
+
+
+@needs_testbed
+def test_fabric_topology_order_halves_the_spine_bytes():
+    # 4 nodes under 2 leaves, node i under leaf i % 2: a ring in process order crosses the
+    # spine at all 4 hops, one ordered by the testbed's topology file at 2 (the minimum for
+    # a ring). Each crossing hop carries what a rank sends in a ring all-reduce, 2(p-1)/p S.
+    cmd = [sys.executable, "-m", "jaxcomm.testbed", "--nodes", "4", "--devices-per-node", "1",
+           "--leaves", "2", "--link", "1gbit", "--spine", "200mbit", "--",
+           sys.executable, str(ROOT / "tests" / "_fabric_worker.py")]  # fmt: skip
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (line,) = [x for x in p.stdout.splitlines() if "FABRIC " in x]
+    got = json.loads(line.split("FABRIC ", 1)[1])
+    assert got["process_order"] == [0, 1, 2, 3] and got["topology_order"] == [0, 2, 1, 3]
+    hop = 2 * 3 / 4  # bytes per hop per byte of buffer
+    # TCP/IP headers add about 5 % on the wire
+    assert 4 * hop <= got["process"] < 4 * hop * 1.1, got
+    assert 2 * hop <= got["topology"] < 2 * hop * 1.1, got
+
+
+def test_link_schedule_parses():
+    assert testbed.parse_link_schedule("60s:100mbit, 120s:1gbit") == [
+        (60.0, "100mbit"),
+        (120.0, "1gbit"),
+    ]
+    assert testbed.parse_link_schedule("") == []
+    with pytest.raises(ValueError, match="TIME:RATE"):
+        testbed.parse_link_schedule("60s")
+    with pytest.raises(ValueError, match="250mbit"):
+        testbed.parse_link_schedule("60s:fast")
+
+
+@needs_testbed
+def test_link_schedule_changes_the_rate_while_the_job_runs(tmp_path):
+    # A node sends 1.5 MB at 40 Mbit/s (0.3 s), then, after the schedule lowered the link to
+    # 8 Mbit/s, again (1.5 s); the log records both rates.
+    with testbed.Testbed(nodes=2, devices_per_node=1, link="40mbit") as tb:
+        srv_code = _SERVER.format(addr=tb.addresses[0])
+        rates = []
+        for at_rate in ("40mbit", "8mbit"):
+            if at_rate != tb.link:
+                tb.set_link(at_rate)
+            srv = subprocess.Popen(
+                ["ip", "netns", "exec", tb.namespaces[0], sys.executable, "-c", srv_code],
+                stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            subprocess.run(
+                ["ip", "netns", "exec", tb.namespaces[1], sys.executable, "-c",
+                 _CLIENT.format(addr=tb.addresses[0], nbytes=1_500_000)],
+                check=True, timeout=60,
+            )  # fmt: skip
+            rates.append(float(srv.communicate(timeout=60)[0]))
+        log = [json.loads(x) for x in open(tb.link_log)]
+    assert 0.6 * 40e6 < rates[0] < 1.1 * 40e6 and 0.6 * 8e6 < rates[1] < 1.1 * 8e6, rates
+    assert [e["link"] for e in log] == ["40mbit", "8mbit"] and log[1]["link_bps"] == 8e6
+
+
+@needs_testbed
+def test_link_schedule_from_the_command_line():
+    cmd = [sys.executable, "-m", "jaxcomm.testbed", "--nodes", "2", "--devices-per-node", "1",
+           "--link", "40mbit", "--link-schedule", "0.3s:8mbit", "--",
+           "sh", "-c", "sleep 1.5; cat $JAXCOMM_TESTBED_LINK_LOG"]  # fmt: skip
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "[testbed] t=0.3s: link -> 8mbit" in p.stdout
+    node0 = [
+        json.loads(x.split(" ", 1)[1]) for x in p.stdout.splitlines() if x.startswith("[node0]")
+    ]
+    assert [e["link"] for e in node0] == ["40mbit", "8mbit"]

@@ -100,6 +100,13 @@ def test_conditional_counts_the_largest_branch(mesh):
         "intra": pytest.approx(uncond),
         "inter+intra": pytest.approx(2 * 7 / 8 * S),
     }
+    # What leaves one slice of each axis per direction: the psum over all 8 is one group
+    # crossing both boundaries; the intra psum is 2 groups (one per inter index) side by
+    # side, each crossing the intra boundary.
+    assert wb["crossing"] == {
+        "inter": pytest.approx(2 * 7 / 8 * S),
+        "intra": pytest.approx(2 * uncond + 2 * 7 / 8 * S),
+    }
     in_branch = [c for c in wb["collectives"] if c["branch"]]
     assert len(in_branch) == 2
     # the counted collectives: the unconditional one and the largest branch's
@@ -153,3 +160,22 @@ def test_async_ops_and_branches_from_text():
     assert wb["branches"] == {"c": {0: pytest.approx(2 * 3 / 4 * S), 1: pytest.approx(3 / 4 * S)}}
     assert wb["total"] == pytest.approx(2 * 1 / 2 * S + 2 * 3 / 4 * S)
     assert np.isclose(sum(wb["by_kind"].values()), wb["total"])
+
+
+@pytest.mark.parametrize(
+    "name, body, inter, intra",
+    [
+        # one ring over all 8 crosses each boundary once per direction
+        ("flat", lambda x: lax.psum(x, AX), 2 * 7 / 8 * S, 2 * 7 / 8 * S),
+        # 4 rings over 'inter' side by side (one per intra index) share a node's link
+        ("inter only", lambda x: lax.psum(x, "inter"), 4 * S, 0.0),
+        # 2 rings over 'intra' (one per node) never leave a node
+        ("intra only", lambda x: lax.psum(x, "intra"), 0.0, 2 * 2 * 3 / 4 * S),
+        # pairs 0->1 and 4->5 leave the intra slice {0, 4}; none leaves a node
+        ("permute", lambda x: lax.ppermute(x, "intra", [(i, (i + 1) % 4) for i in range(4)]),
+         0.0, 2 * S),
+    ],
+)  # fmt: skip
+def test_crossing_bytes_per_slice(mesh, name, body, inter, intra):
+    wb = _wire(mesh, body)
+    assert wb["crossing"] == {"inter": pytest.approx(inter), "intra": pytest.approx(intra)}, name

@@ -6,7 +6,7 @@ runs this module with ``--worker`` on every node. The worker times, side by side
 * jaxcomm methods on a data-parallel step whose gradient is a ``size``-byte f32 buffer
   (``loss = <w, x>``, so the gradient is the local batch row and compute is negligible):
   flat psum, hierarchical, and the compressors of ``jaxcomm.compression`` that are importable
-  (int8, topk(1%), powersgd; a missing one is reported as missing, not skipped silently);
+  (int8 flat and on the inter stage only, topk(1%), powersgd);
 * the same step without any collective (the compute-only twin), to show the overhead;
 * psum over ``intra`` alone and over ``inter`` alone on the same buffer: their bus bandwidths
   give the measured intra:inter ratio;
@@ -43,28 +43,6 @@ COMPRESSORS = {  # row name -> (factory name in jaxcomm.compression, args, sync_
 COLS = 1024  # gradient shape (rows, 1024): a matrix, so PowerSGD has something to factor
 
 
-_AR_SLICE = "bench_hierarchical_psum_slice"
-
-
-def _hierarchical_psum_slice(x, axes):
-    """Hierarchical variant measured beside the library's: stage 1 is an intra *all-reduce*
-    plus a slice instead of a reduce-scatter. On multi-process gloo a reduce-scatter of a
-    large buffer costs more than an all-reduce of it (../shared/REFERENCE.md), and a
-    reduce-scatter followed by another collective sometimes returned a wrong tail here
-    (docs/benchmarks.md), so this probe shows what cheaper, safe intra stages give."""
-    from jax import lax
-
-    from jaxcomm.collectives import pad_to_multiple
-
-    inner, outer = axes[-1], axes[:-1]
-    g = lax.axis_size(inner)
-    padded, _ = pad_to_multiple(x, g)
-    m = padded.shape[0] // g
-    shard = lax.dynamic_slice_in_dim(lax.psum(padded, inner), lax.axis_index(inner) * m, m)
-    shard = lax.psum(shard, outer)
-    return lax.all_gather(shard, inner, tiled=True)[: x.shape[0]]
-
-
 def _median_time(fn, reps: int) -> float:
     import jax
 
@@ -75,26 +53,6 @@ def _median_time(fn, reps: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
-
-
-def _compressor(name: str):
-    """The compressor object for a row, or a string saying why it is missing."""
-    import inspect
-
-    import jaxcomm
-
-    factory, kwargs, _ = COMPRESSORS[name]
-    if not hasattr(jaxcomm, "compression"):
-        return "jaxcomm.compression not landed"
-    fn = getattr(jaxcomm.compression, factory, None)
-    if fn is None:
-        return f"jaxcomm.compression.{factory} not landed"
-    if "compression" not in inspect.signature(jaxcomm.sync_gradients).parameters:
-        return "sync_gradients(compression=...) not landed"
-    try:
-        return fn(**kwargs)
-    except TypeError as e:
-        return f"jaxcomm.compression.{factory}({kwargs}) failed: {e}"
 
 
 def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
@@ -108,7 +66,6 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
 
     import jaxcomm
 
-    jaxcomm.collectives.register_algorithm(_AR_SLICE, _hierarchical_psum_slice)
     mesh = jaxcomm.make_mesh()
     axes = ("inter", "intra")
     n_dev = mesh.devices.size
@@ -139,35 +96,26 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
         def step_of(tx, require_sync=True, params=params, batch=batch):
             dp = jaxcomm.data_parallel(loss_fn, tx, mesh, require_sync=require_sync)
             state = dp.init(params)
-            fn = dp.step_fn(state)
-            return state, lambda: fn(state, batch)
+            fn = dp.lower(state, batch).compile()
+            wire = jaxcomm.wire_bytes(fn, mesh=mesh)
+            return state, lambda: fn(state, batch), wire["crossing"].get("inter", 0.0)
 
         methods: dict[str, Any] = {
             "flat psum": optax.chain(jaxcomm.sync_gradients(algorithm="flat")),
             "hierarchical": optax.chain(jaxcomm.sync_gradients(algorithm="hierarchical")),
-            "hierarchical, intra psum+slice": optax.chain(
-                jaxcomm.sync_gradients(algorithm=_AR_SLICE)
-            ),
         }
-        for name in COMPRESSORS:
-            comp = _compressor(name)
-            methods[name] = (
-                comp
-                if isinstance(comp, str)
-                else optax.chain(jaxcomm.sync_gradients(compression=comp, **COMPRESSORS[name][2]))
-            )
+        for name, (factory, kwargs, sync_kwargs) in COMPRESSORS.items():
+            comp = getattr(jaxcomm.compression, factory)(**kwargs)
+            methods[name] = optax.chain(jaxcomm.sync_gradients(compression=comp, **sync_kwargs))
         results: dict[str, dict[str, Any]] = {}
         for name, tx in methods.items():
-            if isinstance(tx, str):
-                results[name] = {"missing": tx}
-                continue
-            state, run = step_of(tx)
+            state, run, crossing = step_of(tx)
             t = _median_time(run, reps)
             new = run()[0].params["w"]
             got = np.asarray(new.addressable_shards[0].data)  # params 0 + mean grad
             err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-            results[name] = {"time_s": t, "rel_error": err}
-        _, run = step_of(optax.identity(), require_sync=False)
+            results[name] = {"time_s": t, "rel_error": err, "link_bytes": crossing}
+        _, run, _ = step_of(optax.identity(), require_sync=False)
         results["compute only (no collective)"] = {"time_s": _median_time(run, reps)}
         # Probes on the same buffer: psum over one axis alone (their bus bandwidths give the
         # intra:inter ratio), and the three stages of the hierarchical all-reduce.
@@ -191,8 +139,56 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
             f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
             t = _median_time(lambda f=f, arg=arg: f(arg), reps)
             results[name] = {"time_s": t, "busbw_GBps": factor * nbytes / t / 1e9}
+        results.update(_overlap_probe(mesh, x1, reps))
         rows_out.append({"bytes": nbytes, "results": results})
     return rows_out
+
+
+def _overlap_probe(mesh, x, reps: int) -> dict[str, dict[str, float]]:
+    """Whether XLA:CPU runs a collective concurrently with independent compute.
+
+    Three programs: an inter-node psum of ``x`` alone, a chain of matrix products alone
+    (about as long), and both in one program with no data dependence between them. If the
+    runtime overlapped them, the third would take about the longer of the two; if it runs
+    them one after the other, about their sum. ``overlap`` is the share of the shorter one
+    that was hidden: ``(comm + compute - both) / min(comm, compute)``.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    axes = ("inter", "intra")
+    ldev = jax.local_device_count()
+    sharding = NamedSharding(mesh, P(axes))
+    a = jax.make_array_from_process_local_data(
+        sharding, np.full((ldev, 384, 384), 1e-3, np.float32)
+    )
+
+    def work(m):
+        for _ in range(32):
+            m = jnp.tanh(m @ m)
+        return m
+
+    def program(fn, n_in):
+        specs = (P(axes),) * n_in
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs,
+                                     check_vma=False))  # fmt: skip
+
+    comm_fn = program(lambda v: (lax.psum(v, "inter"),), 1)
+    compute_fn = program(lambda m: (work(m),), 1)
+    comm = _median_time(lambda: comm_fn(x), reps)
+    compute = _median_time(lambda: compute_fn(a), reps)
+    both_fn = program(lambda v, m: (lax.psum(v, "inter"), work(m)), 2)
+    both = _median_time(lambda: both_fn(x, a), reps)
+    hidden = (comm + compute - both) / min(comm, compute)
+    return {
+        "overlap probe: psum inter alone": {"time_s": comm, "probe": True},
+        "overlap probe: compute alone": {"time_s": compute, "probe": True},
+        "overlap probe: both, independent": {"time_s": both, "probe": True, "overlap": hidden},
+    }
 
 
 def _torch_rank(rank, world, addr, port, sizes_mib, reps, queue):
@@ -288,14 +284,12 @@ def _table(run: dict[str, Any]) -> list[str]:
         intra = res["psum over intra only"]["busbw_GBps"]
         inter = res["psum over inter only"]["busbw_GBps"]
         busbw = 2 * (p - 1) / p * nbytes / flat
-        g, m = run["devices_per_node"], run["nodes"]
-        # Bytes per link direction: a node-contiguous ring crosses each node boundary once
-        # per direction with 2(p-1)/p S; the hierarchical inter stage sends 2(m-1)/m S/g per
-        # device, g devices per node.
-        res["flat psum"]["link_bound_s"] = 2 * (p - 1) / p * nbytes / link
-        for name in ("hierarchical", "hierarchical, intra psum+slice"):
-            if "time_s" in res.get(name, {}):
-                res[name]["link_bound_s"] = 2 * (m - 1) / m * nbytes / link
+        g = run["devices_per_node"]
+        # Bytes per link direction, from each method's compiled HLO (wire_bytes' 'crossing'):
+        # a node-ordered ring crosses each node's link once per direction.
+        for r in res.values():
+            if r.get("link_bytes") is not None:
+                r["link_bound_s"] = r["link_bytes"] / link
         lines.append(
             f"\nlink {run['link_bps'] / 1e6:.0f} Mbit/s, {nbytes >> 20} MiB f32, "
             f"{run['nodes']} nodes x {run['devices_per_node']} devices: flat busbw "
@@ -305,10 +299,16 @@ def _table(run: dict[str, Any]) -> list[str]:
         )
         lines.append(
             f"  {'method':32s} {'time ms':>9s} {'vs flat':>8s} {'rel err':>9s} {'bound ms':>9s}"
+            f" {'effic.':>7s}"
         )
+        compute = res["compute only (no collective)"]["time_s"]
         for name, r in res.items():
             if "missing" in r:
                 lines.append(f"  {name:32s} {'missing: ' + r['missing']}")
+                continue
+            if r.get("probe"):
+                extra = f"   {r['overlap']:.0%} of the shorter hidden" if "overlap" in r else ""
+                lines.append(f"  {name:32s} {r['time_s'] * 1e3:9.1f}{extra}")
                 continue
             if "busbw_GBps" in r:  # a stage probe: its bus bandwidth, not a speedup
                 bw = r["busbw_GBps"] * 1e3
@@ -316,9 +316,14 @@ def _table(run: dict[str, Any]) -> list[str]:
                 continue
             err = f"{r['rel_error']:.1e}" if "rel_error" in r else ""
             bound = f"{r['link_bound_s'] * 1e3:.1f}" if "link_bound_s" in r else ""
+            eff = ""
+            if r.get("link_bound_s") and r["time_s"] > compute:
+                # efficiency: line-rate time of the bytes / the time the sync adds to the step
+                r["link_efficiency"] = r["link_bound_s"] / (r["time_s"] - compute)
+                eff = f"{r['link_efficiency']:.2f}"
             lines.append(
                 f"  {name:32s} {r['time_s'] * 1e3:9.1f} {flat / r['time_s']:7.2f}x {err:>9s}"
-                f" {bound:>9s}"
+                f" {bound:>9s} {eff:>7s}"
             )
     return lines
 
