@@ -30,6 +30,9 @@ beside its link bound:
 * ``link_bound_s = link_bytes / (link_bps / 8)``: the time those bytes need at line rate.
 * ``link_efficiency = link_bound_s / (step - twin)``: how close the exposed communication
   comes to the wire (1.0: exactly the line-rate time; above 1: part of it is hidden).
+* ``spine_bytes_measured`` (on a leaf-spine testbed only): bytes per step and direction that
+  the spine carried while the row ran, from the ``tc`` counters of its link ends: where the
+  ranks sit on the fabric, which the HLO cannot show.
 
 Quality (``run_accuracy``). The digits quality guard of the compression issue,
 ``jaxcomm.bench.digits.digits_accuracy``, trains a small model on scikit-learn's bundled
@@ -38,6 +41,7 @@ digits under each row's settings and returns the test accuracy.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import traceback
@@ -52,6 +56,7 @@ from experiments.data import SyntheticImages
 from experiments.presets import Preset
 from experiments.rows import Resolved
 from jaxcomm.bench.digits import digits_accuracy
+from jaxcomm.testbed import spine_bytes
 
 __all__ = ["run_accuracy", "run_speed"]
 
@@ -158,9 +163,15 @@ class _Bench:
         self.compile_s = time.perf_counter() - t0
         self.t_full: list[float] = []
         self.t_twin: list[float] = []
+        self.spine: list[float] = []
 
     def run(self, steps: int) -> None:
+        spine = os.environ.get("JAXCOMM_TESTBED_SPINE")
+        before = spine_bytes(spine) if spine else None
         self.t_full.append(self.full.run(steps))
+        if spine:
+            # tc's counters of both spine ends, both directions: per step and direction
+            self.spine.append((spine_bytes(spine) - before) / steps / 2)
         if self.twin is not None:
             self.t_twin.append(self.twin.run(steps))
 
@@ -191,6 +202,8 @@ class _Bench:
             "link_bps": link_bps,
             "link_bound_s": bound,
             "link_efficiency": bound / comm if bound is not None and comm and comm > 0 else None,
+            # measured on a leaf-spine testbed (tc counters): what each step sent over the spine
+            "spine_bytes_measured": statistics.median(self.spine) if self.spine else None,
         }
 
 

@@ -93,13 +93,17 @@ def _fmt(v, spec: str, scale: float = 1.0) -> str:
 def format_table(rows: Sequence[dict]) -> str:
     """A fixed-width table: config, status, step ms, compute-only ms, speedup, comm %,
     images/s, on a network the link columns (MB per step across a node's link, their
-    line-rate time, efficiency = that time / exposed communication) and (when measured)
-    digits accuracy; errors are listed under the table."""
+    line-rate time, efficiency = that time / exposed communication), on a leaf-spine
+    fabric the MB per step the spine carried (measured), and (when measured) digits
+    accuracy; errors are listed under the table."""
     with_acc = any("accuracy_status" in r for r in rows)
     with_link = any(r.get("link_bound_s") is not None for r in rows)
     head = ["config", "status", "step ms", "compute ms", "speedup", "comm %", "img/s"]
+    with_spine = any(r.get("spine_bytes_measured") is not None for r in rows)
     if with_link:
         head += ["link MB", "bound ms", "effic."]
+    if with_spine:
+        head.append("spine MB")
     if with_acc:
         head.append("digits acc")
     lines = []
@@ -120,6 +124,8 @@ def format_table(rows: Sequence[dict]) -> str:
                 _fmt(r.get("link_bound_s"), ".0f", 1e3),
                 _fmt(r.get("link_efficiency"), ".2f"),
             ]
+        if with_spine:
+            cells.append(_fmt(r.get("spine_bytes_measured"), ".1f", 1e-6))
         if with_acc:
             acc = r.get("accuracy")
             cells.append(_fmt(acc, ".3f") if acc is not None else r.get("accuracy_status", "-"))

@@ -130,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument("--nodes", type=int, default=2, help="emulated nodes (processes)")
     n.add_argument("--devices-per-node", type=int, default=2, help="CPU devices per node")
+    n.add_argument(
+        "--leaves",
+        type=int,
+        default=1,
+        help="leaf switches joined by a spine (node i under leaf i %% LEAVES); with --intra "
+        "set to the nodes' devices per leaf, +topology groups the ranks by leaf",
+    )
+    n.add_argument("--spine", default=None, help="spine link rate (default: --link)")
     r = p.add_argument_group("runtime")
     r.add_argument(
         "--cpu-devices",
@@ -158,9 +166,12 @@ def _launch_testbed(args, argv: list[str], preset) -> int:
             child.append(a)
         skip = a == "--preset"
     child = [sys.executable, "-m", "experiments.resnet152", "--preset", preset.name, *child]
-    with Testbed(nodes=args.nodes, devices_per_node=args.devices_per_node, link=link) as tb:
-        print(f"[testbed] {args.nodes} nodes x {args.devices_per_node} CPU devices, link {link} "
-              f"per direction between nodes ({' '.join(child[1:])})", flush=True)  # fmt: skip
+    with Testbed(nodes=args.nodes, devices_per_node=args.devices_per_node, link=link,
+                 leaves=args.leaves, spine=args.spine) as tb:  # fmt: skip
+        fabric = f", {tb.leaves} leaves joined by a {tb.spine} spine" if tb.leaves > 1 else ""
+        what = f"{args.nodes} nodes x {args.devices_per_node} CPU devices, link {link}"
+        print(f"[testbed] {what} per direction between nodes{fabric} ({' '.join(child[1:])})",
+              flush=True)  # fmt: skip
         return tb.run(child)
 
 

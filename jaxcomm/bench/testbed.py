@@ -5,11 +5,15 @@ runs this module with ``--worker`` on every node. The worker times, side by side
 
 * jaxcomm methods on a data-parallel step whose gradient is a ``size``-byte f32 buffer
   (``loss = <w, x>``, so the gradient is the local batch row and compute is negligible):
-  flat psum, hierarchical, and the compressors of ``jaxcomm.compression`` that are importable
-  (int8 flat and on the inter stage only, topk(1%), powersgd);
+  flat psum, hierarchical, int8 (flat, and on the inter stage only), topk(1%), powersgd,
+  each with the line-rate time of the bytes its compiled HLO sends across a node's link
+  (``jaxcomm.wire_bytes(...)['crossing']['inter']``) and its efficiency (that time / the
+  time the sync adds to the step);
 * the same step without any collective (the compute-only twin), to show the overhead;
-* psum over ``intra`` alone and over ``inter`` alone on the same buffer: their bus bandwidths
-  give the measured intra:inter ratio;
+* probes on the same buffer: the flat psum alone (as PyTorch's rows time theirs), psum over
+  ``intra`` alone and over ``inter`` alone (their bus bandwidths give the measured
+  intra:inter ratio), the three hierarchical stages, and the overlap probe: an inter psum
+  beside independent compute in one program, to see whether XLA:CPU runs them concurrently;
 * PyTorch's gloo ``all_reduce`` in f32 and fp16 (the DDP default and its fp16 hook), one rank
   per device, on the same namespaces, when torch is importable.
 
@@ -124,7 +128,10 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
         xs = jax.make_array_from_process_local_data(
             sharding, local.reshape(ldev, -1)[:, : x1.shape[1] // g]
         )
+        p = g * m
         probes = {  # name -> (fn, input, bytes moved per rank by the nccl-tests convention)
+            # the flat all-reduce alone, as PyTorch's rows time theirs
+            "psum over all (flat, alone)": (lambda v: lax.psum(v, axes), x1, 2 * (p - 1) / p),
             "psum over intra only": (lambda v: lax.psum(v, "intra"), x1, 2 * (g - 1) / g),
             "psum over inter only": (lambda v: lax.psum(v, "inter"), x1, 2 * (m - 1) / m),
             "  stage 1: reduce-scatter intra": (
