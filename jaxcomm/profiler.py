@@ -50,7 +50,7 @@ from jaxcomm.compression.adaptive import REASONS, AdaptiveState
 from jaxcomm.sync import pre_reduced
 from jaxcomm.validate import check_int
 
-__all__ = ["CommProfiler", "compute_only_step"]
+__all__ = ["CommProfiler", "compute_only_step", "median_time"]
 
 
 def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
@@ -72,8 +72,9 @@ def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
         return dp.step_fn(state).lower(state, batch).compile()
 
 
-def _median_time(fn: Callable, args: tuple, reps: int) -> float:
-    """Median wall time of ``fn(*args)`` over ``reps`` runs after one warm-up."""
+def median_time(fn: Callable, args: tuple, reps: int) -> float:
+    """Median wall time (s) of ``fn(*args)`` over ``reps`` runs after one warm-up run,
+    each run waited for with ``jax.block_until_ready``."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
@@ -240,7 +241,7 @@ class CommProfiler:
         self.wire = wire.summarize(self.module)
         twin_reps = check_int("twin_reps", twin_reps, minimum=1)
         if compute_only is not None:
-            self.compute_time = _median_time(compute_only, args, twin_reps)
+            self.compute_time = median_time(compute_only, args, twin_reps)
         return self
 
     def attach_data_parallel(self, dp: Any, state: Any, batch: Any, twin_reps: int = 3):
@@ -330,7 +331,7 @@ class CommProfiler:
         self.module = hlo.parse_collectives(compiled.as_text(), mesh=dp.mesh)
         self.wire = wire.summarize(self.module)
         twin = compute_only_step(dp, state, batch)
-        self.compute_time = _median_time(twin, (state, batch), twin_reps)
+        self.compute_time = median_time(twin, (state, batch), twin_reps)
         driver.levels = [int(np.asarray(a.level)) for a in found]
         return self
 
