@@ -278,8 +278,10 @@ class CommProfiler:
            state, aligned with its ``window_steps``). At the end of a window the driver
            waits for the state (one host synchronisation per window, none per step) and
            measures ``step_time`` = the window's wall time / its steps.
-        3. ``comm_share = clip(1 - compute_time / step_time, 0, 1)``, placed on the devices
-           once; the steps of the next window take it, and the first of them decides.
+        3. ``comm_share = clip(1 - compute_time / step_time, 0, 1)``, put on this
+           process's devices once per window; the steps of the next window take it and
+           average it over all devices (one scalar ``pmean``, so processes whose clocks
+           differ still decide alike), and the first of them decides.
         4. It reads each compressor's level, last error and reason, writes one
            ``{"event": "adapt_window", ...}`` line, and one ``{"event": "level_change",
            "reason": "error" | "network", ...}`` line per change; TensorBoard scalars
@@ -301,8 +303,10 @@ class CommProfiler:
           self. ``level_changes`` and ``windows`` hold the logged records.
 
         Raises:
-          ValueError: no adaptive compressor in ``state.opt_state``, or several with
-            different ``adjustment_step``.
+          TypeError: ``dp`` is not a :class:`jaxcomm.DataParallel`.
+          ValueError: no adaptive compressor in ``state.opt_state``, several with
+            different ``adjustment_step``, or ``accumulate='overlap'`` (the compressor
+            then counts reductions, not steps).
 
         Example:
           >>> prof = jaxcomm.CommProfiler(log_file="adapt.jsonl")
@@ -312,6 +316,16 @@ class CommProfiler:
           >>> prof.level_changes[0]["reason"]
         """
         twin_reps = check_int("twin_reps", twin_reps, minimum=1)
+        if not hasattr(dp, "set_feedback"):
+            raise TypeError(
+                f"CommProfiler.drive needs a jaxcomm.DataParallel (from jaxcomm.data_parallel), "
+                f"got {type(dp).__name__}."
+            )
+        if dp.microbatches > 1 and dp.accumulate == "overlap":
+            raise ValueError(
+                "CommProfiler.drive: accumulate='overlap' reduces every microbatch, so the "
+                "adaptive windows would count reductions, not steps; use accumulate='local'."
+            )
         found = _adaptive_states(state.opt_state)
         if not found:
             raise ValueError(
@@ -430,6 +444,7 @@ class _Scalars(NamedTuple):
     window_steps: Any
     last_error: Any
     last_reason: Any
+    comm_share: Any
 
 
 class _Driver:
@@ -440,14 +455,21 @@ class _Driver:
         self.window = window
         self.levels: list[int] = []
         self.ladders: list | None = None
-        self._sharding = dp.replicated
-        self._share_value = -1.0  # unknown until the first window is measured
-        self._share = jax.device_put(np.float32(-1.0), self._sharding)
+        self._sharding = dp.batch_sharding
+        self._devices = dp.num_devices
+        self._share = self._put(-1.0)  # unknown until the first window is measured
         self._steps = phase % window  # steps into the current window
         self._timed = 0  # steps since the clock started
         self._count = 0  # steps taken since drive()
         self._t0: float | None = None
         self._clock = time.perf_counter
+
+    def _put(self, share: float) -> jax.Array:
+        """One value per device (this process's measurement on its devices); the step
+        averages them, so processes whose clocks differ still decide alike."""
+        return jax.make_array_from_callback(
+            (self._devices,), self._sharding, lambda idx: np.full(1, share, np.float32)
+        )
 
     def before_step(self) -> jax.Array:
         if self._t0 is None:
@@ -468,15 +490,14 @@ class _Driver:
         step_time = (now - self._t0) / self._timed
         start = self._count - self._timed  # the window's first step (since drive)
         self._t0, self._steps, self._timed = now, 0, 0
-        used = self._share_value  # what this window's decision read
         compute = self.prof.compute_time or 0.0
         share = min(max(1.0 - compute / step_time, 0.0), 1.0) if step_time > 0 else 0.0
-        self._share_value = share
-        self._share = jax.device_put(np.float32(share), self._sharding)
+        self._share = self._put(share)
         self.prof.step_times.append(step_time)
         # The scalars only (never the per-device residuals): one small copy per window.
         found = jax.device_get(
-            [_Scalars(a.level, a.error_sum, a.window_steps, a.last_error, a.last_reason)
+            [_Scalars(a.level, a.error_sum, a.window_steps, a.last_error, a.last_reason,
+                      a.comm_share)
              for a in _adaptive_states(state.opt_state)]
         )  # fmt: skip
         scalars = {"adapt/comm_share": share, "adapt/step_time": step_time}
@@ -495,7 +516,7 @@ class _Driver:
                 "to": self._name(i, level),
                 "reason": REASONS[reason],
                 "error": float(a.last_error),
-                "comm_share": used,
+                "comm_share": float(a.comm_share),  # the mean over devices it decided from
             }
             self.prof.level_changes.append(change)
             self.prof._emit(change, start, {f"adapt/change_{i}": float(reason * (level - old))})

@@ -355,9 +355,10 @@ class DataParallel:
     def _local_step(self, state: TrainState, batch: Any, comm_share: jax.Array | None = None):
         opt_state = unstack_leaves(state.opt_state, self._opt_layout)
         if comm_share is not None:
-            # The measured communication share, an explicit (replicated) input of the step,
-            # goes into every adaptive compressor's state before the update decides.
-            opt_state = with_comm_share(opt_state, comm_share)
+            # The measured communication share, an explicit input of the step (one value per
+            # device, from its process's clock), averaged over the data axes so that every
+            # device decides from one value, goes into every adaptive compressor's state.
+            opt_state = with_comm_share(opt_state, lax.pmean(comm_share[0], self.axes))
         update = self.optimizer.update
         if self._with_model_state:
 
@@ -424,15 +425,16 @@ class DataParallel:
 
         Args:
           state: an example state (its shapes and layout).
-          feedback: the step takes a third input, the measured communication share (f32
-            scalar, replicated), written into every ``AdaptiveState`` before the update
+          feedback: the step takes a third input, the measured communication share (f32,
+            one value per device, split over the data axes like the batch); its mean over
+            the devices is written into every ``AdaptiveState`` before the update
             (``jaxcomm.compression.with_comm_share``).
         """
         specs = self.state_specs(state)
         mapped = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
-            in_specs=(specs, P(self.axes), *((P(),) if feedback else ())),
+            in_specs=(specs, P(self.axes), *((P(self.axes),) if feedback else ())),
             out_specs=(specs, P()),
             # Off only where params are meant to drift: require_sync=False (the user's own
             # reduction, or an experiment's compute-only twin) and the profiler's twin.
@@ -447,9 +449,10 @@ class DataParallel:
     def set_feedback(self, feedback: Any, state: TrainState, batch: Any) -> Any:
         """Feeds a measurement into every later step, and compiles that step now.
 
-        From now on each call passes ``feedback.before_step()`` (an f32 scalar array,
-        replicated: the measured communication share) as the step's third input and hands
-        the new state to ``feedback.after_step(state)``. ``jaxcomm.CommProfiler.drive`` is
+        From now on each call passes ``feedback.before_step()`` (an f32 array of one value
+        per device, sharded like the batch: the measured communication share; the step
+        averages it over the devices) as the step's third input and hands the new state to
+        ``feedback.after_step(state)``. ``jaxcomm.CommProfiler.drive`` is
         the feedback that measures the share; users call that.
 
         Args:
@@ -461,7 +464,7 @@ class DataParallel:
           ``(compiled step, ladders)``: the ``jax.stages.Compiled`` step and the rung names
           of each adaptive compressor traced in it (in trace order).
         """
-        share = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
+        share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self._stacked)
         with ladder_probe() as ladders:
             lowered = self.step_fn(state, feedback=True).lower(
                 state, self.shard_batch(batch), share
