@@ -410,10 +410,10 @@ def _check_ladder(ladder: Sequence[str]) -> tuple[str, ...]:
 
 def adaptive(
     initial_compression_ratio: float = 0.5,
+    *,
     min_compression: float = 0.1,
     max_compression: float = 0.9,
     adjustment_step: int = 100,
-    *,
     ladder: Sequence[str] = DEFAULT_LADDER,
     error_low: float = 0.05,
     error_high: float = 0.25,
