@@ -40,16 +40,17 @@ import os
 import struct
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from jaxcomm import hlo, wire
+from jaxcomm.compression.adaptive import REASONS, AdaptiveState
 from jaxcomm.sync import pre_reduced
 from jaxcomm.validate import check_int
 
-__all__ = ["CommProfiler", "compute_only_step"]
+__all__ = ["CommProfiler", "compute_only_step", "median_time"]
 
 
 def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
@@ -69,6 +70,18 @@ def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
     batch = dp.shard_batch(batch)
     with pre_reduced():
         return dp.step_fn(state).lower(state, batch).compile()
+
+
+def median_time(fn: Callable, args: tuple, reps: int) -> float:
+    """Median wall time (s) of ``fn(*args)`` over ``reps`` runs after one warm-up run,
+    each run waited for with ``jax.block_until_ready``."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 class _Step:
@@ -198,6 +211,8 @@ class CommProfiler:
         self.compute_time: float | None = None
         self.module: hlo.HloModule | None = None
         self.wire: dict | None = None  # jaxcomm.wire.summarize(self.module)
+        self.level_changes: list[dict[str, Any]] = []  # drive(): one record per change
+        self.windows: list[dict[str, Any]] = []  # drive(): one record per window
 
     # -- attaching a program ------------------------------------------------------------
     def attach(
@@ -226,13 +241,7 @@ class CommProfiler:
         self.wire = wire.summarize(self.module)
         twin_reps = check_int("twin_reps", twin_reps, minimum=1)
         if compute_only is not None:
-            jax.block_until_ready(compute_only(*args))
-            times = []
-            for _ in range(twin_reps):
-                t0 = time.perf_counter()
-                jax.block_until_ready(compute_only(*args))
-                times.append(time.perf_counter() - t0)
-            self.compute_time = float(np.median(times))
+            self.compute_time = median_time(compute_only, args, twin_reps)
         return self
 
     def attach_data_parallel(self, dp: Any, state: Any, batch: Any, twin_reps: int = 3):
@@ -252,6 +261,93 @@ class CommProfiler:
             twin_reps=twin_reps,
             compiler_options=dp.compiler_options or None,
         )
+
+    def drive(self, dp: Any, state: Any, batch: Any, *, twin_reps: int = 3) -> CommProfiler:
+        """Puts the measured network in the loop of ``dp``'s adaptive compressors.
+
+        After this one call, every ``dp(state, batch)`` passes the exposed communication
+        share measured over the last window into the step (an explicit input, written into
+        each :class:`~jaxcomm.compression.AdaptiveState` by
+        :func:`~jaxcomm.compression.with_comm_share`), and every level change is logged
+        with its reason (JSON lines, TensorBoard).
+
+        1. Compile ``dp``'s step with the share as a third input (the HLO census of
+           :meth:`attach` is read from it), and time the compute-only twin once
+           (``compute_time``, median of ``twin_reps`` runs).
+        2. Windows are the adaptive compressor's ``adjustment_step`` steps (read from the
+           state, aligned with its ``window_steps``). At the end of a window the driver
+           waits for the state (one host synchronisation per window, none per step) and
+           measures ``step_time`` = the window's wall time / its steps.
+        3. ``comm_share = clip(1 - compute_time / step_time, 0, 1)``, put on this
+           process's devices once per window; the steps of the next window take it and
+           average it over all devices (one scalar ``pmean``, so processes whose clocks
+           differ still decide alike), and the first of them decides.
+        4. It reads each compressor's level, last error and reason, writes one
+           ``{"event": "adapt_window", ...}`` line, and one ``{"event": "level_change",
+           "reason": "error" | "network", ...}`` line per change; TensorBoard scalars
+           ``adapt/level_<i>``, ``adapt/error_<i>``, ``adapt/comm_share``,
+           ``adapt/step_time`` and, on a change, ``adapt/change_<i>`` (+-1 error, +-2
+           network, the sign the direction).
+
+        The share counts everything the twin does not run (collectives, compression
+        kernels, and host time between steps such as data loading) as communication.
+
+        Args:
+          dp: a :class:`jaxcomm.DataParallel` whose optimizer holds at least one
+            ``sync_gradients(compression=adaptive(...))``.
+          state: its current state (the windows align with its ``window_steps``).
+          batch: an example batch.
+          twin_reps: timed runs of the compute-only twin.
+
+        Returns:
+          self. ``level_changes`` and ``windows`` hold the logged records.
+
+        Raises:
+          TypeError: ``dp`` is not a :class:`jaxcomm.DataParallel`.
+          ValueError: no adaptive compressor in ``state.opt_state``, several with
+            different ``adjustment_step``, or ``accumulate='overlap'`` (the compressor
+            then counts reductions, not steps).
+
+        Example:
+          >>> prof = jaxcomm.CommProfiler(log_file="adapt.jsonl")
+          >>> prof.drive(dp, state, batch)
+          >>> for batch in data:
+          ...     state, metrics = dp(state, batch)
+          >>> prof.level_changes[0]["reason"]
+        """
+        twin_reps = check_int("twin_reps", twin_reps, minimum=1)
+        if not hasattr(dp, "set_feedback"):
+            raise TypeError(
+                f"CommProfiler.drive needs a jaxcomm.DataParallel (from jaxcomm.data_parallel), "
+                f"got {type(dp).__name__}."
+            )
+        if dp.microbatches > 1 and dp.accumulate == "overlap":
+            raise ValueError(
+                "CommProfiler.drive: accumulate='overlap' reduces every microbatch, so the "
+                "adaptive windows would count reductions, not steps; use accumulate='local'."
+            )
+        found = _adaptive_states(state.opt_state)
+        if not found:
+            raise ValueError(
+                "CommProfiler.drive: the optimizer state holds no adaptive compressor; use "
+                "jaxcomm.sync_gradients(compression=jaxcomm.compression.adaptive(...))."
+            )
+        windows = {int(np.asarray(a.window)) for a in found}
+        if len(windows) > 1:
+            raise ValueError(
+                f"CommProfiler.drive: the adaptive compressors have different windows "
+                f"(adjustment_step {sorted(windows)}); give them one adjustment_step."
+            )
+        batch = dp.shard_batch(batch)
+        driver = _Driver(self, dp, windows.pop(), int(np.asarray(found[0].window_steps)))
+        compiled, ladders = dp.set_feedback(driver, state, batch)
+        driver.ladders = ladders if len(ladders) == len(found) else None
+        self.module = hlo.parse_collectives(compiled.as_text(), mesh=dp.mesh)
+        self.wire = wire.summarize(self.module)
+        twin = compute_only_step(dp, state, batch)
+        self.compute_time = median_time(twin, (state, batch), twin_reps)
+        driver.levels = [int(np.asarray(a.level)) for a in found]
+        return self
 
     # -- recording ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -312,16 +408,20 @@ class CommProfiler:
     def log(self) -> dict[str, Any]:
         """Writes the current stats as one JSON line (and TensorBoard scalars); returns them."""
         stats = self.get_stats()
-        line = json.dumps({"time": time.time(), **stats})
+        values = {f"comm/{k}": float(v) for k, v in stats.items() if isinstance(v, int | float)}
+        self._emit(stats, stats["steps"], values)
+        return stats
+
+    def _emit(self, record: dict[str, Any], step: int, scalars: dict[str, float]) -> None:
+        """One JSON line (``time`` first), and ``scalars`` at ``step`` in TensorBoard."""
+        line = json.dumps({"time": time.time(), **record})
         if self.log_file:
             with open(self.log_file, "a") as f:
                 f.write(line + "\n")
         else:
             print(line, flush=True)
-        if self._tb is not None:
-            values = {f"comm/{k}": float(v) for k, v in stats.items() if isinstance(v, int | float)}
-            self._tb.scalars(stats["steps"], values)
-        return stats
+        if self._tb is not None and scalars:
+            self._tb.scalars(step, scalars)
 
     def close(self) -> None:
         """Stops a running trace and closes the TensorBoard file."""
@@ -330,3 +430,105 @@ class CommProfiler:
             self._tracing = False
         if self._tb is not None:
             self._tb.close()
+
+
+def _adaptive_states(opt_state: Any) -> list:
+    """The :class:`~jaxcomm.compression.AdaptiveState` nodes of ``opt_state``, in tree order."""
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, AdaptiveState))
+    return [n for n in nodes if isinstance(n, AdaptiveState)]
+
+
+class _Scalars(NamedTuple):
+    level: Any
+    error_sum: Any
+    window_steps: Any
+    last_error: Any
+    last_reason: Any
+    comm_share: Any
+
+
+class _Driver:
+    """The feedback of :meth:`CommProfiler.drive` (``DataParallel.set_feedback``)."""
+
+    def __init__(self, prof: CommProfiler, dp: Any, window: int, phase: int):
+        self.prof = prof
+        self.window = window
+        self.levels: list[int] = []
+        self.ladders: list | None = None
+        self._sharding = dp.batch_sharding
+        self._devices = dp.num_devices
+        self._share = self._put(-1.0)  # unknown until the first window is measured
+        self._steps = phase % window  # steps into the current window
+        self._timed = 0  # steps since the clock started
+        self._count = 0  # steps taken since drive()
+        self._t0: float | None = None
+        self._clock = time.perf_counter
+
+    def _put(self, share: float) -> jax.Array:
+        """One value per device (this process's measurement on its devices); the step
+        averages them, so processes whose clocks differ still decide alike."""
+        return jax.make_array_from_callback(
+            (self._devices,), self._sharding, lambda idx: np.full(1, share, np.float32)
+        )
+
+    def before_step(self) -> jax.Array:
+        if self._t0 is None:
+            self._t0 = self._clock()
+        return self._share
+
+    def _name(self, i: int, level: int) -> str:
+        return self.ladders[i][level] if self.ladders else str(level)
+
+    def after_step(self, state: Any) -> None:
+        self._steps += 1
+        self._timed += 1
+        self._count += 1
+        if self._steps < self.window:
+            return
+        jax.block_until_ready(state)
+        now = self._clock()
+        step_time = (now - self._t0) / self._timed
+        start = self._count - self._timed  # the window's first step (since drive)
+        self._t0, self._steps, self._timed = now, 0, 0
+        compute = self.prof.compute_time or 0.0
+        share = min(max(1.0 - compute / step_time, 0.0), 1.0) if step_time > 0 else 0.0
+        self._share = self._put(share)
+        self.prof.step_times.append(step_time)
+        # The scalars only (never the per-device residuals): one small copy per window.
+        found = jax.device_get(
+            [_Scalars(a.level, a.error_sum, a.window_steps, a.last_error, a.last_reason,
+                      a.comm_share)
+             for a in _adaptive_states(state.opt_state)]
+        )  # fmt: skip
+        scalars = {"adapt/comm_share": share, "adapt/step_time": step_time}
+        for i, (a, old) in enumerate(zip(found, self.levels, strict=True)):
+            level = int(a.level)
+            scalars[f"adapt/level_{i}"] = float(level)
+            scalars[f"adapt/error_{i}"] = float(a.error_sum) / max(int(a.window_steps), 1)
+            if level == old:
+                continue
+            reason = int(a.last_reason)
+            change = {
+                "event": "level_change",
+                "step": start,
+                "sync": i,
+                "from": self._name(i, old),
+                "to": self._name(i, level),
+                "reason": REASONS[reason],
+                "error": float(a.last_error),
+                "comm_share": float(a.comm_share),  # the mean over devices it decided from
+            }
+            self.prof.level_changes.append(change)
+            self.prof._emit(change, start, {f"adapt/change_{i}": float(reason * (level - old))})
+        self.levels = [int(a.level) for a in found]
+        record = {
+            "event": "adapt_window",
+            "step": self._count,
+            "step_time": step_time,
+            "compute_time": compute,
+            "comm_share": share,
+            "levels": [self._name(i, v) for i, v in enumerate(self.levels)],
+            "errors": [scalars[f"adapt/error_{i}"] for i in range(len(found))],
+        }
+        self.prof.windows.append(record)
+        self.prof._emit(record, self._count, scalars)

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import check_axes
+from jaxcomm.compression.adaptive import ladder_probe, with_comm_share
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
 from jaxcomm.nnx import check_optimizer, check_params
@@ -146,6 +147,7 @@ class DataParallel:
         self._opt_paths: list[str] = []
         self._opt_local: Any = None  # this device's optimizer state shapes, from the probe
         self._calls = 0
+        self._feedback: Any = None  # set_feedback: the measured share goes into each step
 
     # -- state ------------------------------------------------------------------------
     def state_specs(self, state: TrainState) -> TrainState:
@@ -350,8 +352,13 @@ class DataParallel:
         """
         return lax.pcast(params, self.axes, to="varying")
 
-    def _local_step(self, state: TrainState, batch: Any):
+    def _local_step(self, state: TrainState, batch: Any, comm_share: jax.Array | None = None):
         opt_state = unstack_leaves(state.opt_state, self._opt_layout)
+        if comm_share is not None:
+            # The measured communication share, an explicit input of the step (one value per
+            # device, from its process's clock), averaged over the data axes so that every
+            # device decides from one value, goes into every adaptive compressor's state.
+            opt_state = with_comm_share(opt_state, lax.pmean(comm_share[0], self.axes))
         update = self.optimizer.update
         if self._with_model_state:
 
@@ -408,19 +415,26 @@ class DataParallel:
     def _maybe_pre_reduced(self):
         return pre_reduced() if self._overlapped else contextlib.nullcontext()
 
-    def step_fn(self, state: TrainState) -> Callable:
+    def step_fn(self, state: TrainState, *, feedback: bool = False) -> Callable:
         """The jitted ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
         Runs under ``jax.shard_map(..., check_vma=True)``: every output typed replicated
         (``P()``: step, params, model state, the optimizer state that is not per device)
         must be invariant over the data axes in shard_map's type system, or tracing fails.
         That is the proof that replicas agree; ``check_replicas=N`` checks the values too.
+
+        Args:
+          state: an example state (its shapes and layout).
+          feedback: the step takes a third input, the measured communication share (f32,
+            one value per device, split over the data axes like the batch); its mean over
+            the devices is written into every ``AdaptiveState`` before the update
+            (``jaxcomm.compression.with_comm_share``).
         """
         specs = self.state_specs(state)
         mapped = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
-            in_specs=(specs, P(self.axes)),
+            in_specs=(specs, P(self.axes), *((P(self.axes),) if feedback else ())),
             out_specs=(specs, P()),
             # Off only where params are meant to drift: require_sync=False (the user's own
             # reduction, or an experiment's compute-only twin) and the profiler's twin.
@@ -432,11 +446,39 @@ class DataParallel:
             compiler_options=self.compiler_options or None,
         )
 
+    def set_feedback(self, feedback: Any, state: TrainState, batch: Any) -> Any:
+        """Feeds a measurement into every later step, and compiles that step now.
+
+        From now on each call passes ``feedback.before_step()`` (an f32 array of one value
+        per device, sharded like the batch: the measured communication share; the step
+        averages it over the devices) as the step's third input and hands the new state to
+        ``feedback.after_step(state)``. ``jaxcomm.CommProfiler.drive`` is
+        the feedback that measures the share; users call that.
+
+        Args:
+          feedback: an object with ``before_step() -> jax.Array`` and
+            ``after_step(state) -> None``.
+          state, batch: example inputs (the step is compiled for their shapes).
+
+        Returns:
+          ``(compiled step, ladders)``: the ``jax.stages.Compiled`` step and the rung names
+          of each adaptive compressor traced in it (in trace order).
+        """
+        share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self._stacked)
+        with ladder_probe() as ladders:
+            lowered = self.step_fn(state, feedback=True).lower(
+                state, self.shard_batch(batch), share
+            )
+        self._compiled_step = lowered.compile()
+        self._feedback = feedback
+        return self._compiled_step, list(ladders)
+
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """Runs one step; returns ``(new_state, metrics)`` with metrics averaged over devices."""
         if self._compiled_step is None:
             self._compiled_step = self.step_fn(state)
-        out = self._compiled_step(state, self.shard_batch(batch))
+        extra = () if self._feedback is None else (self._feedback.before_step(),)
+        out = self._compiled_step(state, self.shard_batch(batch), *extra)
         if jax.default_backend() == "cpu":
             # XLA:CPU: several queued executions of a program with collectives can deadlock
             # the in-process rendezvous (seen on 2-core machines with 8 fake devices: a
@@ -446,6 +488,8 @@ class DataParallel:
         self._calls += 1
         if self.check_replicas and self._calls % self.check_replicas == 0:
             _check_replicas(out[0], mesh=self.mesh, what=f"state (step {self._calls})")
+        if self._feedback is not None:
+            self._feedback.after_step(out[0])
         return out
 
     def lower(self, state: TrainState, batch: Any):

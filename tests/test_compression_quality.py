@@ -69,6 +69,19 @@ EF_COMPRESSORS = {
     "int4_ef": (lambda: C.int4(64, error_feedback=True), (2048,)),
     "powersgd": (lambda: C.powersgd(rank=2), (32, 64)),
     "adaptive": (lambda: C.adaptive(0.5, adjustment_step=2), (2048,)),
+    # one rung per step (the error band is out of reach): bf16, int8, top-k, random-k,
+    # random-k, all through one residual
+    "adaptive_switching": (
+        lambda: C.adaptive(
+            0.5,
+            max_compression=1.0,
+            adjustment_step=1,
+            error_low=2.0,
+            error_high=3.0,
+            ladder=("bf16", "int8", "topk:0.1", "random_k:0.05"),
+        ),
+        (2048,),
+    ),  # fmt: skip
 }
 
 

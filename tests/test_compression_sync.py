@@ -132,16 +132,15 @@ def test_fp16_overflow_skips_the_whole_step_and_counts(mesh):
     assert int(state.compression.overflow_steps) == 0
 
 
-def _adaptive_levels(mesh, comp, steps, comm_ratio=None, scale=1.0):
+def _adaptive_levels(mesh, comp, steps, comm_share=None, scale=1.0):
     tx = jaxcomm.sync_gradients(compression=comp, min_size=1024)
     example = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
     sspecs = state_specs(lambda: tx.init(example), mesh)
 
-    def local(g, ratio):
+    def local(g, share):
         g = jax.tree.map(lambda x: x[0], g)
         state = tx.init(g)
-        if comm_ratio is not None:
-            state = state._replace(compression=state.compression._replace(comm_ratio=ratio))
+        state = state._replace(compression=C.with_comm_share(state.compression, share))
 
         def body(state, _):
             _, state = tx.update(g, state)
@@ -151,47 +150,54 @@ def _adaptive_levels(mesh, comp, steps, comm_ratio=None, scale=1.0):
         return levels[None], stack_local(state)
 
     fn = sharded(local, mesh, in_specs=(P(AX), P()), out_specs=(P(AX), sspecs))
-    ratio = jnp.float32(-1.0 if comm_ratio is None else comm_ratio)
-    levels, state = fn(per_device(mesh, _grads(4, scale)), ratio)
+    share = jnp.float32(-1.0 if comm_share is None else comm_share)
+    levels, state = fn(per_device(mesh, _grads(4, scale)), share)
     levels = np.asarray(levels)
-    assert_rows_equal(levels)  # every device took the same decisions (pmean-ed signals)
+    assert_rows_equal(levels)  # every device took the same decisions (replicated signals)
     return levels[0], state
 
 
 def test_adaptive_climbs_while_error_is_low(mesh):
-    comp = C.adaptive(0.5, min_compression=0.1, max_compression=0.9, adjustment_step=2)
+    comp = C.adaptive(
+        0.5, min_compression=0.1, max_compression=0.9, adjustment_step=2, error_high=0.3
+    )
     levels, state = _adaptive_levels(mesh, comp, 8)
-    # bf16 -> int8 -> int4 (ladder [bf16, int8, int4]), int4's error stays < error_high
-    assert list(levels) == [0, 1, 1, 2, 2, 2, 2, 2]
-    assert 0.05 < float(state.compression.last_error) < 0.25
+    # Decisions at the first step of each window (steps 2, 4, 6): bf16 -> int8 -> int4
+    # (ladder [bf16, int8, int4]); int4's error of the mean (0.26 on independent
+    # gradients, 8 devices, block 256) stays in the band [error_low, error_high].
+    assert list(levels) == [0, 0, 1, 1, 2, 2, 2, 2]
+    assert 0.05 < float(state.compression.last_error) < 0.3
 
 
 def test_adaptive_steps_down_with_hysteresis(mesh):
-    # int4's error (~0.2) is over error_high=0.1: step down to int8, then hold for
-    # `cooldown`=3 windows (int8's error is low) before trying int4 again, instead of
-    # oscillating every window.
+    # int4's error (~0.15) is over error_high=0.1: step down to int8, then hold for
+    # `cooldown`=2 windows (int8's error is low) before trying int4 again, and twice as
+    # long after the second strike, instead of oscillating every window.
     comp = C.adaptive(
         0.875, min_compression=0.5, max_compression=0.9, adjustment_step=1,
-        error_low=0.05, error_high=0.1, cooldown=3,
+        error_low=0.05, error_high=0.1, cooldown=2,
     )  # fmt: skip
-    levels, _ = _adaptive_levels(mesh, comp, 8)
-    assert list(levels) == [1, 1, 1, 1, 2, 1, 1, 1]
+    levels, state = _adaptive_levels(mesh, comp, 12)
+    assert list(levels) == [2, 1, 1, 1, 2, 1, 1, 1, 1, 1, 2, 1], levels
+    assert int(state.compression.strikes) == 3
+    assert C.REASONS[int(state.compression.last_reason)] == "error"
 
 
-def test_adaptive_comm_ratio_low_steps_down(mesh):
-    comp = C.adaptive(0.875, min_compression=0.0, max_compression=0.9, adjustment_step=1)
-    levels, _ = _adaptive_levels(mesh, comp, 3, comm_ratio=0.01)  # communication is cheap
-    assert list(levels) == [2, 1, 0]
-    levels, _ = _adaptive_levels(mesh, comp, 3, comm_ratio=0.2)  # dead zone: stay
-    assert list(levels) == [3, 3, 3]
-
-
-def test_set_comm_ratio_updates_the_opt_state():
-    comp = C.adaptive()
-    state = (jaxcomm.SyncGradientsState(jnp.int32(0), comp.init([jnp.zeros(4)])), ())
-    new = C.set_comm_ratio(state, 0.7)
-    assert float(new[0].compression.comm_ratio) == pytest.approx(0.7)
-    assert float(state[0].compression.comm_ratio) == -1.0
+def test_adaptive_cheap_network_steps_down_and_dead_band_holds(mesh):
+    comp = C.adaptive(0.75, min_compression=0.0, max_compression=0.9, adjustment_step=1)
+    # Communication is cheap: the share predicted one rung down stays under comm_low.
+    levels, state = _adaptive_levels(mesh, comp, 4, comm_share=0.01)
+    assert list(levels) == [2, 1, 0, 0]
+    assert C.REASONS[int(state.compression.last_reason)] == "none"  # f32: nowhere to go
+    # int8 at a share of 0.2: bf16 is predicted at 0.33 (twice the bytes), over
+    # comm_low, and 0.2 is under comm_high: stay.
+    levels, _ = _adaptive_levels(mesh, comp, 3, comm_share=0.2)
+    assert list(levels) == [2, 2, 2]
+    # Communication-bound and the error low: climb (bf16 -> int8 -> int4).
+    comp = C.adaptive(0.5, min_compression=0.0, max_compression=0.9, adjustment_step=1)
+    levels, state = _adaptive_levels(mesh, comp, 4, comm_share=0.6)
+    assert list(levels) == [1, 2, 3, 3]
+    assert C.REASONS[int(state.compression.last_reason)] in ("network", "none")
 
 
 def test_per_device_state_in_the_train_state(mesh):

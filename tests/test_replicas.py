@@ -235,6 +235,27 @@ def test_adaptive_inter_level_is_one_decision(mesh):
     assert max(levels) > 0, levels  # it moved off the start level (bf16)
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_adaptive_every_rung_keeps_replicas_equal(mesh, params, stage):
+    # The error band is out of reach, so the ladder climbs one rung per step: every rung
+    # (quantized and sparse) runs once, from the shared residual, replicas compared bitwise.
+    ladder = ("f32", "bf16", "int8", "int4", "topk:0.05", "random_k:0.02")
+    comp = C.adaptive(0.0, min_compression=0.0, max_compression=1.0, adjustment_step=1,
+                      ladder=ladder, error_low=2.0, error_high=3.0, block=32)  # fmt: skip
+    sync = jaxcomm.sync_gradients(compression=comp, compress_stage=stage, min_size=64)
+    dp = jaxcomm.data_parallel(
+        mlp_loss, optax.chain(sync, optax.adam(1e-2)), mesh, check_replicas=1,
+        compiler_options=FAST,
+    )  # fmt: skip
+    state = dp.init(params)
+    levels = []
+    for batch in _batches(len(ladder), seed=3):
+        state, metrics = train(dp, state, [batch])
+        levels.append(int(state.opt_state[0].compression.level))
+    assert levels == list(range(len(ladder)))
+    assert np.isfinite(float(metrics["loss"]))
+
+
 def _multisteps(mesh, k=2):
     tx = optax.MultiSteps(optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.5)), k)
     return jaxcomm.data_parallel(_linear_loss, tx, mesh, check_replicas=1)

@@ -41,6 +41,7 @@ CASES = [
     ("adaptive.step", lambda v, m: C.adaptive(adjustment_step=v), "adjustment_step", 10, 1),
     ("adaptive.cooldown", lambda v, m: C.adaptive(cooldown=v), "cooldown", 3, 0),
     ("adaptive.block", lambda v, m: C.adaptive(block=v), "block", 256, 2),
+    ("adaptive.sketch", lambda v, m: C.adaptive(sketch_size=v), "sketch_size", 1021, 16),
     ("make_mesh.intra", lambda v, m: jaxcomm.make_mesh(intra=v), "intra", 4, 1),
     ("microbatches", lambda v, m: _dp(m, v), "microbatches", 2, 1),
     ("fat_tree.nodes", lambda v, m: T.fat_tree(nodes=v), "nodes", 16, 1),

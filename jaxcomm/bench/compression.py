@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = ["configs", "kernel_ms_per_mb", "main", "wire_ratio"]
 
@@ -86,13 +85,9 @@ def wire_ratio(mesh, tree, kwargs, baseline: dict | None = None) -> dict:
 
 
 def _time(fn, *args, repeats: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    from jaxcomm.profiler import median_time
+
+    return median_time(fn, args, repeats)
 
 
 def kernel_ms_per_mb(name: str, n: int = 1 << 22) -> float | None:

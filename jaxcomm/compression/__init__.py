@@ -13,12 +13,20 @@ Use them through ``jaxcomm.sync_gradients(compression=...)``:
 | ``topk(ratio)`` | all-gather of (index, value) | ~p x ratio |
 | ``random_k(ratio)`` | all-reduce of the shared-seed selection | ~ratio |
 | ``powersgd(rank)`` | two all-reduces (P, Q) | r(n+m)/(nm) |
-| ``adaptive(...)`` | one branch per ladder level (``lax.switch``) | level dependent |
+| ``adaptive(...)`` | one ``lax.switch`` branch per ladder rung | rung dependent |
 
 Measure with ``jaxcomm.wire_bytes``.
 """
 
-from jaxcomm.compression.adaptive import LADDER, AdaptiveState, adaptive, set_comm_ratio
+from jaxcomm.compression.adaptive import (
+    DEFAULT_LADDER,
+    LADDER,
+    REASONS,
+    AdaptiveState,
+    Controller,
+    adaptive,
+    with_comm_share,
+)
 from jaxcomm.compression.base import Compressor, ReduceContext
 from jaxcomm.compression.cast import Fp16State, bf16, fp16
 from jaxcomm.compression.powersgd import PowerSGDState, powersgd
@@ -26,9 +34,12 @@ from jaxcomm.compression.quantize import int4, int8, quantized
 from jaxcomm.compression.sparse import random_k, topk
 
 __all__ = [
+    "DEFAULT_LADDER",
     "LADDER",
+    "REASONS",
     "AdaptiveState",
     "Compressor",
+    "Controller",
     "Fp16State",
     "PowerSGDState",
     "ReduceContext",
@@ -40,6 +51,6 @@ __all__ = [
     "powersgd",
     "quantized",
     "random_k",
-    "set_comm_ratio",
     "topk",
+    "with_comm_share",
 ]

@@ -1,46 +1,94 @@
-"""Adaptive compression: a discrete ladder of levels chosen from all-device signals.
+"""Adaptive compression: a ladder of levels, chosen from the error and the measured network.
 
-The compressor holds one level index; every step it compresses with that level, through
-``lax.switch`` (one compiled branch per level, no host round trip, works under ``jit``
-and inside ``lax.scan``; ``jaxcomm.wire_bytes`` counts the largest branch).
+The compressor holds one level index (the *rung*); every step it compresses with that
+rung through ``lax.switch`` (one compiled branch per rung, no host round trip, works under
+``jit`` and inside ``lax.scan``; ``jaxcomm.wire_bytes`` counts the largest branch).
 
-**Ladder** (fraction of f32 bytes *saved* = "compression"): ``f32`` 0.0, ``bf16`` 0.5,
-``int8`` 0.75, ``int4`` 0.875 (blockwise, two-phase; see ``quantize.py``). The levels
-whose compression lies in ``[min_compression, max_compression]`` form the ladder; the
-start is the one nearest ``initial_compression_ratio``. All levels share one per-device
-error-feedback residual, so switching levels never drops gradient.
+**Ladder**, least compression first (``ladder=``, names below; default
+:data:`DEFAULT_LADDER` ``('f32', 'bf16', 'int8', 'int4')``). Each rung has a nominal
+*compression* (fraction of f32 bytes saved) and a *wire fraction* (bytes relative to an
+f32 all-reduce on ``p`` devices, used by the network model):
 
-**Signals**, reduced with ``pmean`` over *every* data axis of the step (also with
-``compress_stage='inter'``, where the compressed reduction spans the outer axes only) so
-every device sees the same numbers and picks the same level:
+========================  =================  ==========================================
+rung                      compression        wire fraction on ``p`` devices
+========================  =================  ==========================================
+``'f32'``                 0                  1
+``'bf16'``                0.5                0.5
+``'int8'`` / ``'int4'``   0.75 / 0.875       ``(bits/8 + 4/block) / 4`` (two-phase)
+``'topk:R'``              ``1 - 2R``         ``p R`` (all-gather of index/value pairs)
+``'random_k:R'``          ``1 - R``          ``R`` (all-reduce of shared-seed values)
+========================  =================  ==========================================
 
-* ``error``: the relative norm of the residual, ``||c - C(c)|| / ||c||`` with ``c = g + e``,
-  averaged over the window of ``adjustment_step`` steps;
-* ``comm_ratio``: communication time / computation time, when the user measured it on
-  the host and stored it with :func:`set_comm_ratio` (``-1`` = unknown).
+The rungs whose compression lies in ``[min_compression, max_compression]`` form the ladder
+(the seed's range 0.1-0.9 with e.g. ``ladder=('bf16', 'int8', 'int4', 'random_k:0.1')``);
+the start is the one nearest ``initial_compression_ratio``. All rungs share one
+per-device error-feedback residual ``e``: every rung sends ``C(g + e)`` and keeps
+``e <- g + e - sent``, so switching rungs never drops gradient.
 
-**Rule**, applied at the end of every window of ``adjustment_step`` steps:
+**Error signal** (every step; one value on every device): the relative error of the mean
+the optimizer receives, ``||out - mean_dev(c)|| / ||mean_dev(c)||`` with ``c = g + e``,
+estimated without moving the gradient (an exact ``mean_dev(c)`` would be an f32
+all-reduce, the traffic compression avoids):
 
-1. ``error > error_high``: one level *less* compression, and ``hold <- cooldown``.
-2. else, if ``comm_ratio`` is known and ``< comm_low`` (communication is cheap): one
-   level less compression.
-3. else, if ``error < error_low``, ``hold == 0`` and (``comm_ratio`` unknown or
-   ``> comm_high``): one level *more* compression.
+1. Each device folds its ``out - c`` and its ``c`` into ``sketch_size`` buckets: element
+   ``j`` goes to bucket ``j mod sketch_size`` with a random sign ``s_j = +-1`` (hashed
+   from a key shared by all devices, :func:`~jaxcomm.compression.quantize.uniform_dither`).
+2. One all-reduce of the ``2 x sketch_size`` sums over every data axis (8 KiB): the
+   sketch is linear, so the sums are the sketches of ``out - mean_dev(c)`` and
+   ``mean_dev(c)``.
+3. ``E ||sketch(x)||^2 = ||x||^2`` (independent signs), so the ratio of the two sketch
+   norms estimates the error; its relative spread is about ``sqrt(2/sketch_size)``
+   (0.04 at 1021), and the window mean averages it further.
+
+The old signal, the mean over devices of each device's own ``||c - sent|| / ||c||``,
+counted every device's quantization error in full although the mean averages them
+(for identical gradients on 8 devices it read 2.8x the true error).
+
+**Network signal**: ``comm_share``, the exposed communication share of the step time
+(``-1``: unknown), an input of the step written into the state between steps by
+:func:`with_comm_share`; ``jaxcomm.CommProfiler.drive`` measures it (step time of each
+window against the compute-only twin) and passes it, with no code of the user's.
+
+**Rule** (:class:`Controller`), applied at the first step of every window of
+``adjustment_step`` steps, from the window-mean error ``e`` and the last measured share
+``s`` (measured over the previous window, at the current rung):
+
+1. ``e > error_high``: one rung down (reason *error*); no climbing for
+   ``cooldown * 2**strikes`` windows, then ``strikes += 1`` (at most 6): a rung that is
+   too lossy is retried ever more rarely.
+2. else, ``s`` known and the share predicted one rung down is ``< comm_low``: one rung
+   down (reason *network*; ``strikes`` reset). The prediction scales the measured
+   communication time by the rungs' wire fractions:
+   ``s' = s r / (s r + 1 - s)``, ``r = wire[level - 1] / wire[level]``.
+3. else, ``e < error_low``, no hold, and (``s > comm_high`` (reason *network*) or ``s``
+   unknown (reason *error*)): one rung up.
 4. else stay. ``hold`` decreases by one every window.
 
 **Hysteresis**: the error band ``[error_low, error_high]`` and the comm band
-``[comm_low, comm_high]`` are dead zones (no move), and after a move down for too much
-error the ladder is not climbed again for ``cooldown`` windows, so a level that is just
-over the error bound cannot make the ladder oscillate every window.
+``[comm_low, comm_high]`` are dead zones, and the down move compares the *predicted*
+share of the rung below with ``comm_low``: after a climb (``s > comm_high``) the rung
+below is predicted at about ``s``, above ``comm_low``, so the controller does not step
+straight back; after a descent the share is about its prediction, below ``comm_high``, so
+it does not climb straight back. It holds while the prediction errs by less than
+``comm_high / comm_low`` (3x by default).
+
+Sparse rungs lose most of each step's gradient by design (error feedback delivers it
+later): their error is 0.3-0.95, so a ladder with them needs ``error_low``/``error_high``
+above it, or the error guard steps down at once.
 
 References:
   Agarwal et al., "Accordion: Adaptive Gradient Communication via Critical Learning
   Regime Identification" (MLSys 2021); Abdelmoniem et al., "An Efficient Statistical-based
-  Gradient Compression Technique for Distributed Training Systems" (MLSys 2021).
+  Gradient Compression Technique for Distributed Training Systems" (MLSys 2021);
+  Charikar, Chen & Farach-Colton, "Finding Frequent Items in Data Streams" (ICALP 2002:
+  the count sketch).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -58,18 +106,51 @@ from jaxcomm.compression.base import (
     sum_over,
 )
 from jaxcomm.compression.cast import bf16_mean
-from jaxcomm.compression.quantize import two_phase_mean
+from jaxcomm.compression.quantize import two_phase_mean, uniform_dither
+from jaxcomm.compression.sparse import random_k_mean, topk_mean
 from jaxcomm.validate import check_int
 
-__all__ = ["LADDER", "AdaptiveState", "adaptive", "set_comm_ratio"]
+__all__ = [
+    "DEFAULT_LADDER",
+    "LADDER",
+    "REASONS",
+    "AdaptiveState",
+    "Controller",
+    "adaptive",
+    "error_of_mean",
+    "ladder_probe",
+    "with_comm_share",
+]
 
-# (name, compression = fraction of f32 bytes saved)
+# (name, compression = fraction of f32 bytes saved) of the fixed rungs.
 LADDER: tuple[tuple[str, float], ...] = (
     ("f32", 0.0),
     ("bf16", 0.5),
     ("int8", 0.75),
     ("int4", 0.875),
 )
+DEFAULT_LADDER: tuple[str, ...] = tuple(n for n, _ in LADDER)
+SPARSE = ("topk", "random_k")
+# Why the level last moved: AdaptiveState.last_reason indexes this.
+REASONS = ("none", "error", "network")
+_MAX_STRIKES = 6
+
+# Trace-time record of the ladders of traced adaptive compressors, in trace order (for
+# logging level names; the state holds indices only).
+_LADDERS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jaxcomm_ladders", default=None
+)
+
+
+@contextlib.contextmanager
+def ladder_probe():
+    """Context manager yielding a list that gets the rung names of each adaptive
+    compressor whose ``reduce`` is traced inside it (in trace order)."""
+    token = _LADDERS.set([])
+    try:
+        yield _LADDERS.get()
+    finally:
+        _LADDERS.reset(token)
 
 
 class AdaptiveState(NamedTuple):
@@ -77,12 +158,17 @@ class AdaptiveState(NamedTuple):
 
     Attributes:
       level: int32 index into the compressor's ladder (``levels`` in its name).
-      residual: ``PerDevice`` tuple of f32 error-feedback residuals.
-      error_sum: f32, sum of the pmean-ed relative errors in the current window.
+      residual: ``PerDevice`` tuple of f32 error-feedback residuals, shared by all rungs.
+      error_sum: f32, sum of the error signals of the current window's steps.
       window_steps: int32, steps in the current window.
       hold: int32, windows left before the ladder may be climbed again.
-      comm_ratio: f32, measured communication/computation time ratio (-1: unknown).
-      last_error: f32, the window-mean error of the last decision (for logging).
+      strikes: int32, steps down for error since the last network step down (the hold
+        after a step down for error is ``cooldown * 2**strikes``).
+      comm_share: f32, the exposed communication share of the step time measured over the
+        last window (``-1``: unknown), written by :func:`with_comm_share`.
+      last_error: f32, the window-mean error of the last decision.
+      last_reason: int32, why the last decision moved (index into :data:`REASONS`).
+      window: int32, ``adjustment_step`` (constant; drivers read it to align windows).
     """
 
     level: jax.Array
@@ -90,75 +176,292 @@ class AdaptiveState(NamedTuple):
     error_sum: jax.Array
     window_steps: jax.Array
     hold: jax.Array
-    comm_ratio: jax.Array
+    strikes: jax.Array
+    comm_share: jax.Array
     last_error: jax.Array
+    last_reason: jax.Array
+    window: jax.Array
 
 
-def _level_fn(name: str, block: int):
-    def f32(cs, ctx):
-        n = axes_size(ctx.axes)
-        return [sum_over(c, ctx.axes, ctx.algorithm) / n for c in cs], list(cs)
+class Controller(NamedTuple):
+    """The decision rule of :func:`adaptive` (module docstring, steps 1-4), in ``jnp`` so
+    that it runs inside the step and, for tests, on its own.
 
-    def bf16(cs, ctx):
-        pairs = [bf16_mean(c, ctx.axes, ctx.algorithm, "auto") for c in cs]
-        return [m for m, _ in pairs], [s for _, s in pairs]
+    Attributes:
+      error_low, error_high: the error band.
+      comm_low, comm_high: the communication-share band.
+      cooldown: base hold (windows) after a step down for error.
+    """
 
-    def quant(bits):
-        def f(cs, ctx):
-            key = device_key(ctx.key, ctx.axes)
-            out, sent = [], []
-            for i, c in enumerate(cs):
-                mean, local = two_phase_mean(
-                    c.reshape(-1), ctx.axes, bits=bits, block=block, key=jax.random.fold_in(key, i)
-                )
-                out.append(mean.reshape(c.shape))
-                sent.append(local.reshape(c.shape))
-            return out, sent
+    error_low: float
+    error_high: float
+    comm_low: float
+    comm_high: float
+    cooldown: int
 
-        return f
+    def decide(
+        self,
+        level: jax.Array,
+        hold: jax.Array,
+        strikes: jax.Array,
+        error: jax.Array,
+        share: jax.Array,
+        wire: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """One decision.
 
-    return {"f32": f32, "bf16": bf16, "int8": quant(8), "int4": quant(4)}[name]
+        Args:
+          level, hold, strikes: as in :class:`AdaptiveState`.
+          error: the window-mean error signal.
+          share: the measured communication share (negative: unknown).
+          wire: f32 ``(levels,)``, each rung's wire fraction.
+
+        Returns:
+          ``(level, hold, strikes, reason)``, int32 scalars; ``reason`` indexes
+          :data:`REASONS`.
+        """
+        top = wire.shape[0] - 1
+        known = share >= 0
+        s = jnp.clip(share, 0.0, 1.0)
+        r = wire[jnp.maximum(level - 1, 0)] / wire[level]
+        below = s * r / jnp.maximum(s * r + 1.0 - s, 1e-12)  # predicted share one rung down
+        down_err = (error > self.error_high) & (level > 0)
+        down_net = ~down_err & known & (level > 0) & (below < self.comm_low)
+        up = (
+            ~down_err
+            & ~down_net
+            & (level < top)
+            & (hold == 0)
+            & (error < self.error_low)
+            & (~known | (s > self.comm_high))
+        )
+        move = jnp.where(down_err | down_net, -1, jnp.where(up, 1, 0))
+        reason = jnp.where(
+            down_err, 1, jnp.where(down_net, 2, jnp.where(up, jnp.where(known, 2, 1), 0))
+        )
+        new_hold = jnp.where(
+            down_err, self.cooldown * jnp.left_shift(1, strikes), jnp.maximum(hold - 1, 0)
+        )
+        new_strikes = jnp.where(
+            down_err, jnp.minimum(strikes + 1, _MAX_STRIKES), jnp.where(down_net, 0, strikes)
+        )
+        i32 = jnp.int32
+        return (
+            (level + move).astype(i32),
+            new_hold.astype(i32),
+            new_strikes.astype(i32),
+            reason.astype(i32),
+        )
+
+
+class _Rung(NamedTuple):
+    name: str
+    compression: float
+    wire: Callable[[int], float]  # p -> wire fraction
+    mean: Callable  # (c, ctx, key, i) -> (mean, sent)
+
+
+def _parse_ratio(name: str, kind: str) -> float:
+    try:
+        r = float(name.split(":", 1)[1])
+    except (IndexError, ValueError):
+        raise ValueError(
+            f"ladder rung {name!r}: write {kind}:R with R the fraction sent, e.g. '{kind}:0.1'."
+        ) from None
+    return check_range(f"ladder rung {name!r}: ratio", r, 0.0, 1.0, low_open=True)
+
+
+def _rung(name: str, block: int, method: str) -> _Rung:
+    if name == "f32":
+        return _Rung(
+            name, 0.0, lambda p: 1.0, lambda c, ctx, key, i: (
+                sum_over(c, ctx.axes, ctx.algorithm) / axes_size(ctx.axes), c)
+        )  # fmt: skip
+    if name == "bf16":
+        return _Rung(
+            name, 0.5, lambda p: 0.5,
+            lambda c, ctx, key, i: bf16_mean(c, ctx.axes, ctx.algorithm, "auto"),
+        )  # fmt: skip
+    if name in ("int8", "int4"):
+        bits = int(name[3:])
+
+        def quant(c, ctx, key, i):
+            mean, local = two_phase_mean(
+                c.reshape(-1), ctx.axes, bits=bits, block=block,
+                key=jax.random.fold_in(device_key(key, ctx.axes), i),
+            )  # fmt: skip
+            return mean.reshape(c.shape), local.reshape(c.shape)
+
+        frac = (bits / 8 + 4 / block) / 4
+        return _Rung(name, dict(LADDER)[name], lambda p: frac, quant)
+    kind = name.split(":", 1)[0]
+    if kind == "topk":
+        r = _parse_ratio(name, kind)
+
+        def top(c, ctx, key, i):
+            k = jax.random.fold_in(device_key(key, ctx.axes), i)
+            return topk_mean(c, ctx.axes, ratio=r, method=method, sample_ratio=0.01, key=k)
+
+        return _Rung(f"topk:{r:g}", max(0.0, 1.0 - 2 * r), lambda p: p * r, top)
+    if kind == "random_k":
+        r = _parse_ratio(name, kind)
+
+        def rand(c, ctx, key, i):
+            k = jax.random.fold_in(key, i)  # shared: the same positions on every device
+            return random_k_mean(c, ctx.axes, ctx.algorithm, ratio=r, key=k)
+
+        return _Rung(f"random_k:{r:g}", 1.0 - r, lambda p: r, rand)
+    raise ValueError(
+        f"ladder rung {name!r} is not known; use {list(DEFAULT_LADDER)} or "
+        f"{[f'{k}:R' for k in SPARSE]} (R the fraction sent, e.g. 'topk:0.1')."
+    )
+
+
+def _sketch(x: jax.Array, key: jax.Array, size: int) -> jax.Array:
+    """``size`` signed bucket sums of a flat ``x``: bucket ``j mod size``, sign from ``key``."""
+    x = x.reshape(-1)
+    rows = -(-x.shape[0] // size)
+    x = jnp.pad(x, (0, rows * size - x.shape[0]))
+    signs = jnp.where(uniform_dither(key, (rows * size,)) < 0.5, -1.0, 1.0)
+    return (x * signs).reshape(rows, size).sum(0)
+
+
+def error_of_mean(
+    cs: Sequence[jax.Array],
+    outs: Sequence[jax.Array],
+    ctx: ReduceContext,
+    *,
+    sketch_size: int = 1021,
+) -> jax.Array:
+    """Estimated ``||out - mean_dev(c)|| / ||mean_dev(c)||`` over all buffers (module
+    docstring, steps 1-3), the same on every device.
+
+    Args:
+      cs: per-device f32 buffers that were reduced (``g + e``).
+      outs: the means the compressor returned for them (the same on every device of a
+        ``ctx.axes`` group).
+      ctx: the reduce context; the sums are reduced over ``decision_axes(ctx)``. With
+        ``compress_stage='inter'`` every intra-node position holds its own shard: its
+        signs differ, and the sum over it adds the shards' sketches.
+      sketch_size: buckets per sketch; ``||x||^2`` is exact for buffers up to this size.
+
+    Returns:
+      f32 scalar, invariant over every data axis (0 when ``mean_dev(c)`` is zero).
+
+    Example:
+      >>> err = error_of_mean(cs, outs, ctx)   # inside a compressor's reduce
+    """
+    dec = decision_axes(ctx)
+    key = jax.random.fold_in(ctx.key, 0x5E7C)
+    others = tuple(a for a in dec if a not in ctx.axes)
+    if others:  # one shard per position on the other axes: independent signs per shard
+        key = jax.random.fold_in(key, lax.axis_index(others))
+    num = jnp.zeros((sketch_size,), jnp.float32)
+    den = jnp.zeros((sketch_size,), jnp.float32)
+    for i, (c, o) in enumerate(zip(cs, outs, strict=True)):
+        k = jax.random.fold_in(key, i)
+        num = num + _sketch(o.astype(jnp.float32) - c, k, sketch_size)
+        den = den + _sketch(c, k, sketch_size)
+    both = lax.psum(jnp.concatenate([num, den]), dec) / axes_size(ctx.axes)
+    num, den = both[:sketch_size], both[sketch_size:]
+    # Divide by max |den| so that huge finite gradients do not overflow the squares.
+    scale = jnp.max(jnp.abs(den))
+    scale = jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1.0)
+    n2 = jnp.sum(jnp.square(num / scale))
+    d2 = jnp.sum(jnp.square(den / scale))
+    return jnp.where(d2 > 0, jnp.sqrt(n2 / jnp.where(d2 > 0, d2, 1.0)), 0.0)
+
+
+def with_comm_share(opt_state: Any, share: jax.Array) -> Any:
+    """``opt_state`` with ``share`` as the measured communication share of every
+    :class:`AdaptiveState` in it.
+
+    Called inside the step (``jaxcomm.data_parallel`` does, with the share that
+    ``jaxcomm.CommProfiler.drive`` passes as an explicit input), so a measurement reaches
+    the controller without a host round trip per step.
+
+    Args:
+      opt_state: an optimizer state (any pytree).
+      share: f32 scalar in ``[0, 1]``, or negative for unknown; replicated.
+
+    Returns:
+      The new optimizer state.
+
+    Example:
+      >>> opt_state = with_comm_share(opt_state, share)   # inside the jitted step
+    """
+
+    def visit(node):
+        if isinstance(node, AdaptiveState):
+            return node._replace(comm_share=jnp.asarray(share, jnp.float32))
+        return node
+
+    return jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, AdaptiveState))
+
+
+def _check_ladder(ladder: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(ladder, str) or not isinstance(ladder, Sequence) or not ladder:
+        raise ValueError(
+            f"ladder={ladder!r} must be a non-empty sequence of rung names, least "
+            f"compression first, e.g. {DEFAULT_LADDER}."
+        )
+    return tuple(ladder)
 
 
 def adaptive(
     initial_compression_ratio: float = 0.5,
+    *,
     min_compression: float = 0.1,
     max_compression: float = 0.9,
     adjustment_step: int = 100,
-    *,
+    ladder: Sequence[str] = DEFAULT_LADDER,
     error_low: float = 0.05,
     error_high: float = 0.25,
     comm_low: float = 0.1,
     comm_high: float = 0.3,
     cooldown: int = 3,
     block: int = 256,
+    topk_method: str = "auto",
+    sketch_size: int = 1021,
 ) -> Compressor:
-    """Adaptive compressor that walks a ladder of levels (see the module docstring).
+    """Adaptive compressor that walks a ladder of rungs (see the module docstring).
 
     Args:
-      initial_compression_ratio: start at the ladder level nearest this compression
-        (fraction of f32 bytes saved), in ``[min_compression, max_compression]``.
+      initial_compression_ratio: start at the rung nearest this compression (fraction of
+        f32 bytes saved), in ``[min_compression, max_compression]``.
       min_compression: least compression allowed, in [0, 1].
       max_compression: most compression allowed, in [min_compression, 1].
-      adjustment_step: steps per decision window (>= 1).
-      error_low: below this window-mean relative error the ladder may be climbed.
+      adjustment_step: steps per decision window (>= 1); ``CommProfiler.drive`` measures
+        the step time over the same windows.
+      ladder: rung names, least compression first (nominal compression strictly
+        increasing): ``'f32'``, ``'bf16'``, ``'int8'``, ``'int4'``, ``'topk:R'``,
+        ``'random_k:R'`` (``R`` the fraction of entries sent). Default
+        :data:`DEFAULT_LADDER`; the rungs outside ``[min_compression,
+        max_compression]`` are dropped.
+      error_low: below this window-mean error the ladder may be climbed.
       error_high: above it the compressor steps down; ``0 < error_low < error_high``.
-      comm_low: a measured comm/compute ratio below this steps down.
-      comm_high: a measured comm/compute ratio above this allows climbing;
-        ``0 <= comm_low <= comm_high``.
-      cooldown: windows without climbing after a step down for error (>= 0).
-      block: quantization block for the int8/int4 levels (even, >= 2).
+      comm_low: step down when the share predicted for the rung below is under this.
+      comm_high: a measured share above this climbs; ``0 <= comm_low <= comm_high <= 1``.
+      cooldown: windows without climbing after a step down for error (>= 0), doubled
+        for every further step down for error (up to 64x).
+      block: quantization block of the int8/int4 rungs (even, >= 2).
+      topk_method: selection of the top-k rungs ('auto', 'exact', 'sampled'; see
+        :func:`~jaxcomm.compression.topk`).
+      sketch_size: buckets of the error estimate (>= 16; relative spread about
+        ``sqrt(2 / sketch_size)``).
 
     Returns:
       A :class:`~jaxcomm.compression.Compressor` with state :class:`AdaptiveState`.
 
     Raises:
-      ValueError: a value out of range, ``min_compression > max_compression``, or no
-        ladder level inside ``[min_compression, max_compression]``.
+      ValueError: a value out of range, an unknown or out-of-order rung,
+        ``min_compression > max_compression``, or no rung inside
+        ``[min_compression, max_compression]``.
 
     Example:
-      >>> c = jaxcomm.compression.adaptive(0.5, min_compression=0.1, max_compression=0.9,
-      ...                                  adjustment_step=100)
+      >>> c = jaxcomm.compression.adaptive(
+      ...     0.5, adjustment_step=20, ladder=('bf16', 'int8', 'int4', 'random_k:0.1'),
+      ...     error_low=0.95, error_high=1.0)
       >>> tx = jaxcomm.sync_gradients(compression=c)
     """
     lo = check_range("min_compression", min_compression, 0.0, 1.0)
@@ -173,22 +476,36 @@ def adaptive(
         fix="It must lie between min_compression and max_compression.",
     )  # fmt: skip
     adjustment_step = check_int("adjustment_step", adjustment_step, minimum=1)
-    check_range("error_low", error_low, 0.0, 1.0, low_open=True)
+    check_range("error_low", error_low, 0.0, float("inf"), low_open=True)
     check_range("error_high", error_high, error_low, float("inf"), low_open=True)
-    check_range("comm_low", comm_low, 0.0, float("inf"))
-    check_range("comm_high", comm_high, comm_low, float("inf"))
+    check_range("comm_low", comm_low, 0.0, 1.0)
+    check_range("comm_high", comm_high, comm_low, 1.0)
     cooldown = check_int("cooldown", cooldown, minimum=0)
+    sketch_size = check_int("sketch_size", sketch_size, minimum=16, fix="e.g. 1021")
     if check_int("block", block, minimum=2, fix="an even number, e.g. 256") % 2:
         raise ValueError(f"block={block!r} must be an even int >= 2, e.g. 256.")
-    levels = [(n, c) for n, c in LADDER if lo <= c <= hi]
+    if topk_method not in ("auto", "exact", "sampled"):
+        raise ValueError(
+            f"topk_method={topk_method!r} is not known; choose one of ['auto', 'exact', 'sampled']."
+        )
+    rungs = [_rung(n, block, topk_method) for n in _check_ladder(ladder)]
+    for a, b in zip(rungs, rungs[1:], strict=False):
+        if not a.compression < b.compression:
+            raise ValueError(
+                f"ladder={tuple(ladder)!r}: rung {b.name!r} (compression {b.compression:g}) "
+                f"does not compress more than {a.name!r} ({a.compression:g}); list the rungs "
+                "least compression first."
+            )
+    levels = [r for r in rungs if lo <= r.compression <= hi]
     if not levels:
         raise ValueError(
             f"no compression level lies in [min_compression={lo}, max_compression={hi}]; "
-            f"the ladder is {dict(LADDER)}. Widen the range."
+            f"the ladder is {dict((r.name, r.compression) for r in rungs)}. Widen the range."
         )
-    start = min(range(len(levels)), key=lambda i: abs(levels[i][1] - init_c))
-    fns = [_level_fn(n, block) for n, _ in levels]
-    top = len(levels) - 1
+    start = min(range(len(levels)), key=lambda i: abs(levels[i].compression - init_c))
+    names = tuple(r.name for r in levels)
+    control = Controller(float(error_low), float(error_high), float(comm_low), float(comm_high),
+                         cooldown)  # fmt: skip
 
     def init(specs):
         f0, i0 = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
@@ -198,61 +515,57 @@ def adaptive(
             error_sum=f0,
             window_steps=i0,
             hold=i0,
-            comm_ratio=jnp.asarray(-1.0, jnp.float32),
+            strikes=i0,
+            comm_share=jnp.asarray(-1.0, jnp.float32),
             last_error=f0,
+            last_reason=i0,
+            window=jnp.asarray(adjustment_step, jnp.int32),
         )
 
     def reduce(xs, state: AdaptiveState, ctx: ReduceContext):
+        probe = _LADDERS.get()
+        if probe is not None:
+            probe.append(names)
+        # 1. The decision at the first step of a window, from the last window's error and
+        #    the share measured over it (every input is replicated: one branch everywhere).
+        p = axes_size(ctx.axes)
+        wire = jnp.asarray([r.wire(p) for r in levels], jnp.float32)
+        decide = state.window_steps >= adjustment_step
+        mean_err = state.error_sum / jnp.maximum(state.window_steps, 1).astype(jnp.float32)
+        level, hold, strikes, reason = control.decide(
+            state.level, state.hold, state.strikes, mean_err, state.comm_share, wire
+        )
+        level = jnp.where(decide, level, state.level)
+        # 2. Compress g + e with the rung; one shared residual.
         cs = ef.corrected(xs, state.residual)
-        branches = [lambda cs, f=f: f(cs, ctx) for f in fns]
-        out, sent = lax.switch(state.level, branches, cs)
-        # Over every data axis (not ctx.axes, the outer axes only with
-        # compress_stage='inter'): all devices must pick the same lax.switch branch.
-        err = lax.pmean(ef.relative_error(cs, sent), decision_axes(ctx))
-        err_sum = state.error_sum + err
-        steps = state.window_steps + 1
-        decide = steps >= adjustment_step
-        mean_err = err_sum / steps.astype(jnp.float32)
-        known = state.comm_ratio >= 0
-        down_err = mean_err > error_high
-        down_comm = known & (state.comm_ratio < comm_low)
-        up = (mean_err < error_low) & (state.hold == 0) & (~known | (state.comm_ratio > comm_high))
-        move = jnp.where(down_err | down_comm, -1, jnp.where(up, 1, 0))
-        level = jnp.clip(state.level + move, 0, top).astype(jnp.int32)
-        hold = jnp.where(down_err, cooldown, jnp.maximum(state.hold - 1, 0)).astype(jnp.int32)
+
+        def branch(rung):
+            def run(cs):
+                pairs = [rung.mean(c, ctx, ctx.key, i) for i, c in enumerate(cs)]
+                return [m for m, _ in pairs], [s for _, s in pairs]
+
+            return run
+
+        out, sent = lax.switch(level, [branch(r) for r in levels], cs)
+        # 3. The error of the mean, over every data axis (not ctx.axes, the outer axes only
+        #    with compress_stage='inter'): all devices must pick the same branch.
+        err = error_of_mean(cs, out, ctx, sketch_size=sketch_size)
+        zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
         new = AdaptiveState(
-            level=jnp.where(decide, level, state.level),
+            level=level,
             residual=ef.new_residuals(cs, sent),
-            error_sum=jnp.where(decide, 0.0, err_sum),
-            window_steps=jnp.where(decide, 0, steps).astype(jnp.int32),
+            error_sum=jnp.where(decide, zero_f, state.error_sum) + err,
+            window_steps=(jnp.where(decide, zero_i, state.window_steps) + 1).astype(jnp.int32),
             hold=jnp.where(decide, hold, state.hold),
-            comm_ratio=state.comm_ratio,
+            strikes=jnp.where(decide, strikes, state.strikes),
+            comm_share=state.comm_share,
             last_error=jnp.where(decide, mean_err, state.last_error),
+            last_reason=jnp.where(decide, reason, state.last_reason),
+            window=state.window,
         )
         out = [o.astype(jnp.result_type(x)) for o, x in zip(out, xs, strict=True)]
         return out, new
 
-    names = ",".join(n for n, _ in levels)
-    return Compressor(f"adaptive[{names}]", init, reduce, wire_fraction=1.0 - levels[0][1])
-
-
-def set_comm_ratio(opt_state: Any, ratio: float) -> Any:
-    """Stores a host-measured communication/computation time ratio in every adaptive state.
-
-    Call it between steps (e.g. from ``jaxcomm.CommProfiler`` numbers); the next decision
-    window uses it. Returns a new optimizer state (the old one is not modified).
-
-    Example:
-      >>> state = state._replace(opt_state=set_comm_ratio(state.opt_state, 0.8))
-    """
-
-    def visit(node):
-        if isinstance(node, AdaptiveState):
-            old = node.comm_ratio
-            new = jnp.asarray(ratio, jnp.float32)
-            if isinstance(old, jax.Array) and hasattr(old, "sharding"):
-                new = jax.device_put(new, old.sharding)
-            return node._replace(comm_ratio=new)
-        return node
-
-    return jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, AdaptiveState))
+    return Compressor(
+        f"adaptive[{','.join(names)}]", init, reduce, wire_fraction=1.0 - levels[0].compression
+    )

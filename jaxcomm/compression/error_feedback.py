@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxcomm.state import PerDevice
 
-__all__ = ["corrected", "init_residuals", "new_residuals", "relative_error"]
+__all__ = ["corrected", "init_residuals", "new_residuals"]
 
 
 def init_residuals(specs: Sequence[Any]) -> PerDevice:
@@ -46,20 +46,3 @@ def corrected(xs: Sequence[jax.Array], residuals: PerDevice | None) -> list[jax.
 def new_residuals(corrected_xs: Sequence[jax.Array], transmitted: Sequence[jax.Array]) -> PerDevice:
     """``e <- (g + e) - C(g + e)``: what this device meant to send but did not."""
     return PerDevice(tuple(c - t for c, t in zip(corrected_xs, transmitted, strict=True)))
-
-
-def relative_error(
-    corrected_xs: Sequence[jax.Array], transmitted: Sequence[jax.Array]
-) -> jax.Array:
-    """``||c - t|| / ||c||`` over all buffers (0 when ``c`` is all zeros).
-
-    Computed on values divided by ``max |c|`` so that huge finite gradients do not
-    overflow the sum of squares.
-    """
-    scale = jnp.max(jnp.stack([jnp.max(jnp.abs(c)) for c in corrected_xs]))
-    scale = jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1.0)
-    num = sum(
-        jnp.sum(jnp.square((c - t) / scale)) for c, t in zip(corrected_xs, transmitted, strict=True)
-    )
-    den = sum(jnp.sum(jnp.square(c / scale)) for c in corrected_xs)
-    return jnp.where(den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1.0)), 0.0)

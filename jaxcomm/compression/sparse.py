@@ -37,7 +37,7 @@ from jaxcomm.compression.base import (
     sum_over,
 )
 
-__all__ = ["random_k", "select_topk", "topk"]
+__all__ = ["random_k", "random_k_mean", "select_topk", "topk", "topk_mean"]
 
 METHODS = ("auto", "exact", "sampled")
 # 'auto' uses exact top-k below this many elements (fast enough, exact), sampled above.
@@ -83,6 +83,91 @@ def select_topk(
     return idx, vals
 
 
+def topk_mean(
+    c: jax.Array,
+    axes: tuple[str, ...],
+    *,
+    ratio: float,
+    method: str,
+    sample_ratio: float,
+    key: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Mean over ``axes`` of the top-k entries of each device's ``c`` (all-gather of pairs).
+
+    1. Select about ``k = ceil(ratio N)`` largest ``|c|`` (:func:`select_topk`).
+    2. All-gather the ``p x k`` (index, value) pairs; scatter-add them; divide by ``p``.
+
+    Args:
+      c: per-device f32 buffer (any shape; flattened).
+      axes: mesh axes to average over.
+      ratio: fraction of entries sent, in (0, 1].
+      method: 'exact', 'sampled' or 'auto' (see :func:`topk`).
+      sample_ratio: sample fraction for 'sampled'.
+      key: per-device key (the sample's random offset).
+
+    Returns:
+      ``(mean, sent)``, both shaped like ``c``: ``mean`` the same on every device,
+      ``sent`` what this device contributed (``mean_devices(sent) == mean``).
+    """
+    flat = c.reshape(-1)
+    n = flat.shape[0]
+    k = _k(n, ratio)
+    if method == "auto":
+        method = "exact" if n <= EXACT_MAX_ELEMENTS else "sampled"
+    sample = max(k, math.ceil(sample_ratio * n), min(n, 1024))
+    idx, vals = select_topk(flat, k, method=method, sample=sample, key=key)
+    # The wire: p x k indices and values.
+    all_idx = all_gather_invariant(idx, axes)
+    all_vals = all_gather_invariant(vals, axes)
+    total = jnp.zeros((n + 1,), jnp.float32).at[all_idx].add(all_vals)[:n]
+    mine = jnp.zeros((n + 1,), jnp.float32).at[idx].set(vals)[:n]
+    return (total / axes_size(axes)).reshape(c.shape), mine.reshape(c.shape)
+
+
+def random_k_mean(
+    c: jax.Array,
+    axes: tuple[str, ...],
+    algorithm: str,
+    *,
+    ratio: float,
+    key: jax.Array,
+    scale: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Mean over ``axes`` of the same random ``k`` entries on every device (an all-reduce).
+
+    1. One uniformly random position per stratum of ``ceil(N/k)`` entries, drawn from
+       ``key`` (the same on every device, so every device selects the same positions).
+    2. All-reduce the ``k`` values with ``algorithm``; divide by ``p``.
+
+    Args:
+      c: per-device f32 buffer (any shape; flattened).
+      axes: mesh axes to average over.
+      algorithm: the all-reduce algorithm.
+      ratio: fraction of entries sent, in (0, 1].
+      key: a key that is the same on every device.
+      scale: multiply the sent values by the stratum size (unbiased without error
+        feedback).
+
+    Returns:
+      ``(mean, sent)`` as in :func:`topk_mean`.
+    """
+    flat = c.reshape(-1)
+    n = flat.shape[0]
+    k = _k(n, ratio)
+    seg = -(-n // k)
+    k = -(-n // seg)
+    idx = jnp.arange(k, dtype=jnp.int32) * seg + jax.random.randint(key, (k,), 0, seg)
+    valid = idx < n
+    idx = jnp.where(valid, idx, n)
+    vals = jnp.where(valid, jnp.take(flat, jnp.minimum(idx, n - 1)), 0.0)
+    if scale:
+        vals = vals * seg
+    summed = sum_over(vals, axes, algorithm) / axes_size(axes)
+    total = jnp.zeros((n + 1,), jnp.float32).at[idx].set(summed)[:n]
+    mine = jnp.zeros((n + 1,), jnp.float32).at[idx].set(vals)[:n]
+    return total.reshape(c.shape), mine.reshape(c.shape)
+
+
 def topk(
     ratio: float,
     *,
@@ -124,27 +209,15 @@ def topk(
 
     def reduce(xs, state, ctx: ReduceContext):
         cs = ef.corrected(xs, state if error_feedback else None)
-        p = axes_size(ctx.axes)
         key = device_key(ctx.key, ctx.axes)
         out, sent = [], []
         for i, c in enumerate(cs):
-            flat = c.reshape(-1)
-            n = flat.shape[0]
-            k = _k(n, ratio)
-            m = method
-            if m == "auto":
-                m = "exact" if n <= EXACT_MAX_ELEMENTS else "sampled"
-            sample = max(k, math.ceil(sample_ratio * n), min(n, 1024))
-            idx, vals = select_topk(
-                flat, k, method=m, sample=sample, key=jax.random.fold_in(key, i)
-            )
-            # The wire: p x k indices and values.
-            all_idx = all_gather_invariant(idx, ctx.axes)
-            all_vals = all_gather_invariant(vals, ctx.axes)
-            total = jnp.zeros((n + 1,), jnp.float32).at[all_idx].add(all_vals)[:n]
-            out.append((total / p).reshape(c.shape).astype(jnp.result_type(xs[i])))
-            mine = jnp.zeros((n + 1,), jnp.float32).at[idx].set(vals)[:n]
-            sent.append(mine.reshape(c.shape))
+            mean, mine = topk_mean(
+                c, ctx.axes, ratio=ratio, method=method, sample_ratio=sample_ratio,
+                key=jax.random.fold_in(key, i),
+            )  # fmt: skip
+            out.append(mean.astype(jnp.result_type(xs[i])))
+            sent.append(mine)
         new = ef.new_residuals(cs, sent) if error_feedback else state
         return out, new
 
@@ -179,26 +252,14 @@ def random_k(ratio: float, *, error_feedback: bool = True) -> Compressor:
 
     def reduce(xs, state, ctx: ReduceContext):
         cs = ef.corrected(xs, state if error_feedback else None)
-        p = axes_size(ctx.axes)
         out, sent = [], []
         for i, c in enumerate(cs):
-            flat = c.reshape(-1)
-            n = flat.shape[0]
-            k = _k(n, ratio)
-            seg = -(-n // k)
-            k = -(-n // seg)
             key = jax.random.fold_in(ctx.key, i)  # shared: same indices on every device
-            idx = jnp.arange(k, dtype=jnp.int32) * seg + jax.random.randint(key, (k,), 0, seg)
-            valid = idx < n
-            idx = jnp.where(valid, idx, n)
-            vals = jnp.where(valid, jnp.take(flat, jnp.minimum(idx, n - 1)), 0.0)
-            if not error_feedback:
-                vals = vals * seg
-            summed = sum_over(vals, ctx.axes, ctx.algorithm) / p
-            total = jnp.zeros((n + 1,), jnp.float32).at[idx].set(summed)[:n]
-            out.append(total.reshape(c.shape).astype(jnp.result_type(xs[i])))
-            mine = jnp.zeros((n + 1,), jnp.float32).at[idx].set(vals)[:n]
-            sent.append(mine.reshape(c.shape))
+            mean, mine = random_k_mean(
+                c, ctx.axes, ctx.algorithm, ratio=ratio, key=key, scale=not error_feedback
+            )
+            out.append(mean.astype(jnp.result_type(xs[i])))
+            sent.append(mine)
         new = ef.new_residuals(cs, sent) if error_feedback else state
         return out, new
 

@@ -1,0 +1,255 @@
+"""Adaptive compression: the error signal against numpy, the controller on a synthetic
+network, sparse rungs, and the measured network in the loop (``CommProfiler.drive``)."""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import AX, per_device, sharded, state_specs
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm.state import stack_local
+
+C = jaxcomm.compression
+N = 1 << 16  # 64k elements, as in issue 11's measurement
+
+
+@functools.cache
+def _mesh(p: int):
+    return jaxcomm.make_mesh(intra=min(p, 4), devices=jax.devices()[:p])
+
+
+def _grads(kind: str, p: int, seed: int = 0) -> np.ndarray:
+    """(p, N) per-device gradients: the same vector, a shared part plus noise, or iid."""
+    rng = np.random.default_rng(seed)
+    common = rng.normal(size=N)
+    if kind == "identical":
+        g = np.broadcast_to(common, (p, N))
+    elif kind == "correlated":
+        g = common + 0.5 * rng.normal(size=(p, N))
+    else:
+        g = rng.normal(size=(p, N))
+    return np.ascontiguousarray(g, dtype=np.float32)
+
+
+@functools.cache
+def _one_step(p: int, stage: str):
+    """One sync_gradients update with an int8-only adaptive ladder: (out, state)."""
+    comp = C.adaptive(ladder=("int8",), adjustment_step=100)
+    tx = jaxcomm.sync_gradients(compression=comp, min_size=1, compress_stage=stage)
+    mesh = _mesh(p)
+    example = jnp.zeros(N)
+    sspecs = state_specs(lambda: tx.init(example), mesh)
+
+    def local(g):
+        state = tx.init(g[0])
+        out, state = tx.update(g[0], state)
+        return out[None], stack_local(state)
+
+    return sharded(local, mesh, out_specs=(P(AX), sspecs))
+
+
+def _signals(kind: str, p: int, stage: str = "all"):
+    """(the adaptive error signal, the true error of the mean, the old bookkeeping)."""
+    g = _grads(kind, p)
+    out, state = _one_step(p, stage)(per_device(_mesh(p), g))
+    out = np.asarray(out)
+    np.testing.assert_array_equal(out[0], out[-1])
+    mean = g.astype(np.float64).mean(0)
+    true = np.linalg.norm(out[0] - mean) / np.linalg.norm(mean)
+    cs = state.compression
+    assert int(cs.window_steps) == 1
+    signal = float(cs.error_sum)
+    # The old signal: the mean over devices of each device's ||c - sent|| / ||c||.
+    res = np.asarray(cs.residual.value[0]).reshape(p, -1)
+    old = np.mean(np.linalg.norm(res, axis=1) / np.linalg.norm(g, axis=1))
+    return signal, true, old
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["identical", "correlated", "independent"])
+def test_error_signal_is_the_error_of_the_mean(kind, p):
+    signal, true, _ = _signals(kind, p)
+    # the sketch's relative spread is about sqrt(2 / 1021) on the squared norms
+    assert signal == pytest.approx(true, rel=0.1), (kind, p, signal, true)
+
+
+def test_error_signal_does_not_grow_with_the_device_count():
+    # Identical gradients: the true error of the mean is the same at p = 2, 4, 8 (0.010,
+    # int8); the old bookkeeping read 0.014, 0.020, 0.028 (sqrt(1 + p) times one rounding).
+    got = {p: _signals("identical", p) for p in (2, 4, 8)}
+    signals = [s for s, _, _ in got.values()]
+    assert max(signals) / min(signals) < 1.15, got
+    signal, true, old = got[8]
+    assert old > 2.5 * true  # what the per-device sum of errors reported
+
+
+@pytest.mark.parametrize("kind", ["identical", "independent"])
+def test_error_signal_with_the_inter_stage(kind):
+    # compress_stage='inter': every intra position reduces its own shard across nodes;
+    # the signal adds the shards' sketches over the intra axis.
+    signal, true, _ = _signals(kind, 8, "inter")
+    assert signal == pytest.approx(true, rel=0.1), (kind, signal, true)
+
+
+# -- the controller on a synthetic network ------------------------------------------------
+WIRE = np.array([1.0, 0.5, (1 + 4 / 256) / 4, (0.5 + 4 / 256) / 4], np.float32)  # f32..int4
+
+
+def _share(level: int, link: float, rng) -> float:
+    """Exposed comm share of a step with 1 s of compute and ``link`` s of f32 traffic,
+    +-10% measurement noise."""
+    comm = link * WIRE[level] * rng.uniform(0.9, 1.1)
+    return comm / (comm + 1.0)
+
+
+def _closed_loop(control, links, start, seed=0):
+    """Runs the controller window by window: the share measured at window w (at its
+    level) decides window w + 1, as with CommProfiler.drive. Returns (levels, reasons)."""
+    rng = np.random.default_rng(seed)
+    level, hold, strikes = jnp.int32(start), jnp.int32(0), jnp.int32(0)
+    levels, reasons = [], []
+    decide = jax.jit(control.decide)
+    for link in links:
+        levels.append(int(level))
+        share = jnp.float32(_share(int(level), link, rng))
+        level, hold, strikes, reason = decide(
+            level, hold, strikes, jnp.float32(0.01), share, jnp.asarray(WIRE)
+        )
+        reasons.append(C.REASONS[int(reason)])
+    return levels, reasons
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_controller_follows_a_link_drop_and_recovery(seed):
+    # 10 windows on a fast link (f32 traffic 0.25 s per 1 s of compute), 15 on a 10x
+    # slower one, 15 fast again. Start at bf16.
+    control = C.Controller(error_low=0.05, error_high=0.25, comm_low=0.15, comm_high=0.3,
+                           cooldown=3)  # fmt: skip
+    links = [0.25] * 10 + [2.5] * 15 + [0.25] * 15
+    levels, reasons = _closed_loop(control, links, start=1, seed=seed)
+    assert levels[:11] == [1] * 11  # bf16 holds on the fast link (share 0.11, f32 0.2)
+    # Up within 3 windows of the drop (window 10), to int4, then no move while slow.
+    top = levels.index(3)
+    assert top <= 10 + 3
+    assert levels[top:26] == [3] * (26 - top)
+    # Down within 3 windows of the recovery (window 25), back to bf16, and it stays.
+    back = 25 + levels[25:].index(1)
+    assert back <= 25 + 3
+    assert levels[back:] == [1] * (40 - back)
+    # Monotone in between: no oscillation, and every move was for the network.
+    moves = np.diff(levels)
+    assert list(moves[moves != 0]) == [1, 1, -1, -1]
+    assert {r for r in reasons if r != "none"} == {"network"}
+
+
+def test_controller_error_guard_backs_off_instead_of_oscillating():
+    # The network asks for more, but the top rung's error is over error_high: each retry
+    # of the top rung comes after twice as many windows as the one before.
+    control = C.Controller(0.05, 0.25, 0.1, 0.3, cooldown=2)
+    level, hold, strikes = jnp.int32(2), jnp.int32(0), jnp.int32(0)
+    levels = []
+    for _ in range(40):
+        levels.append(int(level))
+        error = jnp.float32(0.4 if int(level) == 3 else 0.01)
+        level, hold, strikes, _ = control.decide(
+            level, hold, strikes, error, jnp.float32(0.6), jnp.asarray(WIRE)
+        )
+    tops = [i for i, v in enumerate(levels) if v == 3]
+    gaps = np.diff(tops)
+    # 1 window at the top, then the hold (2, 4, 8, 16 windows) and the window that climbs
+    assert list(gaps[:4]) == [4, 6, 10, 18], tops
+
+
+# -- the measured network in the loop: CommProfiler.drive ---------------------------------
+def _mlp_setup(mesh, comp, **dp_kwargs):
+    import optax
+    from mlp import mlp_init, mlp_loss
+
+    tx = optax.chain(jaxcomm.sync_gradients(compression=comp, min_size=64), optax.sgd(0.05))
+    dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, **dp_kwargs)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 12)).astype(np.float32), "y": rng.integers(0, 3, 16)}
+    return dp, dp.init(mlp_init(jax.random.key(0))), batch
+
+
+def test_drive_follows_a_synthetic_link_and_logs_every_change(mesh, tmp_path):
+    import json
+
+    from helpers import assert_replicas_equal
+
+    comp = C.adaptive(
+        0.5, min_compression=0.0, adjustment_step=2, ladder=("f32", "bf16", "int8"),
+        comm_low=0.15, comm_high=0.3,
+    )  # fmt: skip
+    dp, state, batch = _mlp_setup(mesh, comp, check_replicas=1)
+    log = tmp_path / "adapt.jsonl"
+    prof = jaxcomm.CommProfiler(log_file=str(log), tensorboard_dir=str(tmp_path / "tb"))
+    prof.drive(dp, state, batch, twin_reps=1)
+    assert prof.compute_time > 0 and prof.wire["total"] > 0
+    # A synthetic clock: 1 s of compute per step, plus f32 traffic of 0.25 s (fast link)
+    # or 2.5 s (10x slower) scaled by the wire fraction of the level the step ran.
+    prof.compute_time = 1.0
+    wire = [1.0, 0.5, (1 + 4 / 256) / 4]
+    now, link = [0.0], [0.25]
+    dp._feedback._clock = lambda: now[0]
+    step = dp._compiled_step
+
+    def timed_step(*args):  # the clock advances by the step's synthetic time
+        out = step(*args)
+        now[0] += 1.0 + link[0] * wire[int(out[0].opt_state[0].compression.level)]
+        return out
+
+    dp._compiled_step = timed_step
+    levels = []
+    for fast in [True] * 6 + [False] * 8 + [True] * 8:  # 3 fast windows, 4 slow, 4 fast
+        link[0] = 0.25 if fast else 2.5
+        state, metrics = dp(state, batch)
+        levels.append(int(state.opt_state[0].compression.level))
+        assert assert_replicas_equal(state) > 0
+    assert np.isfinite(float(metrics["loss"]))
+    per_window = levels[::2]
+    # bf16, bf16, bf16 | (drop) bf16, int8, int8, int8 | (recovery) int8, bf16, bf16, bf16
+    assert per_window == [1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1], per_window
+    changes = [(c["from"], c["to"], c["reason"], c["step"]) for c in prof.level_changes]
+    assert changes == [("bf16", "int8", "network", 8), ("int8", "bf16", "network", 16)]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    logged = [{k: v for k, v in r.items() if k != "time"} for r in records]
+    assert [r for r in logged if r["event"] == "level_change"] == prof.level_changes
+    windows = [r for r in records if r["event"] == "adapt_window"]
+    assert len(windows) == 11
+    assert windows[3]["comm_share"] == pytest.approx(1.25 / 2.25)  # bf16 on the slow link
+    assert windows[3]["levels"] == ["bf16"]
+    tb = list((tmp_path / "tb").iterdir())
+    assert len(tb) == 1 and tb[0].stat().st_size > 200
+
+
+def test_error_guard_change_is_logged_with_its_reason(mesh):
+    # An error band under int8's error: the controller steps down for error.
+    comp = C.adaptive(0.75, min_compression=0.0, adjustment_step=1, ladder=("bf16", "int8"),
+                      error_low=1e-4, error_high=2e-3)  # fmt: skip
+    dp, state, batch = _mlp_setup(mesh, comp)
+    prof = jaxcomm.CommProfiler(log_file=os.devnull)
+    prof.drive(dp, state, batch, twin_reps=1)
+    for _ in range(3):
+        state, _ = dp(state, batch)
+    assert [(c["from"], c["to"], c["reason"]) for c in prof.level_changes] == [
+        ("int8", "bf16", "error")
+    ]
+    assert prof.level_changes[0]["error"] > 2e-3
+
+
+def test_drive_needs_an_adaptive_compressor(mesh):
+    dp, state, batch = _mlp_setup(mesh, C.int8())
+    with pytest.raises(ValueError, match="no adaptive compressor"):
+        jaxcomm.CommProfiler().drive(dp, state, batch)
+
+
+def test_without_a_driver_the_share_stays_unknown(mesh):
+    dp, state, batch = _mlp_setup(mesh, C.adaptive(adjustment_step=1))
+    state, _ = dp(state, batch)
+    assert float(state.opt_state[0].compression.comm_share) == -1.0
