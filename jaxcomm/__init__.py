@@ -2,6 +2,7 @@
 
 from jaxcomm import buckets, collectives, compression, cost, hlo, schedule, topology, xla
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
+from jaxcomm.diloco import LocalSGDState, local_sgd
 from jaxcomm.distributed import init_distributed
 from jaxcomm.mesh import DATA_AXES, make_mesh
 from jaxcomm.nnx import LinenDataParallel, NnxDataParallel, linen_data_parallel, nnx_data_parallel
@@ -18,6 +19,7 @@ __all__ = [
     "CommProfiler",
     "DATA_AXES",
     "DataParallel",
+    "LocalSGDState",
     "LinenDataParallel",
     "NnxDataParallel",
     "PerDevice",
@@ -36,6 +38,7 @@ __all__ = [
     "hlo",
     "init_distributed",
     "linen_data_parallel",
+    "local_sgd",
     "make_mesh",
     "nnx_data_parallel",
     "schedule",

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import check_axes
+from jaxcomm.diloco import gradient_params
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
 from jaxcomm.nnx import check_optimizer, check_params
@@ -194,11 +195,18 @@ class DataParallel:
             rec["marked"] = [
                 a or b for a, b in zip(marked_per_device(s), _accumulators(s), strict=True)
             ]
+            rec["local_sgd"] = gradient_params(s) is not None
             return jnp.zeros(())
 
         jax.eval_shape(self._probe_map(init_probe, (P(),)), params)
         self._opt_paths = rec["paths"]
         self._opt_local = jax.tree.unflatten(rec["treedef"], rec["local"])
+        if rec["local_sgd"] and self._overlapped:
+            raise ValueError(
+                "data_parallel(accumulate='overlap') reduces every microbatch's gradient, but "
+                "jaxcomm.local_sgd synchronises only every sync_every steps: use "
+                "accumulate='local' (the default) with local_sgd."
+            )
         if not self._require_sync:
             # The user reduces (or, for a compute-only twin, skips) the gradients: nothing
             # is proven, so only explicit marks decide (and check_replicas=N checks values).
@@ -350,23 +358,29 @@ class DataParallel:
         """
         return lax.pcast(params, self.axes, to="varying")
 
+    def _grad_params(self, params: Any, opt_state: Any) -> Any:
+        """Where this device's gradient is taken: ``jaxcomm.local_sgd``'s local params
+        (per device, varying already) if the optimizer has them, else a varying copy of the
+        replicated params."""
+        local = gradient_params(opt_state)
+        return self._varying_params(params) if local is None else local
+
     def _local_step(self, state: TrainState, batch: Any):
         opt_state = unstack_leaves(state.opt_state, self._opt_layout)
+        at = self._grad_params(state.params, opt_state)
         update = self.optimizer.update
         if self._with_model_state:
 
             def loss(p):
                 return self._loss_fn(p, state.model_state, batch)
 
-            (value, (model_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(
-                self._varying_params(state.params)
-            )
+            (value, (model_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(at)
             model_state = _pmean_floats(model_state, self.axes)
         elif self.microbatches > 1:
             value, aux, grads, update = accumulate_gradients(
                 self._loss_fn,
                 self.optimizer,
-                state.params,
+                at,
                 opt_state,
                 batch,
                 microbatches=self.microbatches,
@@ -376,9 +390,7 @@ class DataParallel:
             )
             model_state = state.model_state
         else:
-            out, grads = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)(
-                self._varying_params(state.params), batch
-            )
+            out, grads = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)(at, batch)
             value, aux = out if self._has_aux else (out, {})
             model_state = state.model_state
         with sync_probe() as calls:
