@@ -118,7 +118,9 @@ def fragment_of_leaves(params: Any, fragments: int) -> list[int]:
       >>> fragment_of_leaves({'a': jnp.zeros(100), 'b': jnp.zeros(10), 'c': jnp.zeros(90)}, 2)
       [0, 1, 1]
     """
-    sizes = [int(np.prod(jnp.shape(x))) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)]
+    sizes = [
+        int(np.prod(jnp.shape(x))) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)
+    ]
     n = len(sizes)
     if n < fragments:
         raise ValueError(
@@ -270,7 +272,9 @@ def local_sgd(
         """``tree`` once per fragment, leaves of other fragments as ``None`` (paths kept)."""
         leaves, treedef = jax.tree.flatten(tree)
         return [
-            jax.tree.unflatten(treedef, [x if o == f else None for x, o in zip(leaves, owner, strict=True)])
+            jax.tree.unflatten(
+                treedef, [x if o == f else None for x, o in zip(leaves, owner, strict=True)]
+            )
             for f in range(fragments)
         ]
 
@@ -305,38 +309,38 @@ def local_sgd(
         def sync_fragment(f: int) -> Callable:
             def branch(local, outer_states, sync_states):
                 anchor = parts(params, owner)[f]
-                mine = parts(local, owner)[f]
-                delta = jax.tree.map(lambda a, x: a - x, anchor, mine)
+                delta = jax.tree.map(lambda a, x: a - x, anchor, parts(local, owner)[f])
                 outer_grad, sync_state = sync.update(delta, sync_states[f])
                 step, outer_state = outer.update(outer_grad, outer_states[f], anchor)
-                new = optax.apply_updates(anchor, step)
-                # Every device's copy of the fragment becomes the new anchor, bit for bit:
-                # the same invariant values, typed varying again (free at run time).
-                new_local = _vary_per_device(PerDevice(new), axes).value
-                upd, loc = list(zeros), jax.tree.leaves(local)
+                upd = list(zeros)
                 members = [k for k, o in enumerate(owner) if o == f]
-                for k, u, x in zip(
-                    members, jax.tree.leaves(step), jax.tree.leaves(new_local), strict=True
-                ):
-                    upd[k], loc[k] = u, x
+                for k, u in zip(members, jax.tree.leaves(step), strict=True):
+                    upd[k] = u
                 outer_states = outer_states[:f] + (outer_state,) + outer_states[f + 1 :]
                 sync_states = sync_states[:f] + (sync_state,) + sync_states[f + 1 :]
-                return (
-                    jax.tree.unflatten(treedef, upd),
-                    jax.tree.unflatten(treedef, loc),
-                    outer_states,
-                    sync_states,
-                )
+                return jax.tree.unflatten(treedef, upd), outer_states, sync_states
 
             return branch
 
         def no_sync(local, outer_states, sync_states):
-            return jax.tree.unflatten(treedef, zeros), local, outer_states, sync_states
+            return jax.tree.unflatten(treedef, zeros), outer_states, sync_states
 
         branches = [sync_fragment(f) for f in range(fragments)] + [no_sync]
         phase = schedule[(state.count + 1) % sync_every]
-        updates, local, outer_states, sync_states = lax.switch(
+        updates, outer_states, sync_states = lax.switch(
             phase, branches, local, state.outer, state.sync
+        )
+        # The synced fragment's local copies become the new anchor, bit for bit: the very
+        # expression data_parallel applies (params + updates, outside the switch, so no
+        # fusion inside a branch, e.g. a multiply-add contracted to an FMA, can round it
+        # differently), typed varying again (free at run time).
+        new = _vary_per_device(PerDevice(optax.apply_updates(params, updates)), axes).value
+        local = jax.tree.unflatten(
+            treedef,
+            [
+                jnp.where(phase == o, n, x)
+                for o, n, x in zip(owner, jax.tree.leaves(new), jax.tree.leaves(local), strict=True)
+            ],
         )
         return updates, LocalSGDState(
             count=state.count + 1,
@@ -347,4 +351,3 @@ def local_sgd(
         )
 
     return optax.GradientTransformation(init, update)
-
