@@ -1,6 +1,6 @@
 """jaxcomm: less communication and less waiting for data-parallel training on JAX/XLA."""
 
-from jaxcomm import buckets, collectives, compression, cost, hlo, schedule, topology, xla
+from jaxcomm import buckets, collectives, compression, cost, diloco, hlo, schedule, topology, xla
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.diloco import LocalSGDState, local_sgd
 from jaxcomm.distributed import init_distributed
@@ -33,6 +33,7 @@ __all__ = [
     "compression",
     "cost",
     "data_parallel",
+    "diloco",
     "flat_allreduce",
     "hierarchical_allreduce",
     "hlo",

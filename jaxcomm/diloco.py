@@ -331,9 +331,9 @@ def local_sgd(
             phase, branches, local, state.outer, state.sync
         )
         # The synced fragment's local copies become the new anchor, bit for bit: the very
-        # expression data_parallel applies (params + updates, outside the switch, so no
-        # fusion inside a branch, e.g. a multiply-add contracted to an FMA, can round it
-        # differently), typed varying again (free at run time).
+        # expression data_parallel applies (params + updates, outside the switch: computed
+        # inside the branch, XLA:CPU fused it differently and it came out 1 ulp off the
+        # anchor), typed varying again (free at run time).
         new = _vary_per_device(PerDevice(optax.apply_updates(params, updates)), axes).value
         local = jax.tree.unflatten(
             treedef,

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_replicas_equal, assert_rows_equal, assert_trees_bitwise_equal
+from mlp import mlp_batches, mlp_init, mlp_loss
 
 import jaxcomm
 from jaxcomm.diloco import amortized_bytes, fragment_of_leaves, sync_schedule
-from tests.helpers import assert_replicas_equal, assert_rows_equal, assert_trees_bitwise_equal
-from tests.mlp import mlp_batches, mlp_init, mlp_loss
 
 C = jaxcomm.compression
 
@@ -198,3 +198,19 @@ def test_overlapped_microbatches_are_refused(mesh, params):
     dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, microbatches=2, accumulate="overlap")
     with pytest.raises(ValueError, match="accumulate='local'"):
         dp.init(params)
+
+
+def test_bench_rows_report_sync_and_average_bytes():
+    from jaxcomm.bench.localsgd import _table, run
+
+    res = run([4], ["int8"], steps=8)
+    r, base = res["rows"]["H=4 int8"], res["baseline"]
+    # A sync step moves the int8 outer gradient (fewer bytes than one f32 sync); averaged
+    # over the period a quarter of that, plus the per-step loss average.
+    assert r["unconditional_bytes"] < r["sync_step_bytes"] < base["sync_step_bytes"]
+    assert r["step_bytes"] == pytest.approx(
+        r["unconditional_bytes"] + (r["sync_step_bytes"] - r["unconditional_bytes"]) / 4
+    )
+    assert r["bytes_reduction"] == pytest.approx(base["step_bytes"] / r["step_bytes"])
+    assert r["bytes_reduction"] > 4
+    assert "H=4 int8" in _table(res)
