@@ -358,16 +358,12 @@ class DataParallel:
         """
         return lax.pcast(params, self.axes, to="varying")
 
-    def _grad_params(self, params: Any, opt_state: Any) -> Any:
-        """Where this device's gradient is taken: ``jaxcomm.local_sgd``'s local params
-        (per device, varying already) if the optimizer has them, else a varying copy of the
-        replicated params."""
-        local = gradient_params(opt_state)
-        return self._varying_params(params) if local is None else local
-
     def _local_step(self, state: TrainState, batch: Any):
         opt_state = unstack_leaves(state.opt_state, self._opt_layout)
-        at = self._grad_params(state.params, opt_state)
+        # Where this device's gradient is taken: jaxcomm.local_sgd's local params (per
+        # device, varying already) if the optimizer has them, else the replicated params.
+        local = gradient_params(opt_state)
+        at = self._varying_params(state.params) if local is None else local
         update = self.optimizer.update
         if self._with_model_state:
 
@@ -380,7 +376,7 @@ class DataParallel:
             value, aux, grads, update = accumulate_gradients(
                 self._loss_fn,
                 self.optimizer,
-                at,
+                state.params if local is None else local,
                 opt_state,
                 batch,
                 microbatches=self.microbatches,

@@ -214,3 +214,16 @@ def test_bench_rows_report_sync_and_average_bytes():
     assert r["bytes_reduction"] == pytest.approx(base["step_bytes"] / r["step_bytes"])
     assert r["bytes_reduction"] > 4
     assert "H=4 int8" in _table(res)
+
+
+def test_microbatches_accumulate_at_the_local_params(mesh, params):
+    # 'local' accumulation takes each microbatch's gradient at the device's own params: two
+    # microbatches of 16 give the step of one batch of 32 (to f32 rounding).
+    batches = mlp_batches(3, size=64)
+    out = []
+    for n in (1, 2):
+        tx = jaxcomm.local_sgd(optax.sgd(0.1), sync_every=2)
+        dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, microbatches=n)
+        out.append(jax.device_get(_run(dp, dp.init(params), batches)))
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -29,7 +29,7 @@ def _parse_ints(text: str) -> list[int]:
 
 
 def run(
-    sync_every: list[int], dtypes: list[str], *, steps: int, fragments: int = 1
+    sync_every: list[int], dtypes: list[str], *, steps: int, fragments: int = 1, seed: int = 0
 ) -> dict[str, Any]:
     """The baseline and one row per (H, dtype); see the module docstring.
 
@@ -54,7 +54,7 @@ def run(
             "seconds": r["seconds"],
         }
 
-    base = digits_accuracy(steps=steps, wire=True)
+    base = digits_accuracy(steps=steps, seed=seed, wire=True)
     out: dict[str, Any] = {"baseline": row(base, base["wire"]["total"]), "rows": {}}
     ref = out["baseline"]["step_bytes"]
     out["baseline"]["bytes_reduction"] = 1.0
@@ -68,7 +68,7 @@ def run(
                 fragments=min(fragments, h),
                 compression=None if comp is None else comp(),
             )
-            r = digits_accuracy(steps=steps, transform=tx, wire=True)
+            r = digits_accuracy(steps=steps, seed=seed, transform=tx, wire=True)
             rr = row(r, amortized_bytes(r["wire"], h, min(fragments, h)))
             rr["bytes_reduction"] = ref / rr["step_bytes"]
             out["rows"][f"H={h} {dt}"] = rr
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-every", default="1,10,50", help="comma-separated H values")
     p.add_argument("--dtypes", default="f32,int8", help="outer gradient: f32, int8, int4")
     p.add_argument("--fragments", type=int, default=1, help="streaming fragments (<= H)")
+    p.add_argument("--seed", type=int, default=0, help="model and data-order seed")
     p.add_argument("--json", default="runs/localsgd_bench.json", help="output JSON path")
     args = p.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -113,10 +114,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return reexec_with_fake_devices("localsgd", argv)
     t0 = time.perf_counter()
-    res = run(_parse_ints(args.sync_every), dtypes, steps=args.steps, fragments=args.fragments)
+    res = run(
+        _parse_ints(args.sync_every),
+        dtypes,
+        steps=args.steps,
+        fragments=args.fragments,
+        seed=args.seed,
+    )
     res |= {
         "steps": args.steps,
         "fragments": args.fragments,
+        "seed": args.seed,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "load_avg_1m": os.getloadavg()[0],
         "jax": jax.__version__,
