@@ -29,14 +29,23 @@ def _parse_ints(text: str) -> list[int]:
 
 
 def run(
-    sync_every: list[int], dtypes: list[str], *, steps: int, fragments: int = 1, seed: int = 0
+    sync_every: list[int],
+    dtypes: list[str],
+    *,
+    steps: int,
+    fragments: int = 1,
+    seed: int = 0,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
 ) -> dict[str, Any]:
     """The baseline and one row per (H, dtype); see the module docstring.
 
     Returns:
       ``{'baseline': row, 'rows': {name: row}}``; a row has ``accuracy``, ``final_loss``,
       ``sync_step_bytes`` (wire_bytes total), ``step_bytes`` (averaged per step),
-      ``bytes_reduction`` (baseline step bytes / step_bytes), ``seconds``.
+      ``bytes_reduction`` (baseline step bytes / step_bytes), ``seconds``. The outer
+      optimizer is ``optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)``
+      (momentum 0: plain SGD; lr 1, momentum 0: plain averaging of the local params).
     """
     import optax
 
@@ -65,14 +74,16 @@ def run(
             tx = jaxcomm.local_sgd(
                 optax.adam(LEARNING_RATE),
                 sync_every=h,
+                outer=optax.sgd(outer_lr, momentum=outer_momentum or None, nesterov=True),
                 fragments=min(fragments, h),
                 compression=None if comp is None else comp(),
             )
             r = digits_accuracy(steps=steps, seed=seed, transform=tx, wire=True)
             rr = row(r, amortized_bytes(r["wire"], h, min(fragments, h)))
             rr["bytes_reduction"] = ref / rr["step_bytes"]
-            out["rows"][f"H={h} {dt}"] = rr
-            print(f"done: H={h} {dt}", flush=True)
+            name = f"H={h} {dt}" + (f" F={min(fragments, h)}" if fragments > 1 else "")
+            out["rows"][name] = rr
+            print(f"done: {name}", flush=True)
     return out
 
 
@@ -102,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-every", default="1,10,50", help="comma-separated H values")
     p.add_argument("--dtypes", default="f32,int8", help="outer gradient: f32, int8, int4")
     p.add_argument("--fragments", type=int, default=1, help="streaming fragments (<= H)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD lr")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="0: plain SGD")
     p.add_argument("--seed", type=int, default=0, help="model and data-order seed")
     p.add_argument("--json", default="runs/localsgd_bench.json", help="output JSON path")
     args = p.parse_args(argv)
@@ -120,11 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         fragments=args.fragments,
         seed=args.seed,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
     )
     res |= {
         "steps": args.steps,
         "fragments": args.fragments,
         "seed": args.seed,
+        "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum, "nesterov": True},
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "load_avg_1m": os.getloadavg()[0],
         "jax": jax.__version__,
