@@ -54,7 +54,7 @@ def test_every_step_with_identity_outer_is_data_parallel(mesh, params, algorithm
 @pytest.mark.parametrize("compression", [None, "int8"])
 def test_replicas_equal_after_every_sync_and_differ_between(mesh, params, fragments, compression):
     H = 3
-    comp = C.int8() if compression else None
+    comp = C.int8(error_feedback=True) if compression else None
     tx = jaxcomm.local_sgd(
         optax.adam(1e-2), sync_every=H, fragments=fragments, compression=comp, min_size=1
     )
@@ -62,6 +62,8 @@ def test_replicas_equal_after_every_sync_and_differ_between(mesh, params, fragme
     state = dp.init(params)
     assert any(".local" in p for p in dp.per_device_paths), dp.per_device_paths
     assert any(".inner" in p for p in dp.per_device_paths), dp.per_device_paths
+    if compression:  # the outer gradient's error-feedback residuals, per fragment
+        assert any(".sync" in p for p in dp.per_device_paths), dp.per_device_paths
     owner = fragment_of_leaves(params, fragments)
     table = sync_schedule(H, fragments)
     synced = set()
@@ -97,7 +99,7 @@ def test_replicas_equal_after_every_sync_and_differ_between(mesh, params, fragme
 def test_stop_and_resume_is_bit_identical(mesh, params, kwargs):
     kwargs = dict(kwargs)
     if kwargs.pop("compression", None):
-        kwargs.update(compression=C.int8(), min_size=1)
+        kwargs.update(compression=C.int8(error_feedback=True), min_size=1)
 
     def build():
         tx = jaxcomm.local_sgd(optax.adam(1e-2), **kwargs)

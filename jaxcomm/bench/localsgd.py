@@ -37,6 +37,7 @@ def run(
     seed: int = 0,
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
+    error_feedback: bool = False,
 ) -> dict[str, Any]:
     """The baseline and one row per (H, dtype); see the module docstring.
 
@@ -45,7 +46,8 @@ def run(
       ``sync_step_bytes`` (wire_bytes total), ``step_bytes`` (averaged per step),
       ``bytes_reduction`` (baseline step bytes / step_bytes), ``seconds``. The outer
       optimizer is ``optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)``
-      (momentum 0: plain SGD; lr 1, momentum 0: plain averaging of the local params).
+      (momentum 0: plain SGD; lr 1, momentum 0: plain averaging of the local params);
+      int8/int4 with stochastic rounding, and error feedback if ``error_feedback``.
     """
     import optax
 
@@ -76,7 +78,7 @@ def run(
                 sync_every=h,
                 outer=optax.sgd(outer_lr, momentum=outer_momentum or None, nesterov=True),
                 fragments=min(fragments, h),
-                compression=None if comp is None else comp(),
+                compression=None if comp is None else comp(error_feedback=error_feedback),
             )
             r = digits_accuracy(steps=steps, seed=seed, transform=tx, wire=True)
             rr = row(r, amortized_bytes(r["wire"], h, min(fragments, h)))
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fragments", type=int, default=1, help="streaming fragments (<= H)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD lr")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="0: plain SGD")
+    p.add_argument("--error-feedback", action="store_true", help="int8/int4 with error feedback")
     p.add_argument("--seed", type=int, default=0, help="model and data-order seed")
     p.add_argument("--json", default="runs/localsgd_bench.json", help="output JSON path")
     args = p.parse_args(argv)
@@ -135,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        error_feedback=args.error_feedback,
     )
     res |= {
         "steps": args.steps,
         "fragments": args.fragments,
         "seed": args.seed,
+        "error_feedback": args.error_feedback,
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum, "nesterov": True},
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "load_avg_1m": os.getloadavg()[0],
