@@ -495,7 +495,9 @@ def data_parallel(
         ``has_aux``); with ``with_model_state``,
         ``loss_fn(params, model_state, batch) -> (loss, (new_model_state, metrics))``.
         The loss is the mean over the local batch.
-      optimizer: an optax transform, e.g. ``optax.chain(jaxcomm.sync_gradients(), ...)``.
+      optimizer: an optax transform, e.g. ``optax.chain(jaxcomm.sync_gradients(), ...)``,
+        or ``jaxcomm.local_sgd(...)`` (local steps: the gradient is taken at each device's
+        own params, kept in its state; ``params`` are the anchor of the last sync).
       mesh: from :func:`jaxcomm.make_mesh`.
       axes: data-parallel axes of ``mesh``.
       has_aux: ``loss_fn`` also returns a dict of metrics (averaged over devices).
