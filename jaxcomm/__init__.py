@@ -1,7 +1,8 @@
 """jaxcomm: less communication and less waiting for data-parallel training on JAX/XLA."""
 
-from jaxcomm import buckets, collectives, compression, cost, hlo, schedule, topology, xla
+from jaxcomm import buckets, collectives, compression, cost, diloco, hlo, schedule, topology, xla
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
+from jaxcomm.diloco import LocalSGDState, local_sgd
 from jaxcomm.distributed import init_distributed
 from jaxcomm.mesh import DATA_AXES, make_mesh
 from jaxcomm.nnx import LinenDataParallel, NnxDataParallel, linen_data_parallel, nnx_data_parallel
@@ -18,6 +19,7 @@ __all__ = [
     "CommProfiler",
     "DATA_AXES",
     "DataParallel",
+    "LocalSGDState",
     "LinenDataParallel",
     "NnxDataParallel",
     "PerDevice",
@@ -31,11 +33,13 @@ __all__ = [
     "compression",
     "cost",
     "data_parallel",
+    "diloco",
     "flat_allreduce",
     "hierarchical_allreduce",
     "hlo",
     "init_distributed",
     "linen_data_parallel",
+    "local_sgd",
     "make_mesh",
     "nnx_data_parallel",
     "schedule",

@@ -48,6 +48,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import check_axes
+from jaxcomm.diloco import gradient_params
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.state import PerDevice, leaf_specs, stack_leaves, unstack_leaves, varying_axes
@@ -88,6 +89,14 @@ class _Recording:
         self.init = tx.init
 
     def update(self, grads, state, params=None, **kwargs):
+        if gradient_params(state) is not None:
+            # The model's gradient is taken at its (replicated) params, not at local_sgd's
+            # per-device ones: the local steps would be silently wrong.
+            raise NotImplementedError(
+                "jaxcomm.local_sgd runs under jaxcomm.data_parallel only (it takes the "
+                "gradient at each device's local params); the Flax front ends take it at the "
+                "model's params. Use jaxcomm.data_parallel with a params pytree."
+            )
         # The transform sees the invariant params (weight decay must not make the update
         # vary); the model holds varying copies only so that gradients are per device.
         invariant = jax.tree.map(lambda p: self._old.get(id(p), p), params)

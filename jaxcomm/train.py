@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import check_axes
 from jaxcomm.compression.adaptive import ladder_probe, with_comm_share
+from jaxcomm.diloco import gradient_params
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
 from jaxcomm.nnx import check_optimizer, check_params
@@ -196,11 +197,18 @@ class DataParallel:
             rec["marked"] = [
                 a or b for a, b in zip(marked_per_device(s), _accumulators(s), strict=True)
             ]
+            rec["local_sgd"] = gradient_params(s) is not None
             return jnp.zeros(())
 
         jax.eval_shape(self._probe_map(init_probe, (P(),)), params)
         self._opt_paths = rec["paths"]
         self._opt_local = jax.tree.unflatten(rec["treedef"], rec["local"])
+        if rec["local_sgd"] and self._overlapped:
+            raise ValueError(
+                "data_parallel(accumulate='overlap') reduces every microbatch's gradient, but "
+                "jaxcomm.local_sgd synchronises only every sync_every steps: use "
+                "accumulate='local' (the default) with local_sgd."
+            )
         if not self._require_sync:
             # The user reduces (or, for a compute-only twin, skips) the gradients: nothing
             # is proven, so only explicit marks decide (and check_replicas=N checks values).
@@ -359,21 +367,23 @@ class DataParallel:
             # device, from its process's clock), averaged over the data axes so that every
             # device decides from one value, goes into every adaptive compressor's state.
             opt_state = with_comm_share(opt_state, lax.pmean(comm_share[0], self.axes))
+        # Where this device's gradient is taken: jaxcomm.local_sgd's local params (per
+        # device, varying already) if the optimizer has them, else the replicated params.
+        local = gradient_params(opt_state)
+        at = self._varying_params(state.params) if local is None else local
         update = self.optimizer.update
         if self._with_model_state:
 
             def loss(p):
                 return self._loss_fn(p, state.model_state, batch)
 
-            (value, (model_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(
-                self._varying_params(state.params)
-            )
+            (value, (model_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(at)
             model_state = _pmean_floats(model_state, self.axes)
         elif self.microbatches > 1:
             value, aux, grads, update = accumulate_gradients(
                 self._loss_fn,
                 self.optimizer,
-                state.params,
+                state.params if local is None else local,
                 opt_state,
                 batch,
                 microbatches=self.microbatches,
@@ -383,9 +393,7 @@ class DataParallel:
             )
             model_state = state.model_state
         else:
-            out, grads = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)(
-                self._varying_params(state.params), batch
-            )
+            out, grads = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)(at, batch)
             value, aux = out if self._has_aux else (out, {})
             model_state = state.model_state
         with sync_probe() as calls:
@@ -531,7 +539,9 @@ def data_parallel(
         ``has_aux``); with ``with_model_state``,
         ``loss_fn(params, model_state, batch) -> (loss, (new_model_state, metrics))``.
         The loss is the mean over the local batch.
-      optimizer: an optax transform, e.g. ``optax.chain(jaxcomm.sync_gradients(), ...)``.
+      optimizer: an optax transform, e.g. ``optax.chain(jaxcomm.sync_gradients(), ...)``,
+        or ``jaxcomm.local_sgd(...)`` (local steps: the gradient is taken at each device's
+        own params, kept in its state; ``params`` are the anchor of the last sync).
       mesh: from :func:`jaxcomm.make_mesh`.
       axes: data-parallel axes of ``mesh``.
       has_aux: ``loss_fn`` also returns a dict of metrics (averaged over devices).

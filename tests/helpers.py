@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -122,3 +123,15 @@ def train(dp, state, batches, *, check: bool = True):
         if check:
             assert assert_replicas_equal(state) > 0
     return state, metrics
+
+
+def assert_trees_bitwise_equal(a: Any, b: Any) -> None:
+    """Asserts two pytrees (e.g. a straight and a resumed train state) hold the same bits,
+    leaf for leaf, naming the first leaf that differs."""
+    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+    flat_b = jax.tree.leaves(b)
+    assert len(flat_a) == len(flat_b), (len(flat_a), len(flat_b))
+    for (path, x), y in zip(flat_a, flat_b, strict=True):
+        if jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        assert _bits(x) == _bits(y), f"{jax.tree_util.keystr(path)} differs"

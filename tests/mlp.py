@@ -28,3 +28,16 @@ def mlp_loss(params, batch):
     """Mean negative log-likelihood over the local batch."""
     logp = jax.nn.log_softmax(mlp_logits(params, batch["x"]))
     return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], 1))
+
+
+def mlp_batches(n: int, *, seed: int = 0, size: int = 16) -> list[dict]:
+    """``n`` random global batches of ``size`` examples for :func:`mlp_loss` (12 features,
+    3 classes)."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(size, 12)).astype(np.float32),
+            "y": rng.integers(0, 3, size).astype(np.int32),
+        }
+        for _ in range(n)
+    ]

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 import jaxcomm
-from experiments import ablation, report, resnet152, runtime
+from experiments import report, resnet152, runtime
 from experiments.presets import PRESETS, default_preset_name
 from experiments.rows import ROWS, Row, resolve_rows
 

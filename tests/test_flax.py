@@ -297,3 +297,11 @@ def test_linen_key_replaced_in_the_step_is_refused(mesh):
     state = linen_state(optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1)))
     with pytest.raises(ValueError, match="fold_in"):
         jaxcomm.linen_data_parallel(mesh)(step)(state, linen_batch())
+
+
+def test_local_sgd_is_refused_by_the_nnx_front_end(mesh):
+    # The model's gradient is taken at its replicated params, not at local_sgd's per-device
+    # ones: refused rather than silently wrong.
+    objs = setup(jaxcomm.local_sgd(optax.sgd(0.1), sync_every=2), model=Linear(nnx.Rngs(0)))
+    with pytest.raises(NotImplementedError, match="local_sgd runs under jaxcomm.data_parallel"):
+        jaxcomm.nnx_data_parallel(mesh)(step_body)(*objs, batch())

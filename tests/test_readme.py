@@ -3,6 +3,8 @@
 import pathlib
 import re
 
+import jax
+import numpy as np
 import pytest
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
@@ -16,6 +18,24 @@ def test_quick_start_runs(capsys):
     out = capsys.readouterr().out
     # hierarchical: reduce-scatter (intra), all-reduce (inter), all-gather (intra)
     assert "reduce-scatter ('intra',)" in out and "all-gather ('intra',)" in out
+
+
+def test_local_sgd_section_runs(capsys):
+    quick = re.search(r"## Quick start.*?```python\n(.*?)```", README.read_text(), re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", _section(DILOCO), re.S).group(1)
+    namespace: dict = {}
+    exec(compile(quick, "README.md", "exec"), namespace)
+    before = [np.asarray(x) for x in jax.tree.leaves(namespace["params"])]
+    exec(compile(code, "README.md", "exec"), namespace)
+    state = namespace["state"]
+    assert state.step == 1
+    for a, b in zip(before, jax.tree.leaves(state.params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))  # a local step: the anchor stays
+    total, per_step = map(float, capsys.readouterr().out.split()[-2:])
+    assert 0 < per_step < total / 10
+
+
+DILOCO = "Local steps with a rare, compressed sync (DiLoCo)"
 
 
 def _section(title: str) -> str:

@@ -73,6 +73,8 @@ def digits_accuracy(
     mesh=None,
     compiler_options=None,
     optimizer: optax.GradientTransformation | None = None,
+    transform: optax.GradientTransformation | None = None,
+    wire: bool = False,
 ) -> dict:
     """Trains a 64-256-10 MLP on ``load_digits`` data-parallel and returns its test accuracy.
 
@@ -89,12 +91,15 @@ def digits_accuracy(
       optimizer: the optimizer after ``sync_gradients``; default ``optax.adam`` (learning
         rate ``LEARNING_RATE``). Top-k with error feedback was designed for momentum SGD
         (DGC); with Adam it loses accuracy here (see docs/benchmarks.md).
+      transform: the whole optimizer instead of ``sync_gradients`` + ``optimizer`` (e.g.
+        ``jaxcomm.local_sgd(...)``); then ``sync_kwargs`` and ``optimizer`` must be None.
+      wire: also return ``wire``, ``jaxcomm.wire_bytes`` of the compiled step.
 
     Returns:
       A dict with ``accuracy`` (test accuracy in [0, 1]), ``final_loss`` (mean training
       loss over the last 12 steps), ``train_accuracy``, ``steps``, ``seconds`` (wall
       time of the training loop including compilation) and ``opt_state`` (the final
-      optimizer state, e.g. to read a compressor's counters).
+      optimizer state, e.g. to read a compressor's counters); with ``wire``, ``wire``.
 
     Example:
       >>> base = digits_accuracy()
@@ -106,8 +111,16 @@ def digits_accuracy(
     steps = check_int("steps", steps, minimum=1)
     mesh = mesh if mesh is not None else jaxcomm.make_mesh(intra=4)
     x_tr, y_tr, x_te, y_te = load_split()
-    optimizer = optimizer if optimizer is not None else optax.adam(LEARNING_RATE)
-    tx = optax.chain(jaxcomm.sync_gradients(**(sync_kwargs or {})), optimizer)
+    if transform is not None:
+        if sync_kwargs is not None or optimizer is not None:
+            raise ValueError(
+                "digits_accuracy: transform= is the whole optimizer; pass sync_kwargs and "
+                "optimizer only without it."
+            )
+        tx = transform
+    else:
+        optimizer = optimizer if optimizer is not None else optax.adam(LEARNING_RATE)
+        tx = optax.chain(jaxcomm.sync_gradients(**(sync_kwargs or {})), optimizer)
     dp = jaxcomm.data_parallel(_loss, tx, mesh, compiler_options=compiler_options)
     state = dp.init(_init(seed))
     per_epoch = TRAIN // BATCH
@@ -120,7 +133,8 @@ def digits_accuracy(
     t0 = time.perf_counter()
     for i in range(steps):
         idx = order[i * BATCH : (i + 1) * BATCH]
-        state, metrics = step(state, dp.shard_batch({"x": x_tr[idx], "y": y_tr[idx]}))
+        batch = {"x": x_tr[idx], "y": y_tr[idx]}
+        state, metrics = step(state, dp.shard_batch(batch))
         # One step in flight at a time: on XLA:CPU with fake devices, several queued
         # executions of a program with collectives can deadlock the in-process
         # rendezvous (seen on 2 loaded cores: a 40 s termination abort).
@@ -133,7 +147,8 @@ def digits_accuracy(
     params = jax.device_get(state.params)
     pred_te = np.asarray(jnp.argmax(_logits(params, x_te), -1))
     pred_tr = np.asarray(jnp.argmax(_logits(params, x_tr), -1))
-    return {
+    out = {"wire": jaxcomm.wire_bytes(step, state, dp.shard_batch(batch))} if wire else {}
+    return out | {
         "accuracy": float(np.mean(pred_te == y_te)),
         "train_accuracy": float(np.mean(pred_tr == y_tr)),
         "final_loss": float(np.mean(losses)),

@@ -1,0 +1,353 @@
+"""``local_sgd``: local steps with a rare, compressed outer sync (DiLoCo), as an optax transform.
+
+Every device takes ``sync_every`` (H) steps of the *inner* optimizer on its own copy of the
+parameters, with no collective. Then the devices average the change of their parameters
+since the last sync, the *outer gradient* ``anchor - local``, through
+:func:`jaxcomm.sync_gradients` (any algorithm, any compressor, error feedback included),
+and the *outer* optimizer (default: Nesterov SGD, lr 0.7, momentum 0.9, as in DiLoCo,
+arXiv 2311.08105) applies it to the anchor. With ``fragments=F`` (Streaming DiLoCo, arXiv
+2501.18512) the parameter leaves are split into F contiguous fragments of about equal bytes,
+each synchronised every H steps on its own staggered step, so a sync step moves about 1/F of
+the bytes.
+
+How it fits ``jaxcomm.data_parallel``:
+
+* ``TrainState.params`` are the *anchor*: the parameters of the last sync, replicated and
+  typed invariant (proven by ``check_vma``). The transform's update is zero on steps
+  without a sync and the outer optimizer's update on sync steps, so the replicated params
+  change only there, to the same bits on every device.
+* Each device's own parameters between syncs live in the optimizer state,
+  ``LocalSGDState.local`` (``PerDevice``: stored with one row per device, checkpointed
+  and resumed like any per-device state), as does the inner optimizer's state
+  (``LocalSGDState.inner``): they are *declared* different across devices.
+* ``data_parallel`` takes the gradient at the local parameters when the optimizer state
+  holds a :class:`LocalSGDState` (:func:`gradient_params`). Right after a fragment's sync,
+  its local leaves are set to the new anchor: every device's row holds the anchor's bits.
+* Only sync steps communicate: the sync is one ``lax.switch`` on the step count (branch f
+  synchronises fragment f, the last branch nothing), so ``jaxcomm.wire_bytes`` counts a step
+  as its largest branch, the bytes of one sync; the bytes per step averaged over H steps
+  are that total over H (:func:`amortized_bytes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxcomm.compression.base import Compressor
+from jaxcomm.mesh import DATA_AXES
+from jaxcomm.state import PerDevice
+from jaxcomm.sync import DEFAULT_MIN_SIZE, _vary_per_device, sync_gradients
+from jaxcomm.validate import check_int
+
+__all__ = [
+    "LocalSGDState",
+    "amortized_bytes",
+    "fragment_of_leaves",
+    "gradient_params",
+    "local_sgd",
+    "sync_schedule",
+]
+
+
+class LocalSGDState(NamedTuple):
+    """State of :func:`local_sgd`.
+
+    Attributes:
+      count: steps taken (int32, replicated); fragment f syncs after step t when
+        ``sync_schedule(H, F)[(t + 1) % H] == f``.
+      local: ``PerDevice``: this device's parameters (equal to the anchor, the replicated
+        params, right after its fragment's sync; different between syncs).
+      inner: ``PerDevice``: this device's inner optimizer state.
+      outer: the outer optimizer's state, one per fragment (replicated).
+      sync: the ``SyncGradientsState`` of the outer-gradient all-reduce, one per fragment
+        (count, compressor state: error-feedback residuals are per device).
+    """
+
+    count: jax.Array
+    local: PerDevice
+    inner: PerDevice
+    outer: tuple
+    sync: tuple
+
+
+def sync_schedule(sync_every: int, fragments: int) -> np.ndarray:
+    """Which fragment syncs at each phase of the H-step period.
+
+    Args:
+      sync_every: the period H.
+      fragments: the number of fragments F (``1 <= F <= H``).
+
+    Returns:
+      An int32 array of length H: entry ``s`` is the fragment that syncs after a step t
+      with ``(t + 1) % H == s``, or F (no sync). Fragment f's phase is ``(f * H // F)``, so
+      with one fragment the sync is after steps H-1, 2H-1, ...; further fragments are
+      staggered by about H/F steps.
+
+    Example:
+      >>> sync_schedule(4, 2)
+      array([0, 2, 1, 2], dtype=int32)
+    """
+    table = np.full(sync_every, fragments, np.int32)
+    for f in range(fragments):
+        table[(f * sync_every) // fragments] = f
+    return table
+
+
+def fragment_of_leaves(params: Any, fragments: int) -> list[int]:
+    """Splits the leaves of ``params`` (``jax.tree.leaves`` order) into ``fragments``
+    contiguous, non-empty runs of about equal bytes.
+
+    Args:
+      params: the parameter tree (arrays or shape/dtype structs).
+      fragments: the number of fragments F.
+
+    Returns:
+      The fragment index of each leaf (non-decreasing, every index in ``range(F)`` used).
+
+    Raises:
+      ValueError: fewer leaves than fragments (a leaf is never split).
+
+    Example:
+      >>> fragment_of_leaves({'a': jnp.zeros(100), 'b': jnp.zeros(10), 'c': jnp.zeros(90)}, 2)
+      [0, 1, 1]
+    """
+    sizes = [
+        int(np.prod(jnp.shape(x))) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)
+    ]
+    n = len(sizes)
+    if n < fragments:
+        raise ValueError(
+            f"local_sgd(fragments={fragments}): the params have only {n} leaves and a leaf is "
+            f"never split across fragments; use fragments <= {n}."
+        )
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    total = max(int(np.sum(sizes)), 1)
+    cuts = [0]
+    for k in range(1, fragments):
+        # The first leaf that starts at or after k/F of the bytes, keeping every run non-empty.
+        at = int(np.searchsorted(starts, k * total / fragments, side="left"))
+        cuts.append(min(max(at, cuts[-1] + 1), n - (fragments - k)))
+    cuts.append(n)
+    return [f for f in range(fragments) for _ in range(cuts[f], cuts[f + 1])]
+
+
+def gradient_params(opt_state: Any) -> Any | None:
+    """The parameters the gradient is to be taken at: the local parameters of the one
+    :class:`LocalSGDState` in ``opt_state`` (this device's, unstacked), or ``None`` if there
+    is none (ordinary data parallelism: the replicated params).
+
+    Raises:
+      ValueError: more than one ``local_sgd`` in the optimizer.
+    """
+    found = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LocalSGDState))
+        if isinstance(s, LocalSGDState)
+    ]
+    if len(found) > 1:
+        raise ValueError(
+            f"the optimizer holds {len(found)} jaxcomm.local_sgd transforms; use one (it "
+            "owns the local parameters the gradient is taken at)."
+        )
+    return found[0].local.value if found else None
+
+
+def amortized_bytes(wire: dict, sync_every: int, fragments: int = 1) -> float:
+    """Bytes per device per step averaged over one H-step period, from ``jaxcomm.wire_bytes``
+    of a ``local_sgd`` step.
+
+    ``wire['total']`` counts every step as its largest branch (a sync step); over H steps
+    each of the F fragments syncs once, so the average is the unconditional bytes plus the
+    sum of the fragments' branches over H.
+
+    Args:
+      wire: the dict ``jaxcomm.wire_bytes`` returns for the step.
+      sync_every: H.
+      fragments: F.
+
+    Returns:
+      The average bytes per device per step.
+    """
+    syncs = 0.0
+    for branches in wire["branches"].values():
+        # The switch has F + 1 branches (F fragments, then "no sync"); any other conditional
+        # (a compressor's warm-up) is counted at its largest branch per sync.
+        if len(branches) == fragments + 1:
+            syncs += sum(b for i, b in branches.items() if int(i) < fragments)
+        else:
+            syncs += max(branches.values())
+    return wire["unconditional"] + syncs / sync_every
+
+
+def local_sgd(
+    inner: optax.GradientTransformation,
+    *,
+    outer: optax.GradientTransformation | None = None,
+    sync_every: int,
+    fragments: int = 1,
+    compression: Compressor | None = None,
+    algorithm: str = "hierarchical",
+    axes: tuple[str, ...] = DATA_AXES,
+    topology: Any = None,
+    min_size: int = DEFAULT_MIN_SIZE,
+    seed: int = 0,
+) -> optax.GradientTransformation:
+    """Local steps on each device, an outer sync every ``sync_every`` steps (DiLoCo).
+
+    Pass it as the whole optimizer of :func:`jaxcomm.data_parallel` (no ``sync_gradients``
+    around it: it holds its own for the outer gradient). Between syncs each device trains
+    its own copy of the params (``LocalSGDState.local``, per device) with ``inner`` and no
+    collective; after every H-th step the outer gradient ``anchor - local`` is averaged with
+    ``sync_gradients(algorithm=..., compression=...)`` and ``outer`` updates the anchor,
+    the replicated ``TrainState.params``, which change only then.
+
+    Args:
+      inner: the optimizer of the local steps (its state is per device), e.g.
+        ``optax.adamw(1e-3)``.
+      outer: the optimizer of the averaged outer gradient; default
+        ``optax.sgd(0.7, momentum=0.9, nesterov=True)``. ``optax.sgd(1.0)`` with
+        ``sync_every=1`` is plain data parallelism with ``inner``.
+      sync_every: H, steps between two syncs of a fragment (1: every step).
+      fragments: F, the number of fragments synchronised on staggered steps (whole leaves,
+        contiguous, about equal bytes; 1 <= F <= H). Each sync step moves one fragment.
+      compression: a ``jaxcomm.compression`` compressor for the outer gradient (with its
+        error feedback), or ``None`` (full precision).
+      algorithm: the all-reduce algorithm (``jaxcomm.collectives.ALGORITHMS``).
+      axes: the data-parallel mesh axes.
+      topology: the topology 'auto' plans with (see ``sync_gradients``).
+      min_size: outer-gradient leaves with fewer elements stay uncompressed.
+      seed: seed of the compressor's randomness.
+
+    Returns:
+      An ``optax.GradientTransformation`` with state :class:`LocalSGDState`; its ``update``
+      needs ``params`` (the anchor) and runs inside ``jax.shard_map`` over ``axes``.
+
+    Raises:
+      ValueError: ``sync_every`` not an integer >= 1, ``fragments`` not in
+        ``[1, sync_every]`` (at construction), more fragments than param leaves (at
+        ``init``); bad ``algorithm``/``axes`` as ``sync_gradients`` says.
+      TypeError: ``inner``/``outer`` not optax transforms, or a bad ``compression``.
+
+    Example:
+      >>> tx = jaxcomm.local_sgd(optax.adam(3e-3), sync_every=50,
+      ...                        compression=jaxcomm.compression.int8())
+      >>> dp = jaxcomm.data_parallel(loss_fn, tx, mesh)
+    """
+    sync_every = check_int(
+        "sync_every", sync_every, minimum=1, fix="H local steps between syncs; 1 syncs every step"
+    )
+    fragments = check_int(
+        "fragments",
+        fragments,
+        minimum=1,
+        maximum=sync_every,
+        fix=f"each fragment syncs on its own step of the {sync_every}-step period; 1 syncs "
+        "all params at once",
+    )
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
+    for name, tx in (("inner", inner), ("outer", outer)):
+        if not isinstance(tx, optax.GradientTransformation):
+            raise TypeError(
+                f"local_sgd: {name}={tx!r} is not an optax.GradientTransformation; pass e.g. "
+                "optax.adam(1e-3)."
+            )
+    sync = sync_gradients(
+        axes=axes,
+        algorithm=algorithm,
+        topology=topology,
+        compression=compression,
+        min_size=min_size,
+        seed=seed,
+    )
+    schedule = jnp.asarray(sync_schedule(sync_every, fragments))
+
+    def parts(tree: Any, owner: list[int]) -> list[Any]:
+        """``tree`` once per fragment, leaves of other fragments as ``None`` (paths kept)."""
+        leaves, treedef = jax.tree.flatten(tree)
+        return [
+            jax.tree.unflatten(
+                treedef, [x if o == f else None for x, o in zip(leaves, owner, strict=True)]
+            )
+            for f in range(fragments)
+        ]
+
+    def init(params: Any) -> LocalSGDState:
+        owner = fragment_of_leaves(params, fragments)
+        frags = parts(params, owner)
+        return LocalSGDState(
+            count=jnp.zeros((), jnp.int32),
+            local=_vary_per_device(PerDevice(params), axes),
+            inner=_vary_per_device(PerDevice(inner.init(params)), axes),
+            outer=tuple(outer.init(p) for p in frags),
+            sync=tuple(sync.init(p) for p in frags),
+        )
+
+    def update(grads: Any, state: LocalSGDState, params: Any = None):
+        if params is None:
+            raise ValueError(
+                "local_sgd's update needs params (the anchor: the replicated params of the "
+                "last sync); jaxcomm.data_parallel passes them."
+            )
+        # 1. The local step: no collective.
+        local = state.local.value
+        inner_updates, inner_state = inner.update(grads, state.inner.value, local)
+        local = optax.apply_updates(local, inner_updates)
+
+        # 2. The outer sync of the fragment whose phase this is (if any): one lax.switch, so
+        # steps without a sync run no collective.
+        leaves, treedef = jax.tree.flatten(params)
+        owner = fragment_of_leaves(params, fragments)
+        zeros = [jnp.zeros_like(p) for p in leaves]
+
+        def sync_fragment(f: int) -> Callable:
+            def branch(local, outer_states, sync_states):
+                anchor = parts(params, owner)[f]
+                delta = jax.tree.map(lambda a, x: a - x, anchor, parts(local, owner)[f])
+                outer_grad, sync_state = sync.update(delta, sync_states[f])
+                step, outer_state = outer.update(outer_grad, outer_states[f], anchor)
+                upd = list(zeros)
+                members = [k for k, o in enumerate(owner) if o == f]
+                for k, u in zip(members, jax.tree.leaves(step), strict=True):
+                    upd[k] = u
+                outer_states = outer_states[:f] + (outer_state,) + outer_states[f + 1 :]
+                sync_states = sync_states[:f] + (sync_state,) + sync_states[f + 1 :]
+                return jax.tree.unflatten(treedef, upd), outer_states, sync_states
+
+            return branch
+
+        def no_sync(local, outer_states, sync_states):
+            return jax.tree.unflatten(treedef, zeros), outer_states, sync_states
+
+        branches = [sync_fragment(f) for f in range(fragments)] + [no_sync]
+        phase = schedule[(state.count + 1) % sync_every]
+        updates, outer_states, sync_states = lax.switch(
+            phase, branches, local, state.outer, state.sync
+        )
+        # The synced fragment's local copies become the new anchor, bit for bit: the very
+        # expression data_parallel applies (params + updates, outside the switch: computed
+        # inside the branch, XLA:CPU fused it differently and it came out 1 ulp off the
+        # anchor), typed varying again (free at run time).
+        new = _vary_per_device(PerDevice(optax.apply_updates(params, updates)), axes).value
+        local = jax.tree.unflatten(
+            treedef,
+            [
+                jnp.where(phase == o, n, x)
+                for o, n, x in zip(owner, jax.tree.leaves(new), jax.tree.leaves(local), strict=True)
+            ],
+        )
+        return updates, LocalSGDState(
+            count=state.count + 1,
+            local=PerDevice(local),
+            inner=PerDevice(inner_state),
+            outer=outer_states,
+            sync=sync_states,
+        )
+
+    return optax.GradientTransformation(init, update)
