@@ -96,7 +96,7 @@ def allreduce(
       ...     return jaxcomm.allreduce(g, algorithm='hierarchical', op='mean')
       >>> jax.shard_map(step, mesh=mesh, in_specs=P(('inter','intra')), out_specs=P())
     """
-    fn = ALGORITHMS[check_algorithm(algorithm)]
+    check_algorithm(algorithm)
     check_op(op)
     axes = check_axes(axes)
     check_float_tree(tree)
@@ -111,9 +111,14 @@ def allreduce(
     if not leaves:
         return tree
     leaves = [jnp.asarray(x) for x in leaves]
-    plan = allreduce_plan(leaves)
     with _auto.use_topology(topology):
-        reduced = [fn(buf, axes) for buf in plan.pack(leaves)]
+        # 'auto' picks per buffer of the leaf plan, before the buffers of each packed
+        # algorithm are merged (allreduce_plan).
+        if algorithm == "auto":
+            plan, names = allreduce_plan(leaves, algorithm=lambda b: _auto.resolve(b, axes))
+        else:
+            plan, names = allreduce_plan(leaves, algorithm=lambda _: algorithm)
+        reduced = [ALGORITHMS[a](buf, axes) for a, buf in zip(names, plan.pack(leaves), strict=True)]
     if op == "mean":
         n = axes_size(axes)
         reduced = [(r / n).astype(r.dtype) for r in reduced]

@@ -35,7 +35,7 @@ from jaxcomm.collectives.hierarchical import all_gather_invariant
 __all__ = ["halving_doubling_allreduce"]
 
 
-@register_algorithm("halving_doubling")
+@register_algorithm("halving_doubling", packed=True)
 def halving_doubling_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Sums a 1-D ``x`` over ``axes`` by recursive halving then an all-gather.
 

@@ -37,7 +37,7 @@ def _roll_chunks(chunks: jax.Array, shift: jax.Array) -> jax.Array:
     return lax.dynamic_slice_in_dim(doubled, start, p, axis=0)
 
 
-@register_algorithm("ring")
+@register_algorithm("ring", packed=True)
 def ring_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Sums a 1-D ``x`` over ``axes``: a ring reduce-scatter (``p-1`` neighbour exchanges),
     then an all-gather.
