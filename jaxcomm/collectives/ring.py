@@ -43,14 +43,14 @@ def ring_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     then an all-gather.
 
     1. Pad ``x`` to ``p`` equal chunks and rotate them so that local position ``j`` holds
-       chunk ``(rank + j) mod p``; every rank then sends and adds at the same static
+       chunk ``(rank + j - 1) mod p``; every rank then sends and adds at the same static
        positions.
     2. Reduce-scatter: at step ``s`` send position ``-s`` to the next rank and add the
        received chunk into position ``-s-1``. After ``p-1`` steps position ``1`` holds the
-       full sum of chunk ``rank + 1``.
-    3. All-gather the position-1 chunks (rank ``r`` holds chunk ``r + 1``), rotate by one
-       chunk and drop the padding. The result is identical on every device and typed
-       invariant over ``axes``.
+       full sum of chunk ``rank``.
+    3. All-gather the position-1 chunks: row ``r`` is chunk ``r``, so the gathered buffer
+       is the sum in order; drop the padding. The result is identical on every device and
+       typed invariant over ``axes``.
 
     Args:
       x: 1-D per-device array (inside ``jax.shard_map``).
@@ -67,10 +67,11 @@ def ring_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     rank = lax.axis_index(axes)
     # A Python list of chunks keeps every index static (plain slices and adds, no
     # dynamic-update-slice per step), which XLA compiles faster.
-    chunks = list(_roll_chunks(padded.reshape(p, -1), -rank))
+    # Rank r ends with chunk r, so the all-gather's rows are already in order: no copy to
+    # rotate them afterwards.
+    chunks = list(_roll_chunks(padded.reshape(p, -1), 1 - rank))
     perm = [(i, (i + 1) % p) for i in range(p)]
     for s in range(p - 1):
         j = (-s - 1) % p
         chunks[j] = chunks[j] + lax.ppermute(chunks[(-s) % p], axes, perm)
-    gathered = all_gather_invariant(chunks[1][None], axes)  # row r: chunk (r + 1) mod p
-    return jnp.roll(gathered, 1, axis=0).reshape(-1)[:n]
+    return all_gather_invariant(chunks[1], axes)[:n]  # rank r's piece: chunk r
