@@ -20,21 +20,12 @@ References:
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm.collectives.base import axes_size, pad_to_multiple, register_algorithm
 from jaxcomm.collectives.hierarchical import all_gather_invariant
 
 __all__ = ["ring_allreduce"]
-
-
-def _roll_chunks(chunks: jax.Array, shift: jax.Array) -> jax.Array:
-    """``jnp.roll(chunks, shift, axis=0)`` for a traced shift (dynamic slice of a double)."""
-    p = chunks.shape[0]
-    doubled = jnp.concatenate([chunks, chunks], axis=0)
-    start = (p - shift % p) % p
-    return lax.dynamic_slice_in_dim(doubled, start, p, axis=0)
 
 
 @register_algorithm("ring", packed=True)
@@ -65,11 +56,12 @@ def ring_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     n = x.shape[0]
     padded, _ = pad_to_multiple(x, p)
     rank = lax.axis_index(axes)
-    # A Python list of chunks keeps every index static (plain slices and adds, no
-    # dynamic-update-slice per step), which XLA compiles faster.
-    # Rank r ends with chunk r, so the all-gather's rows are already in order: no copy to
-    # rotate them afterwards.
-    chunks = list(_roll_chunks(padded.reshape(p, -1), 1 - rank))
+    # A Python list of chunks keeps every position static (plain adds, no
+    # dynamic-update-slice per step), which XLA compiles faster. Position j is read once by
+    # a dynamic slice (rolling the whole buffer would copy it twice over). Rank r ends with
+    # chunk r, so the all-gather's rows are already in order: no rotation afterwards.
+    rows = padded.reshape(p, -1)
+    chunks = [lax.dynamic_index_in_dim(rows, (rank + j - 1) % p, keepdims=False) for j in range(p)]
     perm = [(i, (i + 1) % p) for i in range(p)]
     for s in range(p - 1):
         j = (-s - 1) % p
