@@ -13,7 +13,10 @@ added. On a one-level topology (all devices alike) this is exactly the textbook 
 - recursive halving-doubling (Rabenseifner), p a power of two:
   ``2 lg p alpha + 2(p-1)/p n beta + (p-1)/p n gamma``; other p fold the extra ranks first
   (two more steps of ``n`` bytes and one more reduction, Thakur et al. 2005)
-- binomial tree (reduce + broadcast): ``2 ceil(lg p) (alpha + n beta) + ceil(lg p) n gamma``
+- binomial tree (what ``collectives/tree.py`` emits): a binomial reduce of the whole buffer
+  (``s = ceil(lg p)`` steps), a binomial scatter (step ``k`` moves ``k/p n``; ``2^s - 1``
+  chunks in all) and an all-gather (modelled as a ring, like the ring's second half):
+  ``(2 s + p - 1) alpha + (s + (2^s - 1)/p + (p-1)/p) n beta + s n gamma``
 - hierarchical (``m`` nodes x ``g`` devices): ring reduce-scatter inside the node, an
   all-reduce of ``n/g`` across nodes (``g`` in parallel, one per local rank, as NCCL would run
   the ``psum``: the faster of ring and double binary tree), ring all-gather inside the node.
@@ -85,9 +88,14 @@ def halving_doubling_time(n: float, p: int, alpha: float, beta: float, gamma: fl
 
 
 def tree_time(n: float, p: int, alpha: float, beta: float, gamma: float = 0.0) -> float:
-    """Binomial tree reduce + broadcast: ``2 ceil(lg p) (alpha + n beta) + ceil(lg p) n gamma``."""
-    s = math.ceil(math.log2(p)) if p > 1 else 0
-    return 2 * s * (alpha + n * beta) + s * n * gamma
+    """Binomial tree reduce, then a binomial scatter and an all-gather (``s = ceil(lg p)``):
+    ``(2 s + p - 1) alpha + (s + (2^s - 1)/p + (p-1)/p) n beta + s n gamma``."""
+    if p == 1:
+        return 0.0
+    s = math.ceil(math.log2(p))
+    scatter = s * alpha + (2**s - 1) / p * n * beta
+    gather = (p - 1) * (alpha + n / p * beta)
+    return s * (alpha + n * beta) + scatter + gather + s * n * gamma
 
 
 def hierarchical_time(
@@ -191,9 +199,15 @@ def _plan_ring(topo, p):
 
 
 def _plan_tree(topo, p):
-    steps = [_step(topo, s, d, 1.0) for s, d in _binomial_pairs(p)]
-    steps += [_step(topo, d, s, 1.0) for s, d in reversed(_binomial_pairs(p))]
-    return _Plan(tuple(steps), float(len(steps) // 2))
+    # collectives/tree.py: the reduce moves the whole buffer along the binomial edges; the
+    # scatter walks them back, step k moving k of the p chunks of n/p (the upper half of
+    # the sender's 2k chunks); the all-gather is the backend's, modelled as a ring.
+    pairs = _binomial_pairs(p)
+    steps = [_step(topo, s, d, 1.0) for s, d in pairs]
+    steps += [_step(topo, d, s, (s[0] - d[0]) / p) for s, d in reversed(pairs)]
+    r = np.arange(p)
+    steps += _ring_steps(topo, r, (r + 1) % p, 1.0 / p, p - 1) if p > 1 else ()
+    return _Plan(tuple(steps), float(len(pairs)))
 
 
 def _plan_dbtree(topo, p):

@@ -8,7 +8,8 @@ slices only where a leaf is cut), :meth:`BufferPlan.unpack` restores the leaves 
 Callers decide *which* leaves go where and build the plan with one of two functions:
 
 - :func:`plan_groups`: given groups of leaf indices, one buffer per group holding its whole
-  leaves (``jaxcomm.allreduce``: a large leaf alone, the small ones of a dtype together;
+  leaves (``jaxcomm.allreduce``: a large leaf alone, the small ones of a dtype together,
+  or all of a dtype for the ppermute algorithms;
   ``sync_gradients``' compressed leaves: one buffer per dtype).
 - :func:`plan_streams`: leaves in a given order, one stream per dtype, cut at element
   counts (``jaxcomm.buckets.plan_buckets``: reverse parameter order, ``min_bytes`` then

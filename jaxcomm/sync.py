@@ -220,7 +220,8 @@ def sync_gradients(
       topology: the ``jaxcomm.topology.Topology`` that 'auto' plans with; None:
         ``jaxcomm.topology.detect()`` at trace time.
       bucket_bytes: ``None``: leaves are packed as in :func:`jaxcomm.allreduce` (large
-        leaves alone, small ones concatenated per dtype). ``(min_bytes, max_bytes)``: the
+        leaves alone, small ones concatenated per dtype; all of a dtype in one buffer for
+        'ring', 'tree', 'halving_doubling'). ``(min_bytes, max_bytes)``: the
         leaves of each dtype, in reverse parameter order, are cut into 1-D buckets, the
         first of ``min_bytes``, the others of ``max_bytes`` (``jaxcomm.buckets``), one
         collective per bucket. ``'auto'`` or a ``jaxcomm.buckets.AutoBuckets``: bucket

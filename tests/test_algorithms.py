@@ -212,3 +212,36 @@ def test_invariant_all_gather_moves_no_more_bytes(mesh, algorithm):
     fn = sharded(lambda v: ALGORITHMS[algorithm](v[0], AX), mesh)
     wb = jaxcomm.wire_bytes(fn, abstract_per_device(mesh, (n,)))
     assert wb["total"] == pytest.approx(2 * 7 / 8 * n * 4)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling"])
+def test_allreduce_runs_a_ppermute_algorithm_once_per_dtype(mesh, algorithm):
+    # Compile time grows with the number of algorithm calls, so allreduce packs all leaves
+    # of a dtype into one buffer for these algorithms: the collectives of one call per
+    # dtype, whatever the leaf count, and no more bytes on the wire than one call per
+    # leaf (less: one buffer's padding instead of one per leaf).
+    shapes = [(5000,), (64, 70), (4097,), (9,), (3, 3)]
+    tree = {f"f{i}": abstract_per_device(mesh, s) for i, s in enumerate(shapes)}
+    tree["h"] = abstract_per_device(mesh, (4100,), jnp.bfloat16)
+
+    def packed(t):
+        return jaxcomm.allreduce(jax.tree.map(lambda v: v[0], t), algorithm=algorithm, op="sum")
+
+    def per_leaf(t):  # one call per leaf (what allreduce did for large leaves before)
+        return {k: ALGORITHMS[algorithm](v[0].reshape(-1), AX) for k, v in t.items()}
+
+    got = jaxcomm.wire_bytes(sharded(packed, mesh), tree)
+    before = jaxcomm.wire_bytes(sharded(per_leaf, mesh), tree)
+    assert got["total"] <= before["total"]
+    kinds = [c["kind"] for c in got["collectives"]]
+    assert kinds.count("all-gather") == 2  # f32 and bf16
+    assert kinds.count("collective-permute") == 2 * expected_permutes(algorithm, 8)
+    # and the values: the sum over devices of every leaf
+    rng = np.random.default_rng(5)
+    xs = {k: per_device(mesh, rng.normal(size=v.shape).astype(v.dtype)) for k, v in tree.items()}
+    out = sharded(packed, mesh)(xs)
+    assert_replicas_equal(out)
+    for k, x in xs.items():
+        want = np.asarray(x, np.float64).sum(0)
+        tol = 0.1 if x.dtype == jnp.bfloat16 else 1e-4
+        np.testing.assert_allclose(np.asarray(out[k], np.float64), want, atol=tol)

@@ -35,7 +35,11 @@ def test_textbook_formulas_by_hand():
     assert cost.halving_doubling_time(n, p, ALPHA, BETA) == pytest.approx(
         2 * 3 * ALPHA + 2 * 7 / 8 * n * BETA
     )
-    assert cost.tree_time(n, p, ALPHA, BETA) == pytest.approx(2 * 3 * (ALPHA + n * BETA))
+    # Tree (collectives/tree.py): reduce 3 whole buffers, scatter 4 + 2 + 1 chunks of n/8,
+    # all-gather 7 chunks of n/8 in 7 steps.
+    assert cost.tree_time(n, p, ALPHA, BETA) == pytest.approx(
+        3 * (ALPHA + n * BETA) + 3 * ALPHA + 7 / 8 * n * BETA + 7 * (ALPHA + n / 8 * BETA)
+    )
     # Non-power-of-two: fold 2 extra ranks into 4 (Thakur et al. 2005).
     assert cost.halving_doubling_time(n, 6, ALPHA, BETA) == pytest.approx(
         2 * 2 * ALPHA + 2 * 3 / 4 * n * BETA + 2 * (ALPHA + n * BETA)

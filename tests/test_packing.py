@@ -72,8 +72,23 @@ def test_unpack_checks_the_buffer_count():
 
 def test_allreduce_plan_large_alone_small_per_dtype():
     leaves = _leaves()
-    plan = allreduce_plan(leaves, small_elements=1000)
+    plan, names = allreduce_plan(leaves, small_elements=1000)
     assert [[i for i, _, _ in b.pieces] for b in plan.buffers] == [[0], [1, 3, 4], [2, 5]]
+    assert names == ["flat"] * 3
+
+
+def test_allreduce_plan_packed_algorithms_get_one_buffer_per_dtype():
+    leaves = _leaves()
+    plan, names = allreduce_plan(leaves, small_elements=1000, algorithm=lambda _: "ring")
+    assert [[i for i, _, _ in b.pieces] for b in plan.buffers] == [[0, 1, 3, 4], [2, 5]]
+    assert names == ["ring", "ring"]
+    _assert_same_bits(plan.unpack(plan.pack(leaves)), leaves)
+    # Per buffer of the leaf plan (as 'auto' picks): only the buffers of a packed
+    # algorithm merge, per (algorithm, dtype); the others stay as they were.
+    by_size = {3000 * 4: "tree", 11 * 4: "tree", 705 * 2: "hierarchical"}
+    plan, names = allreduce_plan(leaves, small_elements=1000, algorithm=by_size.__getitem__)
+    assert [[i for i, _, _ in b.pieces] for b in plan.buffers] == [[0, 1, 3, 4], [2, 5]]
+    assert names == ["tree", "hierarchical"]
 
 
 def test_packing_keeps_replication_types(mesh):

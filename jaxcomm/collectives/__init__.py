@@ -74,10 +74,13 @@ def allreduce(
       tree: a pytree of floating-point arrays (f32, bf16, f16, f64; scalars allowed).
       axes: mesh axis names, outermost first.
       algorithm: one of ``jaxcomm.collectives.ALGORITHMS`` ('flat', 'hierarchical', and
-        the ones other modules register).
+        the ones other modules register). 'ring', 'tree' and 'halving_doubling' run once
+        per dtype on all its leaves packed into one buffer (they are built from ppermutes,
+        which XLA compiles per call); the others once per large leaf.
       op: 'sum' or 'mean'.
       topology: a ``jaxcomm.topology.Topology`` that ``algorithm='auto'`` plans with
-        (``jaxcomm.cost.choose`` per packed buffer); None: ``jaxcomm.topology.detect()``.
+        (``jaxcomm.cost.choose`` per buffer: a large leaf alone, the small leaves per
+        dtype); None: ``jaxcomm.topology.detect()``.
         Other algorithms ignore it. Every algorithm's result is typed invariant over
         ``axes`` by shard_map's replication check (``check_vma=True``), so it may leave a
         ``shard_map`` with ``out_specs=P()``.
@@ -96,7 +99,7 @@ def allreduce(
       ...     return jaxcomm.allreduce(g, algorithm='hierarchical', op='mean')
       >>> jax.shard_map(step, mesh=mesh, in_specs=P(('inter','intra')), out_specs=P())
     """
-    fn = ALGORITHMS[check_algorithm(algorithm)]
+    check_algorithm(algorithm)
     check_op(op)
     axes = check_axes(axes)
     check_float_tree(tree)
@@ -111,9 +114,16 @@ def allreduce(
     if not leaves:
         return tree
     leaves = [jnp.asarray(x) for x in leaves]
-    plan = allreduce_plan(leaves)
     with _auto.use_topology(topology):
-        reduced = [fn(buf, axes) for buf in plan.pack(leaves)]
+        # 'auto' picks per buffer of the leaf plan, before the buffers of each packed
+        # algorithm are merged (allreduce_plan).
+        if algorithm == "auto":
+            plan, names = allreduce_plan(leaves, algorithm=lambda b: _auto.resolve(b, axes))
+        else:
+            plan, names = allreduce_plan(leaves, algorithm=lambda _: algorithm)
+        reduced = [
+            ALGORITHMS[a](buf, axes) for a, buf in zip(names, plan.pack(leaves), strict=True)
+        ]
     if op == "mean":
         n = axes_size(axes)
         reduced = [(r / n).astype(r.dtype) for r in reduced]

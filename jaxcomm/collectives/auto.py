@@ -1,9 +1,11 @@
 """``algorithm='auto'``: pick the all-reduce algorithm per buffer with the cost model.
 
-``jaxcomm.allreduce`` packs leaves into 1-D buffers whose sizes are static at trace time,
-so each buffer gets its own choice: ``jaxcomm.cost.choose(nbytes, topology)`` among
-'ring', 'tree', 'halving_doubling' and 'hierarchical' (small buffers go to a
-latency-optimal algorithm, large ones to a bandwidth-optimal one).
+``jaxcomm.allreduce`` packs leaves into 1-D buffers whose sizes are static at trace time
+(a large leaf alone, the small leaves per dtype), so each buffer gets its own choice:
+``jaxcomm.cost.choose(nbytes, topology)`` among 'ring', 'tree', 'halving_doubling' and
+'hierarchical' (small buffers go to a latency-optimal algorithm, large ones to a
+bandwidth-optimal one). Then the buffers that chose the same ppermute algorithm are merged
+per dtype and reduced by one call (``jaxcomm.collectives.base.allreduce_plan``).
 
 The topology is, in order: the ``topology=`` argument of ``allreduce`` /
 ``sync_gradients``; otherwise ``jaxcomm.topology.detect()`` (the ``JAXCOMM_TOPO_FILE``

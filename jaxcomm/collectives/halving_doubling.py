@@ -35,18 +35,18 @@ from jaxcomm.collectives.hierarchical import all_gather_invariant
 __all__ = ["halving_doubling_allreduce"]
 
 
-@register_algorithm("halving_doubling")
+@register_algorithm("halving_doubling", packed=True)
 def halving_doubling_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Sums a 1-D ``x`` over ``axes`` by recursive halving then an all-gather.
 
     1. (p not a power of two) Fold: even ranks ``< 2 rem`` send ``x`` to ``rank + 1``,
        which adds it. The ``q = 2^floor(lg p)`` survivors get new ranks ``0..q-1``.
-    2. Reduce-scatter, ``k = 0 .. lg q - 1``: exchange with new rank ``new XOR 2^k``; the
-       rank whose bit ``k`` is 0 keeps the lower half of its current segment and sends the
-       upper half (the partner does the opposite); add what arrives. Each survivor ends
-       with ``1/q`` of the sum.
-    3. All-gather every rank's segment (typed invariant); survivor ``new`` holds segment
-       ``bitreverse(new)``, so a static reorder of the gathered segments gives the sum.
+    2. Reduce-scatter, ``k = 0 .. lg q - 1``: the buffer is ``q`` segments; exchange with
+       new rank ``new XOR 2^k``; the rank whose bit ``k`` is 0 keeps the segments whose
+       index has bit ``k`` 0 and sends the others (the partner does the opposite); add what
+       arrives. Each survivor ends with segment ``new``: ``1/q`` of the sum.
+    3. All-gather every rank's segment (typed invariant): the survivors' rows are the
+       segments in order (for ``p`` a power of two, the gathered buffer is the sum).
 
     Args:
       x: 1-D per-device array (inside ``jax.shard_map``).
@@ -68,18 +68,21 @@ def halving_doubling_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array
     new = jnp.asarray(new_of_old)[rank]
     if rem:  # step 1
         x = x + lax.ppermute(x, axes, [(2 * i, 2 * i + 1) for i in range(rem)])
-    buf, _ = pad_to_multiple(x, q)
+    padded, _ = pad_to_multiple(x, q)
+    # Row t of buf is segment (new mod 2^k) + 2^k t: at step k the rows split by the
+    # parity of t (bit k of the segment index), so the survivor with new rank r ends with
+    # segment r and the all-gather below needs no reorder (a bit-reversed assignment, from
+    # splitting into contiguous halves, costs a permuting copy of the whole result).
+    buf = padded.reshape(q, -1)
     bits = [(new >> k) & 1 for k in range(q.bit_length() - 1)]
     perms = [[(survivors[i], survivors[i ^ (1 << k)]) for i in range(q)] for k in range(len(bits))]
     for k, bit in enumerate(bits):  # step 2
-        half = buf.shape[0] // 2
-        lo, hi = buf[:half], buf[half:]
+        pairs = buf.reshape(-1, 2, buf.shape[1])
+        even, odd = pairs[:, 0], pairs[:, 1]
         upper = bit == 1
-        recv = lax.ppermute(jnp.where(upper, lo, hi), axes, perms[k])
-        buf = jnp.where(upper, hi, lo) + recv
-    # Step 3. Segment s (in address order) was kept by the survivor whose new rank is s
-    # with its lg q bits reversed (bit k of new rank picks the half at halving step k).
-    lg = len(bits)
-    owner = [survivors[int(format(s, f"0{lg}b")[::-1], 2) if lg else 0] for s in range(q)]
-    gathered = all_gather_invariant(buf[None], axes)  # (p, n_pad / q), row = old rank
-    return gathered[np.asarray(owner)].reshape(-1)[:n]
+        recv = lax.ppermute(jnp.where(upper, even, odd), axes, perms[k])
+        buf = jnp.where(upper, odd, even) + recv
+    gathered = all_gather_invariant(buf, axes)  # (p, n_pad / q), row = old rank
+    if rem:  # step 3: the survivors' rows, in order (the folded ranks' rows are unused)
+        gathered = gathered[np.asarray(survivors)]
+    return gathered.reshape(-1)[:n]

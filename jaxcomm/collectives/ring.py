@@ -20,7 +20,6 @@ References:
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm.collectives.base import axes_size, pad_to_multiple, register_algorithm
@@ -29,28 +28,20 @@ from jaxcomm.collectives.hierarchical import all_gather_invariant
 __all__ = ["ring_allreduce"]
 
 
-def _roll_chunks(chunks: jax.Array, shift: jax.Array) -> jax.Array:
-    """``jnp.roll(chunks, shift, axis=0)`` for a traced shift (dynamic slice of a double)."""
-    p = chunks.shape[0]
-    doubled = jnp.concatenate([chunks, chunks], axis=0)
-    start = (p - shift % p) % p
-    return lax.dynamic_slice_in_dim(doubled, start, p, axis=0)
-
-
-@register_algorithm("ring")
+@register_algorithm("ring", packed=True)
 def ring_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Sums a 1-D ``x`` over ``axes``: a ring reduce-scatter (``p-1`` neighbour exchanges),
     then an all-gather.
 
     1. Pad ``x`` to ``p`` equal chunks and rotate them so that local position ``j`` holds
-       chunk ``(rank + j) mod p``; every rank then sends and adds at the same static
+       chunk ``(rank + j - 1) mod p``; every rank then sends and adds at the same static
        positions.
     2. Reduce-scatter: at step ``s`` send position ``-s`` to the next rank and add the
        received chunk into position ``-s-1``. After ``p-1`` steps position ``1`` holds the
-       full sum of chunk ``rank + 1``.
-    3. All-gather the position-1 chunks (rank ``r`` holds chunk ``r + 1``), rotate by one
-       chunk and drop the padding. The result is identical on every device and typed
-       invariant over ``axes``.
+       full sum of chunk ``rank``.
+    3. All-gather the position-1 chunks: row ``r`` is chunk ``r``, so the gathered buffer
+       is the sum in order; drop the padding. The result is identical on every device and
+       typed invariant over ``axes``.
 
     Args:
       x: 1-D per-device array (inside ``jax.shard_map``).
@@ -65,12 +56,14 @@ def ring_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     n = x.shape[0]
     padded, _ = pad_to_multiple(x, p)
     rank = lax.axis_index(axes)
-    # A Python list of chunks keeps every index static (plain slices and adds, no
-    # dynamic-update-slice per step), which XLA compiles faster.
-    chunks = list(_roll_chunks(padded.reshape(p, -1), -rank))
+    # A Python list of chunks keeps every position static (plain adds, no
+    # dynamic-update-slice per step), which XLA compiles faster. Position j is read once by
+    # a dynamic slice (rolling the whole buffer would copy it twice over). Rank r ends with
+    # chunk r, so the all-gather's rows are already in order: no rotation afterwards.
+    rows = padded.reshape(p, -1)
+    chunks = [lax.dynamic_index_in_dim(rows, (rank + j - 1) % p, keepdims=False) for j in range(p)]
     perm = [(i, (i + 1) % p) for i in range(p)]
     for s in range(p - 1):
         j = (-s - 1) % p
         chunks[j] = chunks[j] + lax.ppermute(chunks[(-s) % p], axes, perm)
-    gathered = all_gather_invariant(chunks[1][None], axes)  # row r: chunk (r + 1) mod p
-    return jnp.roll(gathered, 1, axis=0).reshape(-1)[:n]
+    return all_gather_invariant(chunks[1], axes)[:n]  # rank r's piece: chunk r

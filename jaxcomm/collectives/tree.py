@@ -31,7 +31,7 @@ from jaxcomm.collectives.hierarchical import all_gather_invariant
 __all__ = ["tree_allreduce"]
 
 
-@register_algorithm("tree")
+@register_algorithm("tree", packed=True)
 def tree_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Sums ``x`` over ``axes`` with a binomial-tree reduce and a scatter + all-gather
     broadcast.
