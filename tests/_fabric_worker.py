@@ -32,7 +32,9 @@ for label, kwargs in (("process", {}), ("topology", {"topology": jaxcomm.topolog
                                out_specs=P(AXES)))  # fmt: skip
     jax.block_until_ready(fn(x))  # compile and connect outside the counted window
     multihost_utils.sync_global_devices(f"{label} start")
-    before = spine_bytes()
+    before = spine_bytes()  # every process reads; process 0's figure is printed
+    # nobody sends before every process has read its counters
+    multihost_utils.sync_global_devices(f"{label} counted")
     y = jax.block_until_ready(fn(x))
     multihost_utils.sync_global_devices(f"{label} end")
     out[label] = (spine_bytes() - before) / (4 * N)

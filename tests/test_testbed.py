@@ -155,9 +155,11 @@ def test_fabric_topology_order_halves_the_spine_bytes():
     got = json.loads(line.split("FABRIC ", 1)[1])
     assert got["process_order"] == [0, 1, 2, 3] and got["topology_order"] == [0, 2, 1, 3]
     hop = 2 * 3 / 4  # bytes per hop per byte of buffer
-    # TCP/IP headers add about 5 % on the wire
-    assert 4 * hop <= got["process"] < 4 * hop * 1.1, got
-    assert 2 * hop <= got["topology"] < 2 * hop * 1.1, got
+    # TCP/IP headers add about 5 % on the wire; the counters are read around barriers, so a
+    # few bytes of a neighbour's step can fall outside the window (seen: -1.3 %)
+    assert 4 * hop * 0.97 <= got["process"] < 4 * hop * 1.1, got
+    assert 2 * hop * 0.97 <= got["topology"] < 2 * hop * 1.1, got
+    assert got["process"] > 1.8 * got["topology"], got
 
 
 def test_link_schedule_parses():
