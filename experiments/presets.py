@@ -131,7 +131,7 @@ PRESETS["testbed"] = dataclasses.replace(
 )  # fmt: skip
 # The ablation issue's configuration: ResNet-18 (46.8 MB of f32 gradient) on 32 px images
 # over 250 Mbit/s: the gradient's time on the link is several times the compute, as on the
-# seed's 64-node cluster. About 12 minutes on 2 cores (compilation dominates).
+# seed's 64-node cluster. About 9 minutes on 2 cores (half of it compilation).
 PRESETS["testbed-resnet18"] = dataclasses.replace(
     PRESETS["testbed"], name="testbed-resnet18", model="resnet18", timing_steps=2, link="250mbit"
 )
