@@ -134,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--leaves",
         type=int,
         default=1,
-        help="leaf switches joined by a spine (node i under leaf i %% LEAVES); with --intra "
-        "set to the nodes' devices per leaf, +topology groups the ranks by leaf",
+        help="leaf switches joined by a spine (node i under leaf i %% LEAVES): +topology then "
+        "orders the inter ring by leaf, and a measured 'spine MB' column is added",
     )
     n.add_argument("--spine", default=None, help="spine link rate (default: --link)")
     r = p.add_argument_group("runtime")
