@@ -149,11 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _launch_testbed(args, argv: list[str], preset) -> int:
-    """Runs this command once per emulated node under ``jaxcomm.testbed``; its exit code."""
-    from jaxcomm.testbed import Testbed, available
+def _launch_testbed(args, argv: list[str], preset, testbed: tuple[bool, str]) -> int:
+    """Runs this command once per emulated node under ``jaxcomm.testbed``; its exit code.
 
-    ok, why = available()
+    ``testbed`` is :func:`_testbed_status`'s ``(ok, why)``.
+    """
+    from jaxcomm.testbed import Testbed
+
+    ok, why = testbed
     if not ok:
         print(f"--preset {preset.name} builds an emulated network and cannot here: {why}.\n"
               "Run it as root with iproute2 installed, or choose --preset cpu-smoke.",
@@ -305,25 +308,16 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     return result
 
 
-def _testbed_possible(args) -> bool:
-    """Whether the default preset may be the emulated network: no preset asked for, one
-    process on CPU, and this machine can build it (root, iproute2)."""
-    if args.preset is not None or runtime.distributed_requested():
-        return False
-    import jax
-
+def _testbed_status(jax) -> tuple[bool, str]:
+    """``jaxcomm.testbed.available()`` for one CPU process (it probes with a namespace, so
+    it is asked once per run); elsewhere ``(False, reason)``."""
+    if runtime.distributed_requested():
+        return False, "already one process of a distributed job"
     if jax.default_backend() != "cpu":
-        return False
+        return False, f"the default backend is {jax.default_backend()}, not the CPU"
     from jaxcomm.testbed import available
 
-    return available()[0]
-
-
-def _testbed_unavailable_reason() -> str:
-    from jaxcomm.testbed import available
-
-    ok, why = available()
-    return "this machine can build it" if ok else why
+    return available()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,9 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     from experiments import ablation, report
     from experiments.rows import resolve_rows
 
-    preset = _preset(args, jax, testbed=_testbed_possible(args))
+    testbed = _testbed_status(jax)
+    preset = _preset(args, jax, testbed=testbed[0])
     if preset.link is not None and not runtime.distributed_requested():
-        return _launch_testbed(args, argv, preset)
+        return _launch_testbed(args, argv, preset, testbed)
     link_bps = runtime.testbed_link_bps()
     is_main = jax.process_index() == 0
     modes = [m for m in MODES if getattr(args, m)] or list(preset.modes)
@@ -416,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     if rows is not None and is_main:
         print()
         if meta["backend"] == "cpu" and meta["processes"] == 1 and meta["devices"] > 1:
-            print(report.fake_devices_note(meta["devices"], _testbed_unavailable_reason()))
+            why = "this machine can build it" if testbed[0] else testbed[1]
+            print(report.fake_devices_note(meta["devices"], why))
         elif link_bps:
             print(f"link {meta['link']} per direction between {meta['processes']} nodes; "
                   f"load average {meta['load_average'][0]:.2f}")  # fmt: skip

@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from PIL import Image
@@ -61,8 +62,10 @@ def test_without_a_testbed_the_default_falls_back_and_says_why(monkeypatch, caps
 
     monkeypatch.setattr(jaxcomm.testbed, "available", lambda: (False, "the testbed needs root"))
     args = resnet152.build_parser().parse_args([])
-    assert not resnet152._testbed_possible(args)
-    assert resnet152._launch_testbed(args, [], PRESETS["testbed"]) == 2
+    testbed = resnet152._testbed_status(jax)
+    assert testbed == (False, "the testbed needs root")
+    assert resnet152._preset(args, jax, testbed=testbed[0]).name == "cpu-smoke"
+    assert resnet152._launch_testbed(args, [], PRESETS["testbed"], testbed) == 2
     err = capsys.readouterr().err
     assert "cannot here: the testbed needs root" in err and "--preset cpu-smoke" in err
     note = report.fake_devices_note(8, "the testbed needs root").splitlines()
