@@ -142,18 +142,19 @@ def test_fabric_topology_and_validation():
 
 
 @needs_testbed
-def test_fabric_topology_order_halves_the_spine_bytes():
+def test_fabric_topology_order_halves_the_spine_bytes(tmp_path):
     # 4 nodes under 2 leaves, node i under leaf i % 2: a ring in process order crosses the
     # spine at all 4 hops, one ordered by the testbed's topology file at 2 (the minimum for
     # a ring). Each crossing hop carries what a rank sends in a ring all-reduce, 2(p-1)/p S.
-    cmd = [sys.executable, "-m", "jaxcomm.testbed", "--nodes", "4", "--devices-per-node", "1",
-           "--leaves", "2", "--link", "1gbit", "--spine", "200mbit", "--",
-           sys.executable, str(ROOT / "tests" / "_fabric_worker.py")]  # fmt: skip
+    out = tmp_path / "fabric.json"
+    cmd = [sys.executable, "-m", "jaxcomm.bench", "fabric", "--nodes", "4", "--leaves", "2",
+           "--link", "1gbit", "--spine", "200mbit", "--sizes-mib", "1", "--reps", "0",
+           "--json", str(out)]  # fmt: skip
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    (line,) = [x for x in p.stdout.splitlines() if "FABRIC " in x]
-    got = json.loads(line.split("FABRIC ", 1)[1])
-    assert got["process_order"] == [0, 1, 2, 3] and got["topology_order"] == [0, 2, 1, 3]
+    (row,) = json.loads(out.read_text())["rows"]
+    got = {k: row[k]["spine_per_byte"] for k in ("process", "topology")}
+    assert row["process"]["order"] == [0, 1, 2, 3] and row["topology"]["order"] == [0, 2, 1, 3]
     hop = 2 * 3 / 4  # bytes per hop per byte of buffer
     # TCP/IP headers add about 5 % on the wire; the counters are read around barriers, so a
     # few bytes of a neighbour's step can fall outside the window (seen: -1.3 %)
