@@ -17,6 +17,7 @@ import jaxcomm
 from jaxcomm import cost
 from jaxcomm import topology as T
 from jaxcomm.collectives import ALGORITHMS, fit_to_mesh
+from jaxcomm.collectives.base import ring_reduce_scatter
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,25 @@ def test_equals_psum_and_permute_count(request, algorithm, mesh_name, axes):
     if axes == AX:  # typed invariant: it may leave shard_map replicated, bit-equal
         out = sharded(lambda v: ALGORITHMS[algorithm](v[0], axes), mesh)(xs)
         assert assert_replicas_equal(out) == 1
+
+
+@pytest.mark.parametrize("mesh_name, axes", CASES)
+def test_ring_reduce_scatter_equals_psum_scatter(request, mesh_name, axes):
+    # The intra stage of hierarchical on multi-process CPU (gloo's reduce-scatter is wrong
+    # there, jax-ml/jax#40830): rank r must end with chunk r of the sum, as psum_scatter.
+    mesh = request.getfixturevalue(mesh_name)
+    p = int(np.prod([mesh.shape[a] for a in axes]))
+    x = np.random.default_rng(p).normal(size=(mesh.devices.size, 5 * p)).astype(np.float32)
+    xs = per_device(mesh, x)
+    compiled, mod = _compile(mesh, lambda v: ring_reduce_scatter(v[0], axes)[None], xs)
+    want = sharded(
+        lambda v: jax.lax.psum_scatter(v[0], axes, scatter_dimension=0, tiled=True)[None],
+        mesh,
+        out_specs=P(AX),
+    )(xs)
+    np.testing.assert_allclose(np.asarray(compiled(xs)), np.asarray(want), rtol=1e-6, atol=1e-6)
+    kinds = [c.kind for c in mod.collectives]
+    assert kinds == ["collective-permute"] * (p - 1)  # (p-1)/p of x sent, no all-reduce
 
 
 def test_ring_moves_to_next_rank_only(mesh):

@@ -142,9 +142,48 @@ def reduce_scatter(x: jax.Array, axis: str) -> jax.Array:
     not slower, measured by ``python -m jaxcomm.bench testbed``).
     """
     if gloo_reduce_scatter_unsafe():
-        size = x.shape[0] // lax.axis_size(axis)
-        return lax.dynamic_slice_in_dim(lax.psum(x, axis), lax.axis_index(axis) * size, size)
+        return ring_reduce_scatter(x, (axis,))
     return lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+
+
+def ring_reduce_scatter(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Ring reduce-scatter of a 1-D ``x`` (length divisible by ``p``) from ``lax.ppermute`` s.
+
+    Rank ``r`` (``lax.axis_index(axes)``, row-major over ``axes``) ends with the sum of chunk
+    ``r``, as ``psum_scatter(..., tiled=True)`` would give. Each device sends ``(p-1)/p`` of
+    ``x``, the bytes of a reduce-scatter.
+
+    1. Split ``x`` into ``p`` chunks and index them so that local position ``j`` holds chunk
+       ``(rank + j - 1) mod p``; every rank then sends and adds at the same static positions.
+    2. At step ``s`` send position ``-s`` to the next rank and add the received chunk into
+       position ``-s-1``. After ``p-1`` steps position ``1`` holds the full sum of chunk
+       ``rank``.
+
+    Args:
+      x: 1-D per-device array (inside ``jax.shard_map``), length a multiple of ``p``.
+      axes: mesh axis names, taken together as one ring.
+
+    Returns:
+      This rank's chunk of the sum, length ``len(x) / p``.
+
+    References:
+      Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+      workstations" (JPDC 2009).
+    """
+    p = axes_size(axes)
+    rows = x.reshape(p, -1)
+    if p == 1:
+        return rows[0]
+    rank = lax.axis_index(axes)
+    # A Python list of chunks keeps every position static (plain adds, no
+    # dynamic-update-slice per step), which XLA compiles faster. Position j is read once by
+    # a dynamic slice (rolling the whole buffer would copy it twice over).
+    chunks = [lax.dynamic_index_in_dim(rows, (rank + j - 1) % p, keepdims=False) for j in range(p)]
+    perm = [(i, (i + 1) % p) for i in range(p)]
+    for s in range(p - 1):
+        j = (-s - 1) % p
+        chunks[j] = chunks[j] + lax.ppermute(chunks[(-s) % p], axes, perm)
+    return chunks[1]
 
 
 def pad_to_multiple(x: jax.Array, multiple: int) -> tuple[jax.Array, int]:

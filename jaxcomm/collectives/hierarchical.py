@@ -48,7 +48,7 @@ def hierarchical_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
     More than two axes recurse: step 2 is itself hierarchical over the outer axes. A
     buffer whose length does not divide by the inner group sizes is zero-padded. On CPU
-    with several processes (gloo), step 1 is a psum plus a slice (jax-ml/jax#40830).
+    with several processes (gloo), step 1 is a ring of ppermutes (jax-ml/jax#40830).
 
     Args:
       x: 1-D per-device array (inside ``jax.shard_map``).

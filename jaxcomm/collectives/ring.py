@@ -22,7 +22,12 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from jaxcomm.collectives.base import axes_size, pad_to_multiple, register_algorithm
+from jaxcomm.collectives.base import (
+    axes_size,
+    pad_to_multiple,
+    register_algorithm,
+    ring_reduce_scatter,
+)
 from jaxcomm.collectives.hierarchical import all_gather_invariant
 
 __all__ = ["ring_allreduce"]
@@ -33,13 +38,10 @@ def ring_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Sums a 1-D ``x`` over ``axes``: a ring reduce-scatter (``p-1`` neighbour exchanges),
     then an all-gather.
 
-    1. Pad ``x`` to ``p`` equal chunks and rotate them so that local position ``j`` holds
-       chunk ``(rank + j - 1) mod p``; every rank then sends and adds at the same static
-       positions.
-    2. Reduce-scatter: at step ``s`` send position ``-s`` to the next rank and add the
-       received chunk into position ``-s-1``. After ``p-1`` steps position ``1`` holds the
-       full sum of chunk ``rank``.
-    3. All-gather the position-1 chunks: row ``r`` is chunk ``r``, so the gathered buffer
+    1. Pad ``x`` to ``p`` equal chunks.
+    2. Reduce-scatter (:func:`~jaxcomm.collectives.base.ring_reduce_scatter`): ``p-1``
+       neighbour exchanges leave rank ``r`` with the full sum of chunk ``r``.
+    3. All-gather those chunks: row ``r`` is chunk ``r``, so the gathered buffer
        is the sum in order; drop the padding. The result is identical on every device and
        typed invariant over ``axes``.
 
@@ -55,15 +57,6 @@ def ring_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         return x
     n = x.shape[0]
     padded, _ = pad_to_multiple(x, p)
-    rank = lax.axis_index(axes)
-    # A Python list of chunks keeps every position static (plain adds, no
-    # dynamic-update-slice per step), which XLA compiles faster. Position j is read once by
-    # a dynamic slice (rolling the whole buffer would copy it twice over). Rank r ends with
-    # chunk r, so the all-gather's rows are already in order: no rotation afterwards.
-    rows = padded.reshape(p, -1)
-    chunks = [lax.dynamic_index_in_dim(rows, (rank + j - 1) % p, keepdims=False) for j in range(p)]
-    perm = [(i, (i + 1) % p) for i in range(p)]
-    for s in range(p - 1):
-        j = (-s - 1) % p
-        chunks[j] = chunks[j] + lax.ppermute(chunks[(-s) % p], axes, perm)
-    return all_gather_invariant(chunks[1], axes)[:n]  # rank r's piece: chunk r
+    # Rank r ends the reduce-scatter with chunk r, so the all-gather's rows are already in
+    # order: no rotation afterwards.
+    return all_gather_invariant(ring_reduce_scatter(padded, axes), axes)[:n]
