@@ -9,7 +9,8 @@ With ``compression=``, one step runs:
 3. **compressed leaves** are packed (elementwise compressors: one flat 1-D buffer per
    dtype; matrix compressors such as PowerSGD: the leaves themselves) and handed to
    ``compressor.reduce``; with ``compress_stage='inter'`` only the inter-node stage is
-   compressed (full-precision reduce-scatter and all-gather inside a node).
+   compressed (full-precision reduce-scatter inside a node; the all-gather inside a node
+   moves the compressor's encoded means where it can, ``Compressor.gathers``: int8/int4).
 4. during the first ``warmup_steps`` steps a ``lax.cond`` sends the compressed leaves
    uncompressed instead (no branch at all when ``warmup_steps=0``).
 
@@ -240,7 +241,9 @@ def sync_gradients(
       compress_stage: ``'all'`` compresses the whole reduction; ``'inter'`` keeps full
         precision inside a node (reduce-scatter over the innermost axis, compressed mean
         over the outer axes, all-gather) -- the slow inter-node links carry compressed
-        bytes, the fast intra-node links full precision. Needs two or more axes.
+        bytes, the fast intra-node links the full-precision gradient; the final intra
+        all-gather carries int8/int4's quantized means (they are the result, so no
+        precision is lost). Needs two or more axes.
         Decisions every device must share (fp16's overflow skip, adaptive's level) are
         still reduced over all ``axes``.
       seed: seed of the compressors' randomness (stochastic rounding, random-k); the key
@@ -349,6 +352,11 @@ def sync_gradients(
             shard = reduce_scatter(padded, inner)
             shards.append((shard / g).astype(b.dtype))
             sizes.append(b.shape[0])
+        if compression.gathers:
+            # The compressor gathers its encoded means over the node (int8: 1/4 of the f32
+            # bytes on the intra-node all-gather), then decodes.
+            outs, cstate = compression.reduce(shards, cstate, ctx._replace(gather_axis=inner))
+            return [o[:n] for o, n in zip(outs, sizes, strict=True)], cstate
         outs, cstate = compression.reduce(shards, cstate, ctx)
         outs = [all_gather_invariant(o, inner)[:n] for o, n in zip(outs, sizes, strict=True)]
         return outs, cstate

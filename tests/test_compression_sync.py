@@ -11,6 +11,7 @@ from helpers import (
     abstract_per_device,
     assert_replicas_equal,
     assert_rows_equal,
+    assert_trees_bitwise_equal,
     per_device,
     sharded,
     state_specs,
@@ -111,11 +112,30 @@ def test_inter_stage_only_compresses_across_nodes(mesh):
     np.testing.assert_array_equal(outs["w"][0, 0], outs["w"][5, 0])
     mod = jaxcomm.hlo.collectives(fn, per_device(mesh, g), mesh=mesh)
     by = {(c.kind, c.axes, c.dtype) for c in mod.collectives if c.operand_elements >= 600}
-    # full precision inside a node, int8 bytes between nodes
+    # full precision into the inter stage, int8 bytes between nodes; the intra all-gather
+    # moves the quantized means (the result), not their f32 decoding
     assert ("reduce-scatter", ("intra",), "f32") in by
-    assert ("all-gather", ("intra",), "f32") in by
+    assert ("all-gather", ("intra",), "u8") in by
     assert ("all-to-all", ("inter",), "u8") in by
     assert not any(axes == AX for _, axes, _ in by)
+    assert not any(k == "all-gather" and t == "f32" for k, _, t in by)
+
+
+@pytest.mark.parametrize(
+    "comp", [C.int8(), C.int4(block=128), C.int8(error_feedback=True)], ids=lambda c: c.name
+)
+def test_inter_stage_gathers_encoded_means_bit_for_bit(mesh, comp):
+    # gathering the quantized means over the node and decoding after gives the same bits
+    # (and the same error-feedback state) as gathering each device's decoded f32 mean
+    g = _grads(4)
+    runs = []
+    for c in (comp, comp._replace(gathers=False)):
+        tx = jaxcomm.sync_gradients(compression=c, compress_stage="inter", min_size=1)
+        runs.append(_call(_runner(mesh, tx, steps=2), per_device(mesh, g)))
+    (outs, state), (outs2, state2) = runs
+    np.testing.assert_array_equal(outs["w"], outs2["w"])
+    np.testing.assert_array_equal(outs["b"], outs2["b"])
+    assert_trees_bitwise_equal(state, state2)
 
 
 def test_fp16_overflow_skips_the_whole_step_and_counts(mesh):

@@ -51,6 +51,11 @@ class ReduceContext(NamedTuple):
         node holds a different shard, so a decision that must be the same on every
         device (fp16's overflow skip, adaptive's level) is reduced over
         :func:`decision_axes`, never over ``axes`` alone.
+      gather_axis: only for compressors with ``gathers=True``: after reducing over
+        ``axes``, also all-gather the means over this (inner) axis, in its
+        ``lax.axis_index`` order, so each device returns the whole buffer instead of its
+        shard. The compressor gathers its encoded payload, which is cheaper than gathering
+        the decoded f32 (``compress_stage='inter'``'s intra-node all-gather).
     """
 
     axes: tuple[str, ...]
@@ -58,6 +63,7 @@ class ReduceContext(NamedTuple):
     step: jax.Array
     key: jax.Array
     data_axes: tuple[str, ...] = ()
+    gather_axis: str | None = None
 
 
 def decision_axes(ctx: ReduceContext) -> tuple[str, ...]:
@@ -90,6 +96,9 @@ class Compressor(NamedTuple):
       wire_fraction: nominal payload this device contributes, relative to the f32 buffer
         (0.5 for bf16, 2 x ratio for top-k's index + value pairs, NaN where it depends on
         shapes); documentation only -- measured bytes come from ``jaxcomm.wire_bytes``.
+      gathers: ``reduce`` honours ``ctx.gather_axis``: each returned mean is then the
+        concatenation of the means of every device of that axis (``g`` times the length of
+        the input shard), identical on every device of ``axes`` and ``gather_axis``.
     """
 
     name: str
@@ -99,6 +108,7 @@ class Compressor(NamedTuple):
     supports: Callable[[tuple[int, ...]], bool] = _any_shape
     finite: Callable[[Any], jax.Array] | None = None
     wire_fraction: float = 1.0
+    gathers: bool = False
 
 
 def check_range(

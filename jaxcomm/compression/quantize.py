@@ -164,6 +164,7 @@ def two_phase_mean(
     bits: int,
     block: int,
     key: jax.Array | None,
+    gather_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Mean of a 1-D f32 ``x`` over ``axes`` through quantized all-to-all + all-gather.
 
@@ -173,9 +174,16 @@ def two_phase_mean(
       bits: 8 or 4.
       block: quantization block (even for 4 bits).
       key: per-device PRNG key for stochastic rounding, or None.
+      gather_axis: an inner mesh axis over which every device holds a different ``x`` (a
+        shard of one buffer, ``compress_stage='inter'``): the quantized means are
+        all-gathered over it too and dequantized after, so the inner all-gather moves
+        ``bits/32`` of the f32 bytes. The result is then the concatenation of the means
+        of every device of ``gather_axis`` (in its index order), bit for bit what an f32
+        all-gather of each device's mean would give.
 
     Returns:
-      ``(mean, sent)``: the mean (same on all devices, shape of ``x``) and what this
+      ``(mean, sent)``: the mean (same on all devices; shape of ``x``, or ``g`` times its
+      length with ``gather_axis`` of size ``g``) and what this
       device effectively contributed (its dequantized phase-1 payload plus ``p`` times
       the re-quantization error of the chunk it owns), so that the mean of ``sent`` over
       devices equals ``mean``: error feedback on ``x - sent`` loses nothing.
@@ -204,8 +212,13 @@ def two_phase_mean(
     i = lax.axis_index(axes)
     local = lax.dynamic_update_slice(local, (local[i] + p * err2)[None], (i, 0))
     gathered = all_gather_invariant(_to_bytes(q2, s2), axes)  # (p, bytes), typed invariant
+    rows = 1
+    if gather_axis is not None:
+        # (g * p, bytes): row j * p + i is chunk i of inner device j's shard
+        gathered = all_gather_invariant(gathered, gather_axis)
+        rows = lax.axis_size(gather_axis)
     q2, s2 = _from_bytes(gathered, q2.shape[1], bits)
-    mean = dequantize(q2, s2, bits, block).reshape(-1)[:n]
+    mean = dequantize(q2, s2, bits, block).reshape(rows, -1)[:, :n].reshape(-1)
     local = local.reshape(-1)[:n]
     return mean, local
 
@@ -220,14 +233,17 @@ def _quantized(bits: int, block: int, stochastic: bool, error_feedback: bool) ->
         out, sent = [], []
         for i, c in enumerate(cs):
             k = None if key is None else jax.random.fold_in(key, i)
-            mean, local = two_phase_mean(c.reshape(-1), ctx.axes, bits=bits, block=block, key=k)
-            out.append(mean.reshape(c.shape).astype(jnp.result_type(xs[i])))
+            mean, local = two_phase_mean(
+                c.reshape(-1), ctx.axes, bits=bits, block=block, key=k, gather_axis=ctx.gather_axis
+            )
+            shape = c.shape if ctx.gather_axis is None else mean.shape
+            out.append(mean.reshape(shape).astype(jnp.result_type(xs[i])))
             sent.append(local.reshape(c.shape))
         new = ef.new_residuals(cs, sent) if error_feedback else state
         return out, new
 
     frac = (bits / 8 + 4 / block) / 4
-    return Compressor(f"int{bits}", init, reduce, wire_fraction=frac)
+    return Compressor(f"int{bits}", init, reduce, wire_fraction=frac, gathers=True)
 
 
 def _check_block(block: int, bits: int) -> int:
