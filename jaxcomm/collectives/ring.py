@@ -20,7 +20,6 @@ References:
 from __future__ import annotations
 
 import jax
-from jax import lax
 
 from jaxcomm.collectives.base import (
     axes_size,
