@@ -212,3 +212,35 @@ def test_link_schedule_from_the_command_line():
         json.loads(x.split(" ", 1)[1]) for x in p.stdout.splitlines() if x.startswith("[node0]")
     ]
     assert [e["link"] for e in node0] == ["40mbit", "8mbit"]
+
+
+@needs_testbed
+def test_networked_ablation_reads_its_link_bytes_from_the_compiled_steps(tmp_path):
+    # The experiment re-runs itself under the testbed (2 nodes x 2 devices, 50 Mbit/s): the
+    # table's link columns come from each row's compiled HLO. Checks columns and bytes, not
+    # timings.
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "experiments.resnet152", "--preset", "testbed", "--ablation",
+           "--rows", "baseline,+compression", "--image-size", "16", "--per-device-batch", "2",
+           "--timing-steps", "1", "--repeats", "1", "--no-progress", "--out", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["link"] == "50mbit" and meta["link_bps"] == 50e6 and meta["processes"] == 2
+    assert [r["config"] for r in rows] == ["baseline", "+compression"]
+    for r in rows:
+        assert r["status"] == "ok", r.get("error")
+        assert r["devices"] == 4 and r["mesh"] == {"inter": 2, "intra": 2}
+        assert r["link_bound_s"] == pytest.approx(r["link_bytes"] * 8 / 50e6)
+        comm = r["step_time_s"] - r["compute_only_step_time_s"]
+        if r["link_efficiency"] is not None:
+            assert r["link_efficiency"] == pytest.approx(r["link_bound_s"] / comm)
+    base, comp = rows
+    # a flat ring over 4 devices in node order: each device sends 2(p-1)/p S = 1.5 S (its
+    # wire_bytes), and one ring edge per direction leaves the node, carrying the same 1.5 S
+    assert base["link_bytes"] == base["wire_bytes"] > 0
+    # int8 on the inter stage: each device's half of the gradient in int8 (1/4 of f32) plus
+    # the small leaves in f32 cross the link: well under a quarter of the flat ring's bytes
+    assert 0.1 * base["link_bytes"] < comp["link_bytes"] < 0.25 * base["link_bytes"]
+    assert "link 50mbit" in p.stdout and "stacked" in p.stdout
