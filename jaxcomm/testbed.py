@@ -488,8 +488,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cmd:
         parser.error("no command after --")
     try:
-        parse_rate(args.link), parse_time(args.latency)
         schedule = parse_link_schedule(args.link_schedule)
+        # the constructor checks every value (and touches nothing): bad input is a usage
+        # error before any namespace exists
+        bed = Testbed(
+            nodes=args.nodes,
+            devices_per_node=args.devices_per_node,
+            link=args.link,
+            latency=args.latency,
+            burst=args.burst,
+            leaves=args.leaves,
+            spine=args.spine,
+        )
     except ValueError as e:
         parser.error(str(e))
     ok, why = available()
@@ -501,15 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the testbed must still clean its namespaces up on Ctrl-C / SIGINT, so take it back.
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with Testbed(
-            nodes=args.nodes,
-            devices_per_node=args.devices_per_node,
-            link=args.link,
-            latency=args.latency,
-            burst=args.burst,
-            leaves=args.leaves,
-            spine=args.spine,
-        ) as tb:
+        with bed as tb:
             fabric = f", {tb.leaves} leaves joined by a {tb.spine} spine" if tb.leaves > 1 else ""
             print(
                 f"[testbed] {args.nodes} nodes x {args.devices_per_node} devices, link "

@@ -53,6 +53,21 @@ def test_without_root_says_so(monkeypatch, capsys):
     assert "needs root" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nodes", "4", "--leaves", "3"], "leaves=3 must divide nodes=4"),
+        (["--spine", "100mbit"], "needs leaves >= 2"),
+        (["--link", "fast"], "1gbit"),
+    ],
+)
+def test_bad_fabric_flags_are_usage_errors(argv, message, capsys):
+    # checked before any namespace exists, root or not: a usage line, not a traceback
+    with pytest.raises(SystemExit) as e:
+        testbed.main([*argv, "--", "true"])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 @needs_testbed
 def test_two_nodes_allreduce_across_the_link():
     cmd = [sys.executable, "-m", "jaxcomm.testbed", "--nodes", "2", "--devices-per-node", "2"]

@@ -29,7 +29,6 @@ import json
 import os
 import re
 import sys
-import time
 from typing import Any
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -49,18 +48,6 @@ def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
         out.append(s)
         s *= factor
     return out
-
-
-def _median_time(fn, reps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def _local_data(n: int, devices: range, dtype) -> Any:
@@ -113,6 +100,7 @@ def run_sweep(args) -> dict[str, Any]:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm
+    from jaxcomm.profiler import median_time
 
     mesh = jaxcomm.make_mesh(args.intra)
     axes = tuple(mesh.axis_names)
@@ -160,7 +148,7 @@ def run_sweep(args) -> dict[str, Any]:
                     out_specs=P(axes),
                 )
             )
-            t = _median_time(lambda f=f, x=x: f(x), args.reps)
+            t = median_time(lambda f=f, x=x: f(x), (), args.reps)
             record(alg, t, np.asarray(f(x).addressable_shards[0].data)[0], tol)
         for cname in filter(None, (args.compressors or "").split(",")):
             comp = _compressor(cname)
@@ -174,14 +162,14 @@ def run_sweep(args) -> dict[str, Any]:
             state = dp.init({"w": jnp.zeros((n,), dtype)})
             step = dp.step_fn(state)
             batch = {"x": x}
-            t = _median_time(lambda s=step, st=state, b=batch: s(st, b), args.reps)
+            t = median_time(lambda s=step, st=state, b=batch: s(st, b), (), args.reps)
             got = np.asarray(step(state, batch)[0].params["w"].addressable_shards[0].data) * p
             rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             record(cname, t, got, np.inf, {"rel_error": rel})
         if mpi is not None and not isinstance(mpi, str):
             xl = jax.device_put(local[0], jax.local_devices()[0])
             f = jax.jit(lambda v, m=mpi: m.mpi_allreduce(v, op="sum"))
-            t = _median_time(lambda f=f, xl=xl: f(xl), args.reps)
+            t = median_time(lambda f=f, xl=xl: f(xl), (), args.reps)
             record("mpi4jax", t, np.asarray(f(xl)), tol)
         for axis in axes:
             g = mesh.shape[axis]
@@ -195,7 +183,7 @@ def run_sweep(args) -> dict[str, Any]:
                     out_specs=P(axes),
                 )
             )
-            t = _median_time(lambda f=f, x=x: f(x), args.reps)
+            t = median_time(lambda f=f, x=x: f(x), (), args.reps)
             points.append({"axis": axis, "bytes": n * itemsize, "time_s": t, "group_size": g})
     if isinstance(mpi, str):
         rows.append({"name": "mpi4jax", "missing": mpi})

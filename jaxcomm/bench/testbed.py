@@ -47,18 +47,6 @@ COMPRESSORS = {  # row name -> (factory name in jaxcomm.compression, args, sync_
 COLS = 1024  # gradient shape (rows, 1024): a matrix, so PowerSGD has something to factor
 
 
-def _median_time(fn, reps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn())  # warm-up (and compilation)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
     import jax
     import jax.numpy as jnp
@@ -69,6 +57,7 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm
+    from jaxcomm.profiler import median_time
 
     mesh = jaxcomm.make_mesh()
     axes = ("inter", "intra")
@@ -114,13 +103,13 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
         results: dict[str, dict[str, Any]] = {}
         for name, tx in methods.items():
             state, run, crossing = step_of(tx)
-            t = _median_time(run, reps)
+            t = median_time(run, (), reps)
             new = run()[0].params["w"]
             got = np.asarray(new.addressable_shards[0].data)  # params 0 + mean grad
             err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             results[name] = {"time_s": t, "rel_error": err, "link_bytes": crossing}
         _, run, _ = step_of(optax.identity(), require_sync=False)
-        results["compute only (no collective)"] = {"time_s": _median_time(run, reps)}
+        results["compute only (no collective)"] = {"time_s": median_time(run, (), reps)}
         # Probes on the same buffer: psum over one axis alone (their bus bandwidths give the
         # intra:inter ratio), and the three stages of the hierarchical all-reduce.
         g, m = mesh.shape["intra"], mesh.shape["inter"]
@@ -144,7 +133,7 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
         }  # fmt: skip
         for name, (fn, arg, factor) in probes.items():
             f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
-            t = _median_time(lambda f=f, arg=arg: f(arg), reps)
+            t = median_time(lambda f=f, arg=arg: f(arg), (), reps)
             results[name] = {"time_s": t, "busbw_GBps": factor * nbytes / t / 1e9}
         results.update(_overlap_probe(mesh, x1, reps))
         rows_out.append({"bytes": nbytes, "results": results})
@@ -167,6 +156,8 @@ def _overlap_probe(mesh, x, reps: int) -> dict[str, dict[str, float]]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from jaxcomm.profiler import median_time
+
     axes = ("inter", "intra")
     ldev = jax.local_device_count()
     sharding = NamedSharding(mesh, P(axes))
@@ -186,10 +177,10 @@ def _overlap_probe(mesh, x, reps: int) -> dict[str, dict[str, float]]:
 
     comm_fn = program(lambda v: (lax.psum(v, "inter"),), 1)
     compute_fn = program(lambda m: (work(m),), 1)
-    comm = _median_time(lambda: comm_fn(x), reps)
-    compute = _median_time(lambda: compute_fn(a), reps)
+    comm = median_time(lambda: comm_fn(x), (), reps)
+    compute = median_time(lambda: compute_fn(a), (), reps)
     both_fn = program(lambda v, m: (lax.psum(v, "inter"), work(m)), 2)
-    both = _median_time(lambda: both_fn(x, a), reps)
+    both = median_time(lambda: both_fn(x, a), (), reps)
     hidden = (comm + compute - both) / min(comm, compute)
     return {
         "overlap probe: psum inter alone": {"time_s": comm, "probe": True},
