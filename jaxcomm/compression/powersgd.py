@@ -95,9 +95,9 @@ def orthogonalize(p: jax.Array) -> jax.Array:
     # A zero column (e.g. a zero gradient) gives a zero diagonal; keep it zero, not NaN.
     # The diagonal as a strided slice (not jnp.diagonal's gather), which XLA fuses into
     # the masking: one kernel fewer per batch.
-    k = min(r.shape[-2:])
+    k = min(r.shape[-2:])  # = q's columns
     diag = r[..., :k, :k].reshape(*r.shape[:-2], k * k)[..., :: k + 1]
-    nonzero = jnp.pad(jnp.abs(diag) > 0, [(0, 0)] * (diag.ndim - 1) + [(0, r.shape[-1] - k)])
+    nonzero = jnp.abs(diag) > 0
     return jnp.where(jnp.isfinite(q), q, 0.0) * jnp.where(nonzero, 1.0, 0.0)[..., None, :]
 
 
