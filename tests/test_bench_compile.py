@@ -42,7 +42,8 @@ def test_unknown_option_is_rejected(capsys):
 
 
 def test_powersgd_batches_matrices_of_one_shape(mesh):
-    """Twelve matrices of one shape cost one QR; twelve of different shapes cost twelve."""
+    """Twelve matrices of one shape cost one QR; twelve of different shapes cost twelve
+    without padding, one when zero padding may merge them into one batch."""
     import jax
     import jax.numpy as jnp
 
@@ -52,13 +53,15 @@ def test_powersgd_batches_matrices_of_one_shape(mesh):
     same = {f"w{i}": jax.ShapeDtypeStruct((64, 48), f32) for i in range(12)}
     diff = {f"w{i}": jax.ShapeDtypeStruct((64, 40 + i), f32) for i in range(12)}
     counts = []
-    for tree in (same, diff):
-        tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.powersgd(rank=4))
+    for tree, pad in ((same, 0.0), (diff, 0.0), (diff, 0.5)):
+        tx = jaxcomm.sync_gradients(
+            compression=jaxcomm.compression.powersgd(rank=4, max_padding=pad)
+        )
         fn, args = bc.sync_program(tx, tree, mesh)
         text = fn.lower(*args).compile().as_text()
         # the QR factorizations (LAPACK custom calls on CPU) of the optimized module
         counts.append(len(re.findall(r'custom_call_target="lapack_sgeqrf', text)))
-    assert counts == [1, 12]
+    assert counts == [1, 12, 1]
 
 
 def test_step_compiles_the_whole_train_step(mesh):

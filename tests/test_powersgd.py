@@ -1,0 +1,105 @@
+"""PowerSGD's batches: matrices of different shapes, zero-padded into shared batches, give
+what the algorithm gives one matrix at a time (a float64 numpy reference), and the padding
+stays exactly zero in the state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import AX, per_device, sharded, state_specs
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm.compression import ReduceContext
+from jaxcomm.compression.powersgd import matrix_shape, shape_groups
+from jaxcomm.state import stack_local, unstack_local
+
+C = jaxcomm.compression
+RANK = 2
+# Matrix views (16, 12) x3, (10, 12), (12, 8), (24, 5): with max_padding=1 one batch
+# (24, 12) pads rows, columns or both; with 0 a batch per shape.
+SHAPES = [(16, 12), (10, 12), (16, 12), (3, 4, 8), (24, 5), (16, 12)]
+
+
+def _reference(xs, qs, es):
+    """One PowerSGD step per matrix in float64: (means, new Q, new per-device residuals)."""
+    outs, new_q, new_e = [], [], []
+    for x, q, e in zip(xs, qs, es, strict=True):
+        c = x + e  # (devices, n, m)
+        qr, r = np.linalg.qr((c @ q).mean(0))
+        p = qr * (np.abs(np.diagonal(r)) > 0)
+        q_local = np.swapaxes(c, 1, 2) @ p
+        q_mean = q_local.mean(0)
+        outs.append(p @ q_mean.T)
+        new_q.append(q_mean)
+        new_e.append(c - p @ np.swapaxes(q_local, 1, 2))
+    return outs, new_q, new_e
+
+
+@pytest.mark.parametrize("max_padding, batches", [(1.0, 1), (0.0, 4)])
+def test_padded_batches_equal_the_per_matrix_algorithm(mesh, max_padding, batches):
+    comp = C.powersgd(rank=RANK, max_padding=max_padding)
+    dims = [(*matrix_shape(s), RANK) for s in SHAPES]
+    groups = shape_groups(dims, max_padding)
+    assert len(groups) == batches
+    specs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in SHAPES]
+    sspecs = state_specs(lambda: comp.init(specs), mesh)
+    init = sharded(lambda: stack_local(comp.init(specs)), mesh, in_specs=(), out_specs=sspecs)
+
+    def local(xs, state, step):
+        ctx = ReduceContext(AX, "hierarchical", step, jax.random.key(0))
+        out, new = comp.reduce([x[0] for x in xs], unstack_local(state), ctx)
+        return [o[None] for o in out], stack_local(new)
+
+    step = sharded(local, mesh, in_specs=(P(AX), sspecs, P()), out_specs=(P(AX), sspecs))
+    state = init()
+    # the padded rows of the initial Q are zero; its real rows are each leaf's own Q
+    qs = []
+    for i, (_, m, _) in enumerate(dims):
+        k = next(k for k, g in enumerate(groups) if i in g)
+        stack = np.asarray(state.q[k])[groups[k].index(i)]
+        assert not stack[m:].any()
+        qs.append(stack[:m].astype(np.float64))
+    es = [np.zeros((8, n, m)) for n, m, _ in dims]
+    rng = np.random.default_rng(0)
+    for t in range(2):  # the second step starts from the first one's Q and residuals
+        xs = [rng.normal(size=(8, *s)).astype(np.float32) for s in SHAPES]
+        out, state = step(per_device(mesh, xs), state, jnp.int32(t))
+        flat = [
+            x.reshape(8, n, m).astype(np.float64) for x, (n, m, _) in zip(xs, dims, strict=True)
+        ]
+        ref_out, qs, es = _reference(flat, qs, es)
+        for o, ref, s in zip(out, ref_out, SHAPES, strict=True):
+            o = np.asarray(o)
+            assert o.shape == (8, *s)
+            for d in range(8):  # every device holds the same mean
+                np.testing.assert_allclose(o[d].reshape(ref.shape), ref, rtol=1e-4, atol=1e-4)
+        for k, g in enumerate(groups):
+            n_pad = max(dims[i][0] for i in g)
+            m_pad = max(dims[i][1] for i in g)
+            q = np.asarray(state.q[k])
+            res = np.asarray(state.residual.value[k]).reshape(8, len(g), n_pad, m_pad)
+            for j, i in enumerate(g):
+                n, m, _ = dims[i]
+                np.testing.assert_allclose(q[j, :m], qs[i], rtol=1e-4, atol=1e-4)
+                np.testing.assert_allclose(res[:, j, :n, :m], es[i], rtol=1e-4, atol=1e-4)
+                # zero padding stays exactly zero: nothing leaks into the real block
+                assert not q[j, m:].any()
+                assert not res[:, j, n:].any() and not res[:, j, :, m:].any()
+
+
+def test_shape_groups_merge_within_the_padding_budget():
+    dims = [(*matrix_shape(s), RANK) for s in SHAPES]
+    assert shape_groups(dims) == [[0, 2, 5], [1], [3], [4]]
+    real = sum(n * m for n, m, _ in dims)
+    for budget in (0.05, 0.2, 0.5, 1.0):
+        groups = shape_groups(dims, budget)
+        padded = sum(
+            len(g) * max(dims[i][0] for i in g) * max(dims[i][1] for i in g) for g in groups
+        )
+        assert padded - real <= budget * real
+        assert sorted(i for g in groups for i in g) == list(range(len(dims)))
+    # another rank never shares a batch
+    assert shape_groups([(4, 3, 2), (4, 3, 1)], 10.0) == [[0], [1]]
+    with pytest.raises(ValueError, match="max_padding=-1"):
+        C.powersgd(max_padding=-1)
