@@ -13,8 +13,7 @@ For each gradient matrix ``M`` (a leaf viewed as ``(prod(shape[:-1]), shape[-1])
 
 Matrices are computed in batches (:func:`shape_groups`; a batch zero-pads its matrices
 to a shared shape). All ``P`` of one step travel in one all-reduce, all ``Q`` in a second,
-through the configured algorithm, padding included (``max_padding`` bounds it), plus one
-all-reduce of a few int32 indices (``_runtime_indices``, for compile time). Wire bytes:
+through the configured algorithm, padding included (``max_padding`` bounds it). Wire bytes:
 ``r (n + m)`` instead of ``n m`` per matrix (1024 x 1024, rank 4: 0.0078 of an f32
 all-reduce). A matrix with ``n m < min_compression_rate r (n + m)`` (and every 1-D leaf)
 is left to the uncompressed all-reduce.
@@ -161,19 +160,19 @@ def _pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape, strict=True)])
 
 
-def _runtime_indices(count: int, axes: tuple[str, ...]) -> Callable[[int], jax.Array]:
+def _runtime_indices(count: int) -> Callable[[int], jax.Array]:
     """``index(j)``: the int32 ``j`` (``0 <= j < count``) as a value XLA cannot fold.
 
     XLA:CPU compiles one kernel per distinct fusion, and a slice at a constant offset is a
     fusion of its own, so cutting ``g`` matrices out of a batch at constant offsets costs
     ``g`` kernels, at a runtime offset one. The digits ``0 .. b-1`` (``b = ceil(sqrt(
-    count))``) come out of one tiny all-reduce over ``axes`` (device 0 adds ``k``, the
-    others zero; ``4 b`` bytes), each its own buffer, and ``index(j) = d[j // b] * b +
-    d[j % b]`` is computed inside the consumer's fusion: the same code for every ``j``.
+    count))``) pass through one ``lax.optimization_barrier``, which XLA does not constant-fold
+    through, so each is a buffer of its own, and ``index(j) = d[j // b] * b + d[j % b]`` is
+    computed inside the consumer's fusion: the same code for every ``j``. No collective and
+    no input is involved.
     """
     base = max(1, math.isqrt(max(count - 1, 0)) + 1)
-    first = jax.lax.axis_index(axes) == 0
-    digits = jax.lax.psum([jnp.where(first, k, 0).astype(jnp.int32) for k in range(base)], axes)
+    digits = jax.lax.optimization_barrier([jnp.int32(k) for k in range(base)])
 
     def index(j: int) -> jax.Array:
         return digits[j // base] * base + digits[j % base]
@@ -300,7 +299,7 @@ def powersgd(
         # Each matrix is cut out of its batch at a runtime index (_runtime_indices), so
         # that the matrices of one shape share one compiled kernel; at constant offsets
         # every matrix would be a kernel of its own.
-        index = _runtime_indices(max(len(g) for g in groups), axes)
+        index = _runtime_indices(max(len(g) for g in groups))
         out: list = [None] * len(xs)
         for g, p, q in zip(groups, ps, q_mean, strict=True):
             approx = p @ jnp.swapaxes(q, -1, -2)
