@@ -154,6 +154,35 @@ def test_fragments_are_staggered_and_each_moves_its_share(mesh):
         )
 
 
+def test_local_steps_run_no_collective_and_report_per_device_loss(mesh, params):
+    # Only sync steps communicate: the compiled step has no collective outside the sync's
+    # lax.switch (the loss is not averaged across devices) and none in its no-sync branch.
+    H = 4
+    tx = jaxcomm.local_sgd(optax.adam(1e-2), sync_every=H, compression=C.int8(), min_size=1)
+    dp = jaxcomm.data_parallel(mlp_loss, tx, mesh)
+    state = dp.init(params)
+    batches = mlp_batches(H)
+    wb = jaxcomm.wire_bytes(dp.step_fn(state), state, dp.shard_batch(batches[0]))
+    assert [c["kind"] for c in wb["collectives"] if not c["branch"]] == []
+    assert wb["unconditional"] == 0
+    (switch,) = [b for b in wb["branches"].values() if len(b) == 2]  # fragment 0, no sync
+    assert {int(i): v > 0 for i, v in switch.items()} == {0: True, 1: False}
+    assert amortized_bytes(wb, H) == pytest.approx(wb["total"] / H)
+    # The loss is each device's own, at its own params: one row per device.
+    n = len(mesh.devices.flat)
+    for t, batch in enumerate(batches):
+        local = jax.device_get(state.opt_state.local.value)
+        state, metrics = dp(state, batch)
+        assert metrics["loss"].shape == (n,)
+        rows = np.asarray(metrics["loss"])
+        for d in range(n):
+            shard = jax.tree.map(lambda x, d=d: x[d * 16 // n : (d + 1) * 16 // n], batch)
+            want = mlp_loss(jax.tree.map(lambda x, d=d: x[d], local), shard)
+            np.testing.assert_allclose(rows[d], want, rtol=1e-5, err_msg=f"step {t}")
+        if t:  # the devices' params differ after a local step, and so do their losses
+            assert len(set(rows.tolist())) > 1
+
+
 def test_int8_outer_gradient_moves_fewer_bytes(mesh, params):
     batch = mlp_batches(1)[0]
     totals = {}
@@ -208,8 +237,9 @@ def test_bench_rows_report_sync_and_average_bytes():
     res = run([4], ["int8"], steps=8)
     r, base = res["rows"]["H=4 int8"], res["baseline"]
     # A sync step moves the int8 outer gradient (fewer bytes than one f32 sync); averaged
-    # over the period a quarter of that, plus the per-step loss average.
-    assert r["unconditional_bytes"] < r["sync_step_bytes"] < base["sync_step_bytes"]
+    # over the period a quarter of that (local steps move nothing, not even the loss).
+    assert r["unconditional_bytes"] == 0
+    assert r["sync_step_bytes"] < base["sync_step_bytes"]
     assert r["step_bytes"] == pytest.approx(
         r["unconditional_bytes"] + (r["sync_step_bytes"] - r["unconditional_bytes"]) / 4
     )

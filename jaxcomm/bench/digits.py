@@ -45,12 +45,12 @@ def load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return x[:TRAIN], y[:TRAIN], x[TRAIN:], y[TRAIN:]
 
 
-def _init(seed: int) -> dict:
+def _init(seed: int, hidden: int = HIDDEN) -> dict:
     k1, k2 = jax.random.split(jax.random.key(seed))
     return {
-        "w1": jax.random.normal(k1, (64, HIDDEN), jnp.float32) / 8.0,
-        "b1": jnp.zeros((HIDDEN,), jnp.float32),
-        "w2": jax.random.normal(k2, (HIDDEN, 10), jnp.float32) / np.sqrt(HIDDEN),
+        "w1": jax.random.normal(k1, (64, hidden), jnp.float32) / 8.0,
+        "b1": jnp.zeros((hidden,), jnp.float32),
+        "w2": jax.random.normal(k2, (hidden, 10), jnp.float32) / np.sqrt(hidden),
         "b2": jnp.zeros((10,), jnp.float32),
     }
 
@@ -75,8 +75,9 @@ def digits_accuracy(
     optimizer: optax.GradientTransformation | None = None,
     transform: optax.GradientTransformation | None = None,
     wire: bool = False,
+    hidden: int = HIDDEN,
 ) -> dict:
-    """Trains a 64-256-10 MLP on ``load_digits`` data-parallel and returns its test accuracy.
+    """Trains a 64-``hidden``-10 MLP on ``load_digits`` data-parallel; returns its test accuracy.
 
     The model and data order depend only on ``seed``; ``sync_kwargs`` only changes how
     gradients are synchronised, so results for different settings are comparable.
@@ -94,6 +95,8 @@ def digits_accuracy(
       transform: the whole optimizer instead of ``sync_gradients`` + ``optimizer`` (e.g.
         ``jaxcomm.local_sgd(...)``); then ``sync_kwargs`` and ``optimizer`` must be None.
       wire: also return ``wire``, ``jaxcomm.wire_bytes`` of the compiled step.
+      hidden: the width of the hidden layer (default 256: 78 KB of f32 gradient; the
+        gradient is about ``300 * hidden`` bytes, e.g. 16384: 4.9 MB).
 
     Returns:
       A dict with ``accuracy`` (test accuracy in [0, 1]), ``final_loss`` (mean training
@@ -109,6 +112,7 @@ def digits_accuracy(
     import jaxcomm
 
     steps = check_int("steps", steps, minimum=1)
+    hidden = check_int("hidden", hidden, minimum=1, fix="the MLP's hidden width, e.g. 256")
     mesh = mesh if mesh is not None else jaxcomm.make_mesh(intra=4)
     x_tr, y_tr, x_te, y_te = load_split()
     if transform is not None:
@@ -122,7 +126,7 @@ def digits_accuracy(
         optimizer = optimizer if optimizer is not None else optax.adam(LEARNING_RATE)
         tx = optax.chain(jaxcomm.sync_gradients(**(sync_kwargs or {})), optimizer)
     dp = jaxcomm.data_parallel(_loss, tx, mesh, compiler_options=compiler_options)
-    state = dp.init(_init(seed))
+    state = dp.init(_init(seed, hidden))
     per_epoch = TRAIN // BATCH
     rng = np.random.default_rng(seed)
     order = np.concatenate(
@@ -143,7 +147,14 @@ def digits_accuracy(
         # rendezvous (seen on 2 loaded cores: a 40 s termination abort).
         jax.block_until_ready(state)
         losses.append(metrics["loss"])
-    losses = [float(v) for v in jax.device_get(losses[-per_epoch:])]
+    # The last epoch's losses: averaged over devices by the step, or one per device under
+    # jaxcomm.local_sgd (averaged here, once; across processes that needs a gather).
+    tail = losses[-per_epoch:]
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        tail = multihost_utils.process_allgather(tail)
+    losses = [float(np.mean(v)) for v in jax.device_get(tail)]
     seconds = time.perf_counter() - t0
     # Replicas agree by construction (check_vma); check the bits too, once, after training.
     jaxcomm.check_replicas(state, mesh=mesh, what=f"digits state after {steps} steps")

@@ -38,6 +38,7 @@ def run(
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     error_feedback: bool = False,
+    hidden: int = 256,
 ) -> dict[str, Any]:
     """The baseline and one row per (H, dtype); see the module docstring.
 
@@ -48,6 +49,7 @@ def run(
       optimizer is ``optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)``
       (momentum 0: plain SGD; lr 1, momentum 0: plain averaging of the local params);
       int8/int4 with stochastic rounding, and error feedback if ``error_feedback``.
+      ``hidden`` is the MLP's width (the gradient is about ``300 * hidden`` bytes).
     """
     import optax
 
@@ -69,7 +71,7 @@ def run(
     # One process: the 8 fake devices as 2 x 4. Several processes (e.g. under
     # python -m jaxcomm.testbed): the processes on 'inter', their devices on 'intra'.
     mesh = jaxcomm.make_mesh() if jax.process_count() > 1 else None
-    base = digits_accuracy(steps=steps, seed=seed, wire=True, mesh=mesh)
+    base = digits_accuracy(steps=steps, seed=seed, wire=True, mesh=mesh, hidden=hidden)
     out: dict[str, Any] = {"baseline": row(base, base["wire"]["total"]), "rows": {}}
     ref = out["baseline"]["step_bytes"]
     out["baseline"]["bytes_reduction"] = 1.0
@@ -84,7 +86,9 @@ def run(
                 fragments=min(fragments, h),
                 compression=None if comp is None else comp(error_feedback=error_feedback),
             )
-            r = digits_accuracy(steps=steps, seed=seed, transform=tx, wire=True, mesh=mesh)
+            r = digits_accuracy(
+                steps=steps, seed=seed, transform=tx, wire=True, mesh=mesh, hidden=hidden
+            )
             rr = row(r, amortized_bytes(r["wire"], h, min(fragments, h)))
             rr["bytes_reduction"] = ref / rr["step_bytes"]
             name = f"H={h} {dt}" + (f" F={min(fragments, h)}" if fragments > 1 else "")
@@ -126,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="0: plain SGD")
     p.add_argument("--error-feedback", action="store_true", help="int8/int4 with error feedback")
     p.add_argument("--seed", type=int, default=0, help="model and data-order seed")
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=256,
+        help="MLP hidden width (default 256: 78 KB of f32 gradient; about 300 B per unit, "
+        "e.g. 16384: 4.9 MB, a size where a slow link dominates the step)",
+    )
     p.add_argument("--json", default="runs/localsgd_bench.json", help="output JSON path")
     args = p.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -150,11 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
         error_feedback=args.error_feedback,
+        hidden=args.hidden,
     )
     res |= {
         "steps": args.steps,
         "fragments": args.fragments,
         "seed": args.seed,
+        "hidden": args.hidden,
         "error_feedback": args.error_feedback,
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum, "nesterov": True},
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
