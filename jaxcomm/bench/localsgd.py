@@ -45,7 +45,11 @@ def run(
     Returns:
       ``{'baseline': row, 'rows': {name: row}}``; a row has ``accuracy``, ``final_loss``,
       ``sync_step_bytes`` (wire_bytes total), ``step_bytes`` (averaged per step),
-      ``bytes_reduction`` (baseline step bytes / step_bytes), ``seconds``. The outer
+      ``bytes_reduction`` (baseline step bytes / step_bytes), ``seconds``, ``step_ms``
+      (wall time per step once set up: the baseline's steps 2..N, a row's steps after its
+      first sync, whose first run also sets up the sync's collectives; with ``steps`` a
+      multiple of H that is whole periods of H - 1 local steps and one sync) and
+      ``timed_steps``. The outer
       optimizer is ``optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)``
       (momentum 0: plain SGD; lr 1, momentum 0: plain averaging of the local params);
       int8/int4 with stochastic rounding, and error feedback if ``error_feedback``.
@@ -66,6 +70,7 @@ def run(
             "step_bytes": step_bytes,
             "seconds": r["seconds"],
             "step_ms": r["step_seconds"] * 1e3,
+            "timed_steps": r["timed_steps"],
         }
 
     # One process: the 8 fake devices as 2 x 4. Several processes (e.g. under
@@ -87,7 +92,13 @@ def run(
                 compression=None if comp is None else comp(error_feedback=error_feedback),
             )
             r = digits_accuracy(
-                steps=steps, seed=seed, transform=tx, wire=True, mesh=mesh, hidden=hidden
+                steps=steps,
+                seed=seed,
+                transform=tx,
+                wire=True,
+                mesh=mesh,
+                hidden=hidden,
+                time_from=h if h < steps else 1,
             )
             rr = row(r, amortized_bytes(r["wire"], h, min(fragments, h)))
             rr["bytes_reduction"] = ref / rr["step_bytes"]
