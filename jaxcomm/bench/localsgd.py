@@ -39,6 +39,7 @@ def run(
     outer_momentum: float = 0.9,
     error_feedback: bool = False,
     hidden: int = 256,
+    inner_lr: float | None = None,
 ) -> dict[str, Any]:
     """The baseline and one row per (H, dtype); see the module docstring.
 
@@ -53,13 +54,17 @@ def run(
       optimizer is ``optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)``
       (momentum 0: plain SGD; lr 1, momentum 0: plain averaging of the local params);
       int8/int4 with stochastic rounding, and error feedback if ``error_feedback``.
-      ``hidden`` is the MLP's width (the gradient is about ``300 * hidden`` bytes).
+      ``hidden`` is the MLP's width (the gradient is about ``300 * hidden`` bytes);
+      ``inner_lr`` the Adam learning rate of the baseline and of every row's inner
+      optimizer (default ``jaxcomm.bench.digits.LEARNING_RATE``, 3e-3).
     """
     import optax
 
     import jaxcomm
     from jaxcomm.bench.digits import LEARNING_RATE, digits_accuracy
     from jaxcomm.diloco import amortized_bytes
+
+    inner_lr = LEARNING_RATE if inner_lr is None else inner_lr
 
     def row(r: dict, step_bytes: float) -> dict:
         return {
@@ -76,7 +81,14 @@ def run(
     # One process: the 8 fake devices as 2 x 4. Several processes (e.g. under
     # python -m jaxcomm.testbed): the processes on 'inter', their devices on 'intra'.
     mesh = jaxcomm.make_mesh() if jax.process_count() > 1 else None
-    base = digits_accuracy(steps=steps, seed=seed, wire=True, mesh=mesh, hidden=hidden)
+    base = digits_accuracy(
+        steps=steps,
+        seed=seed,
+        wire=True,
+        mesh=mesh,
+        hidden=hidden,
+        optimizer=optax.adam(inner_lr),
+    )
     out: dict[str, Any] = {"baseline": row(base, base["wire"]["total"]), "rows": {}}
     ref = out["baseline"]["step_bytes"]
     out["baseline"]["bytes_reduction"] = 1.0
@@ -85,7 +97,7 @@ def run(
         for dt in dtypes:
             comp = comps[dt]
             tx = jaxcomm.local_sgd(
-                optax.adam(LEARNING_RATE),
+                optax.adam(inner_lr),
                 sync_every=h,
                 outer=optax.sgd(outer_lr, momentum=outer_momentum or None, nesterov=True),
                 fragments=min(fragments, h),
@@ -128,10 +140,12 @@ def _table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxcomm.bench localsgd",
-        description="Local SGD (jaxcomm.local_sgd, inner Adam, outer Nesterov 0.7/0.9) vs "
-        "per-step sync on the digits MLP, 8 (fake) devices: test accuracy at the same step "
-        "count, bytes per step from the compiled HLO and wall time per step. Under "
-        "python -m jaxcomm.testbed (one process per node) it runs on the emulated network.",
+        description="Local SGD (jaxcomm.local_sgd, inner Adam, outer Nesterov SGD, by default "
+        "DiLoCo's lr 0.7 / momentum 0.9) vs per-step sync on the digits MLP, 8 (fake) "
+        "devices: test accuracy at the same step count, bytes per step from the compiled HLO "
+        "and wall time per step. For short runs with few syncs, --outer-lr 1.0 "
+        "--outer-momentum 0.5 did better (docs/benchmarks.md). Under python -m "
+        "jaxcomm.testbed (one process per node) it runs on the emulated network.",
     )
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of every run")
     p.add_argument("--sync-every", default="1,10,50", help="comma-separated H values")
@@ -139,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fragments", type=int, default=1, help="streaming fragments (<= H)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD lr")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="0: plain SGD")
+    p.add_argument(
+        "--inner-lr",
+        type=float,
+        default=3e-3,
+        help="Adam lr of the baseline and of the inner optimizer (default 3e-3)",
+    )
     p.add_argument("--error-feedback", action="store_true", help="int8/int4 with error feedback")
     p.add_argument("--seed", type=int, default=0, help="model and data-order seed")
     p.add_argument(
@@ -173,12 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         outer_momentum=args.outer_momentum,
         error_feedback=args.error_feedback,
         hidden=args.hidden,
+        inner_lr=args.inner_lr,
     )
     res |= {
         "steps": args.steps,
         "fragments": args.fragments,
         "seed": args.seed,
         "hidden": args.hidden,
+        "inner_lr": args.inner_lr,
         "error_feedback": args.error_feedback,
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum, "nesterov": True},
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
