@@ -81,14 +81,8 @@ def run(
     # One process: the 8 fake devices as 2 x 4. Several processes (e.g. under
     # python -m jaxcomm.testbed): the processes on 'inter', their devices on 'intra'.
     mesh = jaxcomm.make_mesh() if jax.process_count() > 1 else None
-    base = digits_accuracy(
-        steps=steps,
-        seed=seed,
-        wire=True,
-        mesh=mesh,
-        hidden=hidden,
-        optimizer=optax.adam(inner_lr),
-    )
+    common = {"steps": steps, "seed": seed, "wire": True, "mesh": mesh, "hidden": hidden}
+    base = digits_accuracy(**common, optimizer=optax.adam(inner_lr))
     out: dict[str, Any] = {"baseline": row(base, base["wire"]["total"]), "rows": {}}
     ref = out["baseline"]["step_bytes"]
     out["baseline"]["bytes_reduction"] = 1.0
@@ -103,15 +97,7 @@ def run(
                 fragments=min(fragments, h),
                 compression=None if comp is None else comp(error_feedback=error_feedback),
             )
-            r = digits_accuracy(
-                steps=steps,
-                seed=seed,
-                transform=tx,
-                wire=True,
-                mesh=mesh,
-                hidden=hidden,
-                time_from=h if h < steps else 1,
-            )
+            r = digits_accuracy(**common, transform=tx, time_from=h if h < steps else 1)
             rr = row(r, amortized_bytes(r["wire"], h, min(fragments, h)))
             rr["bytes_reduction"] = ref / rr["step_bytes"]
             name = f"H={h} {dt}" + (f" F={min(fragments, h)}" if fragments > 1 else "")
@@ -166,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=256,
         help="MLP hidden width (default 256: 78 KB of f32 gradient; about 300 B per unit, "
-        "e.g. 16384: 4.9 MB, a size where a slow link dominates the step)",
+        "e.g. 16384: 4.9 MB)",
     )
     p.add_argument("--json", default="runs/localsgd_bench.json", help="output JSON path")
     args = p.parse_args(argv)
