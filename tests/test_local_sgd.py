@@ -234,8 +234,10 @@ def test_overlapped_microbatches_are_refused(mesh, params):
 def test_bench_rows_report_sync_and_average_bytes():
     from jaxcomm.bench.localsgd import _table, run
 
-    res = run([4], ["int8"], steps=8)
+    res = run([4], ["int8"], steps=8, hidden=128, batch=64)  # a narrower MLP, 8 per device
     r, base = res["rows"]["H=4 int8"], res["baseline"]
+    # Timed after the first sync (4 steps), the baseline after its first step.
+    assert (r["timed_steps"], base["timed_steps"]) == (4, 7)
     # A sync step moves the int8 outer gradient (fewer bytes than one f32 sync); averaged
     # over the period a quarter of that (local steps move nothing, not even the loss).
     assert r["unconditional_bytes"] == 0

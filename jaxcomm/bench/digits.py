@@ -77,6 +77,7 @@ def digits_accuracy(
     wire: bool = False,
     hidden: int = HIDDEN,
     time_from: int = 1,
+    batch_size: int = BATCH,
 ) -> dict:
     """Trains a 64-``hidden``-10 MLP on ``load_digits`` data-parallel; returns its test accuracy.
 
@@ -86,7 +87,7 @@ def digits_accuracy(
     Args:
       sync_kwargs: keyword arguments for :func:`jaxcomm.sync_gradients` (e.g.
         ``{'compression': jaxcomm.compression.int8()}``); ``None`` for the defaults.
-      steps: optimizer steps (batch 120, i.e. 12 steps per epoch).
+      steps: optimizer steps (at the default batch 120, 12 steps per epoch).
       seed: initialisation and data-order seed.
       mesh: device mesh; default ``jaxcomm.make_mesh(intra=4)`` (8 devices).
       compiler_options: XLA options for the train step.
@@ -98,6 +99,8 @@ def digits_accuracy(
       wire: also return ``wire``, ``jaxcomm.wire_bytes`` of the compiled step.
       hidden: the width of the hidden layer (default 256: 78 KB of f32 gradient; the
         gradient is about ``300 * hidden`` bytes, e.g. 16384: 4.9 MB).
+      batch_size: the global batch (default 120: 15 per device on 8 devices); a multiple of
+        the number of devices.
       time_from: ``step_seconds`` times the steps after this many (default 1: the first
         compiles; ``None`` if ``steps <= time_from``). With ``jaxcomm.local_sgd`` pass H:
         the first sync step also sets up its collectives (on gloo, a communicator per
@@ -105,7 +108,7 @@ def digits_accuracy(
 
     Returns:
       A dict with ``accuracy`` (test accuracy in [0, 1]), ``final_loss`` (mean training
-      loss over the last 12 steps), ``train_accuracy``, ``steps``, ``seconds`` (wall
+      loss over the last epoch's steps), ``train_accuracy``, ``steps``, ``seconds`` (wall
       time of the training loop including compilation), ``step_seconds`` and
       ``timed_steps`` (see ``time_from``) and ``opt_state`` (the final
       optimizer state, e.g. to read a compressor's counters); with ``wire``, ``wire``.
@@ -120,6 +123,9 @@ def digits_accuracy(
     steps = check_int("steps", steps, minimum=1)
     hidden = check_int("hidden", hidden, minimum=1, fix="the MLP's hidden width, e.g. 256")
     time_from = check_int("time_from", time_from, minimum=0)
+    batch_size = check_int(
+        "batch_size", batch_size, minimum=1, maximum=TRAIN, fix="the global batch, e.g. 120"
+    )
     mesh = mesh if mesh is not None else jaxcomm.make_mesh(intra=4)
     x_tr, y_tr, x_te, y_te = load_split()
     if transform is not None:
@@ -134,10 +140,10 @@ def digits_accuracy(
         tx = optax.chain(jaxcomm.sync_gradients(**(sync_kwargs or {})), optimizer)
     dp = jaxcomm.data_parallel(_loss, tx, mesh, compiler_options=compiler_options)
     state = dp.init(_init(seed, hidden))
-    per_epoch = TRAIN // BATCH
+    per_epoch = TRAIN // batch_size
     rng = np.random.default_rng(seed)
     order = np.concatenate(
-        [rng.permutation(TRAIN)[: per_epoch * BATCH] for _ in range(-(-steps // per_epoch))]
+        [rng.permutation(TRAIN)[: per_epoch * batch_size] for _ in range(-(-steps // per_epoch))]
     )
     step = dp.step_fn(state)
     losses = []
@@ -146,7 +152,7 @@ def digits_accuracy(
     for i in range(steps):
         if i == time_from:
             t1 = time.perf_counter()
-        idx = order[i * BATCH : (i + 1) * BATCH]
+        idx = order[i * batch_size : (i + 1) * batch_size]
         batch = {"x": x_tr[idx], "y": y_tr[idx]}
         state, metrics = step(state, dp.shard_batch(batch))
         # One step in flight at a time: on XLA:CPU with fake devices, several queued

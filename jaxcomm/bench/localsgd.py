@@ -40,6 +40,7 @@ def run(
     error_feedback: bool = False,
     hidden: int = 256,
     inner_lr: float | None = None,
+    batch: int = 120,
 ) -> dict[str, Any]:
     """The baseline and one row per (H, dtype); see the module docstring.
 
@@ -56,7 +57,8 @@ def run(
       int8/int4 with stochastic rounding, and error feedback if ``error_feedback``.
       ``hidden`` is the MLP's width (the gradient is about ``300 * hidden`` bytes);
       ``inner_lr`` the Adam learning rate of the baseline and of every row's inner
-      optimizer (default ``jaxcomm.bench.digits.LEARNING_RATE``, 3e-3).
+      optimizer (default ``jaxcomm.bench.digits.LEARNING_RATE``, 3e-3); ``batch`` the
+      global batch (a smaller one shrinks each step's compute, not its bytes).
     """
     import optax
 
@@ -82,6 +84,7 @@ def run(
     # python -m jaxcomm.testbed): the processes on 'inter', their devices on 'intra'.
     mesh = jaxcomm.make_mesh() if jax.process_count() > 1 else None
     common = {"steps": steps, "seed": seed, "wire": True, "mesh": mesh, "hidden": hidden}
+    common["batch_size"] = batch
     base = digits_accuracy(**common, optimizer=optax.adam(inner_lr))
     out: dict[str, Any] = {"baseline": row(base, base["wire"]["total"]), "rows": {}}
     ref = out["baseline"]["step_bytes"]
@@ -154,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         help="MLP hidden width (default 256: 78 KB of f32 gradient; about 300 B per unit, "
         "e.g. 16384: 4.9 MB)",
     )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=120,
+        help="global batch, a multiple of the devices (default 120); smaller: less compute "
+        "per step, the same bytes",
+    )
     p.add_argument("--json", default="runs/localsgd_bench.json", help="output JSON path")
     args = p.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -180,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         error_feedback=args.error_feedback,
         hidden=args.hidden,
         inner_lr=args.inner_lr,
+        batch=args.batch,
     )
     res |= {
         "steps": args.steps,
@@ -187,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "hidden": args.hidden,
         "inner_lr": args.inner_lr,
+        "batch": args.batch,
         "error_feedback": args.error_feedback,
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum, "nesterov": True},
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
