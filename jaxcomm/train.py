@@ -147,6 +147,7 @@ class DataParallel:
         self._opt_layout: list[bool] | None = None  # per optimizer-state leaf: per device?
         self._opt_paths: list[str] = []
         self._opt_local: Any = None  # this device's optimizer state shapes, from the probe
+        self._local_sgd = False  # the optimizer holds jaxcomm.local_sgd (from the probe)
         self._calls = 0
         self._feedback: Any = None  # set_feedback: the measured share goes into each step
 
@@ -203,6 +204,7 @@ class DataParallel:
         jax.eval_shape(self._probe_map(init_probe, (P(),)), params)
         self._opt_paths = rec["paths"]
         self._opt_local = jax.tree.unflatten(rec["treedef"], rec["local"])
+        self._local_sgd = rec["local_sgd"]
         if rec["local_sgd"] and self._overlapped:
             raise ValueError(
                 "data_parallel(accumulate='overlap') reduces every microbatch's gradient, but "
@@ -401,7 +403,15 @@ class DataParallel:
         self._check_synced(calls)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": value, **dict(aux or {})}
-        metrics = jax.tree.map(lambda m: lax.pmean(jnp.asarray(m, jnp.float32), self.axes), metrics)
+        if local is None:
+            metrics = jax.tree.map(
+                lambda m: lax.pmean(jnp.asarray(m, jnp.float32), self.axes), metrics
+            )
+        else:
+            # jaxcomm.local_sgd: each device's own value (at its own params), one row per
+            # device. Averaging here would put a collective on every local step, the very
+            # cost local steps avoid; the caller averages the rows when it reads them.
+            metrics = jax.tree.map(lambda m: jnp.asarray(m, jnp.float32)[None], metrics)
         new_state = TrainState(
             state.step + 1, params, stack_leaves(opt_state, self._opt_layout), model_state
         )
@@ -443,7 +453,7 @@ class DataParallel:
             self._local_step,
             mesh=self.mesh,
             in_specs=(specs, P(self.axes), *((P(self.axes),) if feedback else ())),
-            out_specs=(specs, P()),
+            out_specs=(specs, P(self.axes) if self._local_sgd else P()),
             # Off only where params are meant to drift: require_sync=False (the user's own
             # reduction, or an experiment's compute-only twin) and the profiler's twin.
             check_vma=self._require_sync and not is_pre_reduced(),
@@ -482,7 +492,8 @@ class DataParallel:
         return self._compiled_step, list(ladders)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        """Runs one step; returns ``(new_state, metrics)`` with metrics averaged over devices."""
+        """Runs one step; returns ``(new_state, metrics)``: metrics averaged over devices, or
+        with ``jaxcomm.local_sgd`` one value per device (shape ``(devices,)``)."""
         if self._compiled_step is None:
             self._compiled_step = self.step_fn(state)
         extra = () if self._feedback is None else (self._feedback.before_step(),)
@@ -545,8 +556,14 @@ def data_parallel(
       mesh: from :func:`jaxcomm.make_mesh`.
       axes: data-parallel axes of ``mesh``.
       has_aux: ``loss_fn`` also returns a dict of metrics (averaged over devices).
+        With ``jaxcomm.local_sgd`` the loss and metrics are not averaged: each has shape
+        ``(devices,)``, one value per device at its own params (an average would be a
+        collective on every local step); average them when you read them, e.g.
+        ``float(metrics['loss'].mean())`` (with several processes a collective of its own:
+        read them every so often, not every step).
       with_model_state: ``loss_fn`` takes and returns model state (batch statistics);
-        its float leaves are averaged across devices every step.
+        its float leaves are averaged across devices every step (with ``local_sgd`` too:
+        a collective on every step).
       compiler_options: XLA options for this step only (``jaxcomm.xla`` builds them).
       donate: donate the input state's buffers to the output.
       require_sync: raise if the optimizer never calls ``sync_gradients``. ``False`` (you

@@ -154,6 +154,35 @@ def test_fragments_are_staggered_and_each_moves_its_share(mesh):
         )
 
 
+def test_local_steps_run_no_collective_and_report_per_device_loss(mesh, params):
+    # Only sync steps communicate: the compiled step has no collective outside the sync's
+    # lax.switch (the loss is not averaged across devices) and none in its no-sync branch.
+    H = 2
+    tx = jaxcomm.local_sgd(optax.adam(1e-2), sync_every=H, compression=C.int8(), min_size=1)
+    dp = jaxcomm.data_parallel(mlp_loss, tx, mesh)
+    state = dp.init(params)
+    batches = mlp_batches(H)
+    step = dp.step_fn(state)
+    wb = jaxcomm.wire_bytes(step, state, dp.shard_batch(batches[0]))
+    assert [c["kind"] for c in wb["collectives"] if not c["branch"]] == []
+    assert wb["unconditional"] == 0
+    (switch,) = [b for b in wb["branches"].values() if len(b) == 2]  # fragment 0, no sync
+    assert {int(i): v > 0 for i, v in switch.items()} == {0: True, 1: False}
+    assert amortized_bytes(wb, H) == pytest.approx(wb["total"] / H)
+    # The loss is each device's own (its shard, at its own params: equal to the anchor at
+    # t=0, its own after a local step at t=1), one row per device, not an average.
+    n = len(mesh.devices.flat)
+    per_device = jax.jit(jax.vmap(mlp_loss))
+    for t, batch in enumerate(batches):
+        local = state.opt_state.local.value  # (n, ...) per leaf
+        state, metrics = step(state, dp.shard_batch(batch))
+        shards = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
+        want = np.asarray(per_device(jax.device_get(local), shards))
+        assert metrics["loss"].shape == (n,)
+        np.testing.assert_allclose(np.asarray(metrics["loss"]), want, rtol=1e-5, err_msg=t)
+        assert len(set(want.tolist())) > 1  # the shards differ, so the rows must too
+
+
 def test_int8_outer_gradient_moves_fewer_bytes(mesh, params):
     batch = mlp_batches(1)[0]
     totals = {}
@@ -205,11 +234,14 @@ def test_overlapped_microbatches_are_refused(mesh, params):
 def test_bench_rows_report_sync_and_average_bytes():
     from jaxcomm.bench.localsgd import _table, run
 
-    res = run([4], ["int8"], steps=8)
+    res = run([4], ["int8"], steps=8, hidden=128, batch=64)  # a narrower MLP, 8 per device
     r, base = res["rows"]["H=4 int8"], res["baseline"]
+    # Timed after the first sync (4 steps), the baseline after its first step.
+    assert (r["timed_steps"], base["timed_steps"]) == (4, 7)
     # A sync step moves the int8 outer gradient (fewer bytes than one f32 sync); averaged
-    # over the period a quarter of that, plus the per-step loss average.
-    assert r["unconditional_bytes"] < r["sync_step_bytes"] < base["sync_step_bytes"]
+    # over the period a quarter of that (local steps move nothing, not even the loss).
+    assert r["unconditional_bytes"] == 0
+    assert r["sync_step_bytes"] < base["sync_step_bytes"]
     assert r["step_bytes"] == pytest.approx(
         r["unconditional_bytes"] + (r["sync_step_bytes"] - r["unconditional_bytes"]) / 4
     )
@@ -233,12 +265,19 @@ def test_microbatches_accumulate_at_the_local_params(mesh, params):
 
 def test_digits_quality_guard_at_h50_int8(mesh):
     # The regression guard (docs/benchmarks.md has the figures): at the same 300 steps,
-    # H=50 with int8 outer gradients moves 174x fewer bytes per step and stays within 2
-    # points of per-step sync (1.1-1.7 points below it over three seeds).
+    # H=50 with int8 outer gradients and the outer optimizer documented for short runs
+    # (lr 1, Nesterov momentum 0.5) moves 174x fewer bytes per step and was 0.8 points
+    # below per-step sync on seed 0 (at most 0.8 on six seeds; DiLoCo's 0.7/0.9: up to
+    # 2.0). The bound leaves room for one or two test images of numerical drift.
     from jaxcomm.bench.digits import LEARNING_RATE, digits_accuracy
 
     base = digits_accuracy(None, steps=300, seed=0, mesh=mesh)
-    tx = jaxcomm.local_sgd(optax.adam(LEARNING_RATE), sync_every=50, compression=C.int8())
+    tx = jaxcomm.local_sgd(
+        optax.adam(LEARNING_RATE),
+        outer=optax.sgd(1.0, momentum=0.5, nesterov=True),
+        sync_every=50,
+        compression=C.int8(),
+    )
     r = digits_accuracy(steps=300, seed=0, mesh=mesh, transform=tx)
     assert base["accuracy"] > 0.95
-    assert r["accuracy"] >= base["accuracy"] - 0.02, (r["accuracy"], base["accuracy"])
+    assert r["accuracy"] >= base["accuracy"] - 0.015, (r["accuracy"], base["accuracy"])

@@ -45,12 +45,12 @@ def load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return x[:TRAIN], y[:TRAIN], x[TRAIN:], y[TRAIN:]
 
 
-def _init(seed: int) -> dict:
+def _init(seed: int, hidden: int = HIDDEN) -> dict:
     k1, k2 = jax.random.split(jax.random.key(seed))
     return {
-        "w1": jax.random.normal(k1, (64, HIDDEN), jnp.float32) / 8.0,
-        "b1": jnp.zeros((HIDDEN,), jnp.float32),
-        "w2": jax.random.normal(k2, (HIDDEN, 10), jnp.float32) / np.sqrt(HIDDEN),
+        "w1": jax.random.normal(k1, (64, hidden), jnp.float32) / 8.0,
+        "b1": jnp.zeros((hidden,), jnp.float32),
+        "w2": jax.random.normal(k2, (hidden, 10), jnp.float32) / np.sqrt(hidden),
         "b2": jnp.zeros((10,), jnp.float32),
     }
 
@@ -75,8 +75,11 @@ def digits_accuracy(
     optimizer: optax.GradientTransformation | None = None,
     transform: optax.GradientTransformation | None = None,
     wire: bool = False,
+    hidden: int = HIDDEN,
+    time_from: int = 1,
+    batch_size: int = BATCH,
 ) -> dict:
-    """Trains a 64-256-10 MLP on ``load_digits`` data-parallel and returns its test accuracy.
+    """Trains a 64-``hidden``-10 MLP on ``load_digits`` data-parallel; returns its test accuracy.
 
     The model and data order depend only on ``seed``; ``sync_kwargs`` only changes how
     gradients are synchronised, so results for different settings are comparable.
@@ -84,7 +87,7 @@ def digits_accuracy(
     Args:
       sync_kwargs: keyword arguments for :func:`jaxcomm.sync_gradients` (e.g.
         ``{'compression': jaxcomm.compression.int8()}``); ``None`` for the defaults.
-      steps: optimizer steps (batch 120, i.e. 12 steps per epoch).
+      steps: optimizer steps (at the default batch 120, 12 steps per epoch).
       seed: initialisation and data-order seed.
       mesh: device mesh; default ``jaxcomm.make_mesh(intra=4)`` (8 devices).
       compiler_options: XLA options for the train step.
@@ -94,11 +97,20 @@ def digits_accuracy(
       transform: the whole optimizer instead of ``sync_gradients`` + ``optimizer`` (e.g.
         ``jaxcomm.local_sgd(...)``); then ``sync_kwargs`` and ``optimizer`` must be None.
       wire: also return ``wire``, ``jaxcomm.wire_bytes`` of the compiled step.
+      hidden: the width of the hidden layer (default 256: 78 KB of f32 gradient; the
+        gradient is about ``300 * hidden`` bytes, e.g. 16384: 4.9 MB).
+      batch_size: the global batch (default 120: 15 per device on 8 devices); a multiple of
+        the number of devices.
+      time_from: ``step_seconds`` times the steps after this many (default 1: the first
+        compiles; ``None`` if ``steps <= time_from``). With ``jaxcomm.local_sgd`` pass H:
+        the first sync step also sets up its collectives (on gloo, a communicator per
+        group), which the baseline does in step 1.
 
     Returns:
       A dict with ``accuracy`` (test accuracy in [0, 1]), ``final_loss`` (mean training
-      loss over the last 12 steps), ``train_accuracy``, ``steps``, ``seconds`` (wall
-      time of the training loop including compilation) and ``opt_state`` (the final
+      loss over the last epoch's steps), ``train_accuracy``, ``steps``, ``seconds`` (wall
+      time of the training loop including compilation), ``step_seconds`` and
+      ``timed_steps`` (see ``time_from``) and ``opt_state`` (the final
       optimizer state, e.g. to read a compressor's counters); with ``wire``, ``wire``.
 
     Example:
@@ -109,6 +121,11 @@ def digits_accuracy(
     import jaxcomm
 
     steps = check_int("steps", steps, minimum=1)
+    hidden = check_int("hidden", hidden, minimum=1, fix="the MLP's hidden width, e.g. 256")
+    time_from = check_int("time_from", time_from, minimum=0)
+    batch_size = check_int(
+        "batch_size", batch_size, minimum=1, maximum=TRAIN, fix="the global batch, e.g. 120"
+    )
     mesh = mesh if mesh is not None else jaxcomm.make_mesh(intra=4)
     x_tr, y_tr, x_te, y_te = load_split()
     if transform is not None:
@@ -122,20 +139,20 @@ def digits_accuracy(
         optimizer = optimizer if optimizer is not None else optax.adam(LEARNING_RATE)
         tx = optax.chain(jaxcomm.sync_gradients(**(sync_kwargs or {})), optimizer)
     dp = jaxcomm.data_parallel(_loss, tx, mesh, compiler_options=compiler_options)
-    state = dp.init(_init(seed))
-    per_epoch = TRAIN // BATCH
+    state = dp.init(_init(seed, hidden))
+    per_epoch = TRAIN // batch_size
     rng = np.random.default_rng(seed)
     order = np.concatenate(
-        [rng.permutation(TRAIN)[: per_epoch * BATCH] for _ in range(-(-steps // per_epoch))]
+        [rng.permutation(TRAIN)[: per_epoch * batch_size] for _ in range(-(-steps // per_epoch))]
     )
     step = dp.step_fn(state)
     losses = []
     t0 = time.perf_counter()
-    t1 = None  # after the first step (its compilation)
+    t1 = None  # after the first time_from steps (compilation, set-up of the collectives)
     for i in range(steps):
-        if i == 1:
+        if i == time_from:
             t1 = time.perf_counter()
-        idx = order[i * BATCH : (i + 1) * BATCH]
+        idx = order[i * batch_size : (i + 1) * batch_size]
         batch = {"x": x_tr[idx], "y": y_tr[idx]}
         state, metrics = step(state, dp.shard_batch(batch))
         # One step in flight at a time: on XLA:CPU with fake devices, several queued
@@ -143,7 +160,15 @@ def digits_accuracy(
         # rendezvous (seen on 2 loaded cores: a 40 s termination abort).
         jax.block_until_ready(state)
         losses.append(metrics["loss"])
-    losses = [float(v) for v in jax.device_get(losses[-per_epoch:])]
+    t2 = time.perf_counter()
+    # The last epoch's losses: averaged over devices by the step, or one per device under
+    # jaxcomm.local_sgd (averaged here, once; across processes that needs a gather).
+    tail = losses[-per_epoch:]
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        tail = multihost_utils.process_allgather(tail, tiled=True)
+    losses = [float(np.mean(v)) for v in jax.device_get(tail)]
     seconds = time.perf_counter() - t0
     # Replicas agree by construction (check_vma); check the bits too, once, after training.
     jaxcomm.check_replicas(state, mesh=mesh, what=f"digits state after {steps} steps")
@@ -157,8 +182,9 @@ def digits_accuracy(
         "final_loss": float(np.mean(losses)),
         "steps": steps,
         "seconds": seconds,
-        # wall time per step once compiled (steps 2..N; the first compiles)
-        "step_seconds": None if t1 is None else (time.perf_counter() - t1) / (steps - 1),
+        # wall time per step once compiled (steps time_from+1..N)
+        "step_seconds": None if t1 is None else (t2 - t1) / (steps - time_from),
+        "timed_steps": max(steps - time_from, 0),
         "opt_state": state.opt_state,
     }
 

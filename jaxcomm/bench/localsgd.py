@@ -38,22 +38,35 @@ def run(
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     error_feedback: bool = False,
+    hidden: int = 256,
+    inner_lr: float | None = None,
+    batch: int = 120,
 ) -> dict[str, Any]:
     """The baseline and one row per (H, dtype); see the module docstring.
 
     Returns:
       ``{'baseline': row, 'rows': {name: row}}``; a row has ``accuracy``, ``final_loss``,
       ``sync_step_bytes`` (wire_bytes total), ``step_bytes`` (averaged per step),
-      ``bytes_reduction`` (baseline step bytes / step_bytes), ``seconds``. The outer
+      ``bytes_reduction`` (baseline step bytes / step_bytes), ``seconds``, ``step_ms``
+      (wall time per step once set up: the baseline's steps 2..N, a row's steps after its
+      first sync, whose first run also sets up the sync's collectives; with ``steps`` a
+      multiple of H that is whole periods of H - 1 local steps and one sync) and
+      ``timed_steps``. The outer
       optimizer is ``optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)``
       (momentum 0: plain SGD; lr 1, momentum 0: plain averaging of the local params);
       int8/int4 with stochastic rounding, and error feedback if ``error_feedback``.
+      ``hidden`` is the MLP's width (the gradient is about ``300 * hidden`` bytes);
+      ``inner_lr`` the Adam learning rate of the baseline and of every row's inner
+      optimizer (default ``jaxcomm.bench.digits.LEARNING_RATE``, 3e-3); ``batch`` the
+      global batch (a smaller one shrinks each step's compute, not its bytes).
     """
     import optax
 
     import jaxcomm
     from jaxcomm.bench.digits import LEARNING_RATE, digits_accuracy
     from jaxcomm.diloco import amortized_bytes
+
+    inner_lr = LEARNING_RATE if inner_lr is None else inner_lr
 
     def row(r: dict, step_bytes: float) -> dict:
         return {
@@ -64,12 +77,15 @@ def run(
             "step_bytes": step_bytes,
             "seconds": r["seconds"],
             "step_ms": r["step_seconds"] * 1e3,
+            "timed_steps": r["timed_steps"],
         }
 
     # One process: the 8 fake devices as 2 x 4. Several processes (e.g. under
     # python -m jaxcomm.testbed): the processes on 'inter', their devices on 'intra'.
     mesh = jaxcomm.make_mesh() if jax.process_count() > 1 else None
-    base = digits_accuracy(steps=steps, seed=seed, wire=True, mesh=mesh)
+    common = {"steps": steps, "seed": seed, "wire": True, "mesh": mesh, "hidden": hidden}
+    common["batch_size"] = batch
+    base = digits_accuracy(**common, optimizer=optax.adam(inner_lr))
     out: dict[str, Any] = {"baseline": row(base, base["wire"]["total"]), "rows": {}}
     ref = out["baseline"]["step_bytes"]
     out["baseline"]["bytes_reduction"] = 1.0
@@ -78,13 +94,13 @@ def run(
         for dt in dtypes:
             comp = comps[dt]
             tx = jaxcomm.local_sgd(
-                optax.adam(LEARNING_RATE),
+                optax.adam(inner_lr),
                 sync_every=h,
                 outer=optax.sgd(outer_lr, momentum=outer_momentum or None, nesterov=True),
                 fragments=min(fragments, h),
                 compression=None if comp is None else comp(error_feedback=error_feedback),
             )
-            r = digits_accuracy(steps=steps, seed=seed, transform=tx, wire=True, mesh=mesh)
+            r = digits_accuracy(**common, transform=tx, time_from=h if h < steps else 1)
             rr = row(r, amortized_bytes(r["wire"], h, min(fragments, h)))
             rr["bytes_reduction"] = ref / rr["step_bytes"]
             name = f"H={h} {dt}" + (f" F={min(fragments, h)}" if fragments > 1 else "")
@@ -113,10 +129,12 @@ def _table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxcomm.bench localsgd",
-        description="Local SGD (jaxcomm.local_sgd, inner Adam, outer Nesterov 0.7/0.9) vs "
-        "per-step sync on the digits MLP, 8 (fake) devices: test accuracy at the same step "
-        "count, bytes per step from the compiled HLO and wall time per step. Under "
-        "python -m jaxcomm.testbed (one process per node) it runs on the emulated network.",
+        description="Local SGD (jaxcomm.local_sgd, inner Adam, outer Nesterov SGD, by default "
+        "DiLoCo's lr 0.7 / momentum 0.9) vs per-step sync on the digits MLP, 8 (fake) "
+        "devices: test accuracy at the same step count, bytes per step from the compiled HLO "
+        "and wall time per step. For short runs with few syncs, --outer-lr 1.0 "
+        "--outer-momentum 0.5 did better (docs/benchmarks.md). Under python -m "
+        "jaxcomm.testbed (one process per node) it runs on the emulated network.",
     )
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of every run")
     p.add_argument("--sync-every", default="1,10,50", help="comma-separated H values")
@@ -124,8 +142,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fragments", type=int, default=1, help="streaming fragments (<= H)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD lr")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="0: plain SGD")
+    p.add_argument(
+        "--inner-lr",
+        type=float,
+        default=3e-3,
+        help="Adam lr of the baseline and of the inner optimizer (default 3e-3)",
+    )
     p.add_argument("--error-feedback", action="store_true", help="int8/int4 with error feedback")
     p.add_argument("--seed", type=int, default=0, help="model and data-order seed")
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=256,
+        help="MLP hidden width (default 256: 78 KB of f32 gradient; about 300 B per unit, "
+        "e.g. 16384: 4.9 MB)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=120,
+        help="global batch, a multiple of the devices (default 120); smaller: less compute "
+        "per step, the same bytes",
+    )
     p.add_argument("--json", default="runs/localsgd_bench.json", help="output JSON path")
     args = p.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -150,11 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
         error_feedback=args.error_feedback,
+        hidden=args.hidden,
+        inner_lr=args.inner_lr,
+        batch=args.batch,
     )
     res |= {
         "steps": args.steps,
         "fragments": args.fragments,
         "seed": args.seed,
+        "hidden": args.hidden,
+        "inner_lr": args.inner_lr,
+        "batch": args.batch,
         "error_feedback": args.error_feedback,
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum, "nesterov": True},
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
