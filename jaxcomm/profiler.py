@@ -546,9 +546,7 @@ class _Driver:
         # The rung the window ran (decisions are taken at a window's first step).
         kernel = self.kernel[int(found[0].level)] if len(self.kernel) > 1 else 0.0
         compute = self.prof.compute_time or 0.0
-        share = (
-            min(max(1.0 - (compute + kernel) / step_time, 0.0), 1.0) if step_time > 0 else 0.0
-        )
+        share = min(max(1.0 - (compute + kernel) / step_time, 0.0), 1.0) if step_time > 0 else 0.0
         self._share = self._put(share)
         self.prof.step_times.append(step_time)
         scalars = {"adapt/comm_share": share, "adapt/step_time": step_time}

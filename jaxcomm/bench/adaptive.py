@@ -395,7 +395,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="50s:25mbit,90s:1gbit",
                    help="link changes, seconds after the training start")  # fmt: skip
     p.add_argument("--start-at", type=float, default=60.0,
-                   help="training starts this long after the testbed (compilation before)")  # fmt: skip
+                   help="seconds from the testbed start to training (compile first)")  # fmt: skip
     p.add_argument("--ladder", default="f32,int8", help="rungs of the adaptive run")
     p.add_argument("--window", type=int, default=4, help="adjustment_step (steps per window)")
     p.add_argument("--comm-low", type=float, default=0.35, help="adaptive comm_low")
@@ -488,21 +488,21 @@ def main(argv: list[str] | None = None) -> int:
             with open(out) as f:
                 runs[name] = json.load(f)
             runs[name]["load_avg_1m_before"] = load
-    summary = summarize(runs)
+        summary = summarize(runs)
+        res = {
+            "runs": runs,
+            "summary": summary,
+            "settings": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
+            "load_avg_1m_after": os.getloadavg()[0],
+            "seconds": time.time() - t_start,
+        }
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:  # after every run, so a long sweep shows progress
+            json.dump(res, f, indent=1)
     print(_table(runs, summary))
     print(json.dumps({k: v for k, v in summary.items() if k != "delays"}))
-    res = {
-        "runs": runs,
-        "summary": summary,
-        "settings": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
-        "load_avg_1m_after": os.getloadavg()[0],
-        "seconds": time.time() - t_start,
-    }
-    for path in (args.json, args.plot):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(res, f, indent=1)
+    os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
     plot(runs, args.ladder, args.plot)
     print(f"wrote {args.json} and {args.plot}; load average {os.getloadavg()[0]:.2f}")
     return 0
