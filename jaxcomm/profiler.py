@@ -264,7 +264,14 @@ class CommProfiler:
         )
 
     def drive(
-        self, dp: Any, state: Any, batch: Any, *, twin_reps: int = 3, calibrate: bool = True
+        self,
+        dp: Any,
+        state: Any,
+        batch: Any,
+        *,
+        twin_reps: int = 3,
+        calibrate: bool = True,
+        retime_twin: float = 5.0,
     ) -> CommProfiler:
         """Puts the measured network in the loop of ``dp``'s adaptive compressors.
 
@@ -293,7 +300,11 @@ class CommProfiler:
            exposed traffic scaled by each rung's wire fraction). Without it (or with
            several adaptive compressors) the kernels count as communication, and a rung
            whose kernels cost more than the traffic they save looks communication-bound
-           on any link, so the ladder never comes down.
+           on any link, so the ladder never comes down. With ``retime_twin`` the twin runs
+           once more after a window when that many seconds have passed since its last run
+           (``compute_time`` is the median of the last three runs) and the kernel times
+           scale with it: on a shared machine the load moves both, and a stale calibration
+           would read the extra CPU time as traffic.
         4. It reads each compressor's level, last error and reason, writes one
            ``{"event": "adapt_window", ...}`` line, and one ``{"event": "level_change",
            "reason": "error" | "network", ...}`` line per change; TensorBoard scalars
@@ -312,6 +323,9 @@ class CommProfiler:
           twin_reps: timed runs of the compute-only twin (and of each rung).
           calibrate: time each rung once to separate its kernels from communication
             (one adaptive compressor only; see step 3).
+          retime_twin: seconds between timed runs of the twin during training (one run
+            after a window, out of the windows' clock; 0: never; never with
+            ``donate=True``, whose step would consume the state).
 
         Returns:
           self. ``level_changes`` and ``windows`` hold the logged records,
@@ -377,6 +391,10 @@ class CommProfiler:
                 for t, w in zip(times, fractions, strict=True)
             ]
         driver.kernel = self.kernel_times or [0.0]
+        driver.compute0 = self.compute_time
+        driver.recent = [self.compute_time]
+        if retime_twin > 0 and not getattr(dp, "_donate", False):
+            driver.twin, driver.retime, driver.last_twin = (twin, batch), retime_twin, 0.0
         return self
 
     # -- recording ----------------------------------------------------------------------
@@ -502,6 +520,10 @@ class _Driver:
         self.levels: list[int] = []
         self.ladders: list | None = None
         self.kernel: list[float] = [0.0]  # drive(): each rung's kernel time (s)
+        self.twin: tuple | None = None  # drive(retime_twin=True): (twin, example batch)
+        self.compute0 = 0.0  # the twin's time when the kernels were calibrated
+        self.recent: list[float] = []  # the twin's last timed runs
+        self.retime, self.last_twin = 0.0, 0.0  # seconds between twin runs; the last one
         self._sharding = dp.batch_sharding
         self._devices = dp.num_devices
         self._share = self._put(-1.0)  # unknown until the first window is measured
@@ -536,7 +558,13 @@ class _Driver:
         now = self._clock()
         step_time = (now - self._t0) / self._timed
         start = self._count - self._timed  # the window's first step (since drive)
-        self._t0, self._steps, self._timed = now, 0, 0
+        if self.twin is not None and now - self.last_twin >= self.retime:
+            fn, example = self.twin  # the load now, out of the windows' clock
+            jax.block_until_ready(fn(state, example))
+            self.last_twin = self._clock()
+            self.recent = [*self.recent, self.last_twin - now][-3:]
+            self.prof.compute_time = float(np.median(self.recent))
+        self._t0, self._steps, self._timed = self._clock(), 0, 0
         # The scalars only (never the per-device residuals): one small copy per window.
         found = jax.device_get(
             [_Scalars(a.level, a.error_sum, a.window_steps, a.last_error, a.last_reason,
@@ -544,8 +572,9 @@ class _Driver:
              for a in _adaptive_states(state.opt_state)]
         )  # fmt: skip
         # The rung the window ran (decisions are taken at a window's first step).
-        kernel = self.kernel[int(found[0].level)] if len(self.kernel) > 1 else 0.0
         compute = self.prof.compute_time or 0.0
+        kernel = self.kernel[int(found[0].level)] if len(self.kernel) > 1 else 0.0
+        kernel *= compute / self.compute0 if self.compute0 else 1.0
         share = min(max(1.0 - (compute + kernel) / step_time, 0.0), 1.0) if step_time > 0 else 0.0
         self._share = self._put(share)
         self.prof.step_times.append(step_time)

@@ -189,7 +189,7 @@ def test_drive_follows_a_synthetic_link_and_logs_every_change(mesh, tmp_path):
     dp, state, batch = _mlp_setup(mesh, comp, check_replicas=1)
     log = tmp_path / "adapt.jsonl"
     prof = jaxcomm.CommProfiler(log_file=str(log), tensorboard_dir=str(tmp_path / "tb"))
-    prof.drive(dp, state, batch, twin_reps=1, calibrate=False)
+    prof.drive(dp, state, batch, twin_reps=1, calibrate=False, retime_twin=0)
     assert prof.compute_time > 0 and prof.wire["total"] > 0 and prof.kernel_times == [0.0] * 3
     # A synthetic clock: 1 s of compute per step, plus f32 traffic of 0.25 s (fast link)
     # or 2.5 s (10x slower) scaled by the wire fraction of the level the step ran.
@@ -241,7 +241,10 @@ def test_calibrated_kernels_are_not_communication_so_the_ladder_comes_down(mesh)
     prof.drive(dp, state, batch, twin_reps=1)  # calibrates: one timed step per rung
     assert len(prof.kernel_times) == 2 and prof.kernel_times[0] == 0.0
     assert prof.kernel_times[1] >= 0.0
-    prof.compute_time, dp._feedback.kernel = 1.0, [0.0, 0.8]
+    driver = dp._feedback
+    assert driver.twin is not None and driver.compute0 == prof.compute_time
+    # The synthetic clock: the twin's time stays 1 s (it does not advance the clock).
+    prof.compute_time, driver.kernel, driver.twin, driver.compute0 = 1.0, [0.0, 0.8], None, 1.0
     wire = [1.0, (1 + 4 / 256) / 4]
     now, link = [0.0], [0.25]
     dp._feedback._clock = lambda: now[0]

@@ -392,17 +392,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--devices-per-node", type=int, default=2)
     p.add_argument("--link", default="1gbit", help="link rate at the start")
-    p.add_argument("--schedule", default="50s:25mbit,90s:1gbit",
+    p.add_argument("--schedule", default="40s:10mbit,100s:1gbit",
                    help="link changes, seconds after the training start")  # fmt: skip
     p.add_argument("--start-at", type=float, default=60.0,
                    help="seconds from the testbed start to training (compile first)")  # fmt: skip
-    p.add_argument("--ladder", default="f32,int8", help="rungs of the adaptive run")
-    p.add_argument("--window", type=int, default=4, help="adjustment_step (steps per window)")
-    p.add_argument("--comm-low", type=float, default=0.35, help="adaptive comm_low")
-    p.add_argument("--comm-high", type=float, default=0.55, help="adaptive comm_high")
+    p.add_argument("--ladder", default="f32,int4", help="rungs of the adaptive run")
+    p.add_argument("--window", type=int, default=3, help="adjustment_step (steps per window)")
+    p.add_argument("--comm-low", type=float, default=0.6, help="adaptive comm_low")
+    p.add_argument("--comm-high", type=float, default=0.7, help="adaptive comm_high")
     p.add_argument("--cooldown", type=int, default=3, help="adaptive cooldown (windows)")
     p.add_argument("--error-low", type=float, default=0.05, help="adaptive error_low")
-    p.add_argument("--error-high", type=float, default=0.25, help="adaptive error_high")
+    p.add_argument("--error-high", type=float, default=0.4, help="adaptive error_high")
     p.add_argument("--json", default="runs/adaptive_bench.json", help="output JSON path")
     p.add_argument("--plot", default="runs/adaptive_bench.png", help="output PNG path")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -460,13 +460,13 @@ def _forward(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxcomm import testbed
+
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    from jaxcomm import testbed
-
-    ok, why = testbed.available()
-    if not ok:
+    why = testbed.available()[1]  # '' when it can run
+    if why:
         print(f"bench adaptive: cannot run here: {why}", file=sys.stderr)
         return 2
     schedule = [(args.start_at + at, rate) for at, rate in args.schedule]
