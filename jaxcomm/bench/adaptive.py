@@ -385,19 +385,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--runs", default="adaptive," + ",".join(FIXED),
                    help="'adaptive' and fixed levels (rungs of --ladder)")  # fmt: skip
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps of every run")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of every run")
     p.add_argument("--hidden", default="1024,1024", help="hidden layer widths")
     p.add_argument("--batch", type=int, default=960, help="global batch (images)")
     p.add_argument("--seed", type=int, default=0, help="model and data-order seed")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--devices-per-node", type=int, default=2)
     p.add_argument("--link", default="1gbit", help="link rate at the start")
-    p.add_argument("--schedule", default="40s:10mbit,100s:1gbit",
+    p.add_argument("--schedule", default="30s:10mbit,90s:1gbit",
                    help="link changes, seconds after the training start")  # fmt: skip
     p.add_argument("--start-at", type=float, default=60.0,
                    help="seconds from the testbed start to training (compile first)")  # fmt: skip
     p.add_argument("--ladder", default="f32,int4", help="rungs of the adaptive run")
-    p.add_argument("--window", type=int, default=3, help="adjustment_step (steps per window)")
+    p.add_argument("--window", type=int, default=2, help="adjustment_step (steps per window)")
     p.add_argument("--comm-low", type=float, default=0.6, help="adaptive comm_low")
     p.add_argument("--comm-high", type=float, default=0.7, help="adaptive comm_high")
     p.add_argument("--cooldown", type=int, default=3, help="adaptive cooldown (windows)")
