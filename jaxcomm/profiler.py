@@ -271,7 +271,7 @@ class CommProfiler:
         *,
         twin_reps: int = 3,
         calibrate: bool = True,
-        retime_twin: float = 5.0,
+        retime_twin: int = 10,
     ) -> CommProfiler:
         """Puts the measured network in the loop of ``dp``'s adaptive compressors.
 
@@ -301,8 +301,9 @@ class CommProfiler:
            several adaptive compressors) the kernels count as communication, and a rung
            whose kernels cost more than the traffic they save looks communication-bound
            on any link, so the ladder never comes down. With ``retime_twin`` the twin runs
-           once more after a window when that many seconds have passed since its last run
-           (``compute_time`` is the median of the last three runs) and the kernel times
+           once more after every ``retime_twin``-th window (a count, not a clock, so every
+           process runs the twin's collectives at the same step; ``compute_time`` is the
+           median of the last three runs) and the kernel times
            scale with it: on a shared machine the load moves both, and a stale calibration
            would read the extra CPU time as traffic.
         4. It reads each compressor's level, last error and reason, writes one
@@ -323,8 +324,8 @@ class CommProfiler:
           twin_reps: timed runs of the compute-only twin (and of each rung).
           calibrate: time each rung once to separate its kernels from communication
             (one adaptive compressor only; see step 3).
-          retime_twin: seconds between timed runs of the twin during training (one run
-            after a window, out of the windows' clock; 0: never; never with
+          retime_twin: windows between timed runs of the twin during training (one run
+            after the window, out of the windows' clock; 0: never; never with
             ``donate=True``, whose step would consume the state).
 
         Returns:
@@ -394,7 +395,7 @@ class CommProfiler:
         driver.compute0 = self.compute_time
         driver.recent = [self.compute_time]
         if retime_twin > 0 and not getattr(dp, "_donate", False):
-            driver.twin, driver.retime, driver.last_twin = (twin, batch), retime_twin, 0.0
+            driver.twin, driver.retime = (twin, batch), retime_twin
         return self
 
     # -- recording ----------------------------------------------------------------------
@@ -523,7 +524,8 @@ class _Driver:
         self.twin: tuple | None = None  # drive(retime_twin=True): (twin, example batch)
         self.compute0 = 0.0  # the twin's time when the kernels were calibrated
         self.recent: list[float] = []  # the twin's last timed runs
-        self.retime, self.last_twin = 0.0, 0.0  # seconds between twin runs; the last one
+        self.retime = 0  # windows between twin runs
+        self._windows = 0  # windows ended since drive()
         self._sharding = dp.batch_sharding
         self._devices = dp.num_devices
         self._share = self._put(-1.0)  # unknown until the first window is measured
@@ -558,11 +560,11 @@ class _Driver:
         now = self._clock()
         step_time = (now - self._t0) / self._timed
         start = self._count - self._timed  # the window's first step (since drive)
-        if self.twin is not None and now - self.last_twin >= self.retime:
+        self._windows += 1
+        if self.twin is not None and self._windows % self.retime == 0:
             fn, example = self.twin  # the load now, out of the windows' clock
             jax.block_until_ready(fn(state, example))
-            self.last_twin = self._clock()
-            self.recent = [*self.recent, self.last_twin - now][-3:]
+            self.recent = [*self.recent, self._clock() - now][-3:]
             self.prof.compute_time = float(np.median(self.recent))
         self._t0, self._steps, self._timed = self._clock(), 0, 0
         # The scalars only (never the per-device residuals): one small copy per window.
