@@ -275,13 +275,16 @@ def test_error_guard_change_is_logged_with_its_reason(mesh):
                       error_low=1e-4, error_high=2e-3)  # fmt: skip
     dp, state, batch = _mlp_setup(mesh, comp)
     prof = jaxcomm.CommProfiler(log_file=os.devnull)
-    prof.drive(dp, state, batch, twin_reps=1)
+    prof.drive(dp, state, batch, twin_reps=1, retime_twin=2)
     for _ in range(3):
         state, _ = dp(state, batch)
     assert [(c["from"], c["to"], c["reason"]) for c in prof.level_changes] == [
         ("int8", "bf16", "error")
     ]
     assert prof.level_changes[0]["error"] > 2e-3
+    # The twin was timed again after window 2 (of 3): the median of its two timed runs.
+    recent = dp._feedback.recent
+    assert len(recent) == 2 and prof.compute_time == pytest.approx(float(np.median(recent)))
 
 
 def test_drive_needs_an_adaptive_compressor(mesh):
