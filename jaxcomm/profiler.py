@@ -213,6 +213,7 @@ class CommProfiler:
         self.wire: dict | None = None  # jaxcomm.wire.summarize(self.module)
         self.level_changes: list[dict[str, Any]] = []  # drive(): one record per change
         self.windows: list[dict[str, Any]] = []  # drive(): one record per window
+        self.kernel_times: list[float] = []  # drive(): each rung's own kernels (s)
 
     # -- attaching a program ------------------------------------------------------------
     def attach(
@@ -262,7 +263,16 @@ class CommProfiler:
             compiler_options=dp.compiler_options or None,
         )
 
-    def drive(self, dp: Any, state: Any, batch: Any, *, twin_reps: int = 3) -> CommProfiler:
+    def drive(
+        self,
+        dp: Any,
+        state: Any,
+        batch: Any,
+        *,
+        twin_reps: int = 3,
+        calibrate: bool = True,
+        retime_twin: int = 10,
+    ) -> CommProfiler:
         """Puts the measured network in the loop of ``dp``'s adaptive compressors.
 
         After this one call, every ``dp(state, batch)`` passes the exposed communication
@@ -278,10 +288,24 @@ class CommProfiler:
            state, aligned with its ``window_steps``). At the end of a window the driver
            waits for the state (one host synchronisation per window, none per step) and
            measures ``step_time`` = the window's wall time / its steps.
-        3. ``comm_share = clip(1 - compute_time / step_time, 0, 1)``, put on this
-           process's devices once per window; the steps of the next window take it and
-           average it over all devices (one scalar ``pmean``, so processes whose clocks
-           differ still decide alike), and the first of them decides.
+        3. ``comm_share = clip(1 - (compute_time + kernel_time[level]) / step_time, 0,
+           1)``, put on this process's devices once per window; the steps of the next
+           window take it and average it over all devices (one scalar ``pmean``, so
+           processes whose clocks differ still decide alike), and the first of them
+           decides. ``kernel_time[level]`` is the time the window's rung spends in its own
+           kernels (quantization, error feedback, the error sketch), which no link speed
+           changes: with ``calibrate``, the step is timed once at every rung (a copy of the
+           state, ``twin_reps`` runs each) and ``kernel_time[l] = t_l - compute_time -
+           wire_l * (t_0 - compute_time)`` (the first rung's kernels are the zero, its
+           exposed traffic scaled by each rung's wire fraction). Without it (or with
+           several adaptive compressors) the kernels count as communication, and a rung
+           whose kernels cost more than the traffic they save looks communication-bound
+           on any link, so the ladder never comes down. With ``retime_twin`` the twin runs
+           once more after every ``retime_twin``-th window (a count, not a clock, so every
+           process runs the twin's collectives at the same step; ``compute_time`` is the
+           median of the last three runs) and the kernel times
+           scale with it: on a shared machine the load moves both, and a stale calibration
+           would read the extra CPU time as traffic.
         4. It reads each compressor's level, last error and reason, writes one
            ``{"event": "adapt_window", ...}`` line, and one ``{"event": "level_change",
            "reason": "error" | "network", ...}`` line per change; TensorBoard scalars
@@ -297,10 +321,16 @@ class CommProfiler:
             ``sync_gradients(compression=adaptive(...))``.
           state: its current state (the windows align with its ``window_steps``).
           batch: an example batch.
-          twin_reps: timed runs of the compute-only twin.
+          twin_reps: timed runs of the compute-only twin (and of each rung).
+          calibrate: time each rung once to separate its kernels from communication
+            (one adaptive compressor only; see step 3).
+          retime_twin: windows between timed runs of the twin during training (one run
+            after the window, out of the windows' clock; 0: never; never with
+            ``donate=True``, whose step would consume the state).
 
         Returns:
-          self. ``level_changes`` and ``windows`` hold the logged records.
+          self. ``level_changes`` and ``windows`` hold the logged records,
+          ``kernel_times`` the calibrated kernel time per rung (s; zeros without it).
 
         Raises:
           TypeError: ``dp`` is not a :class:`jaxcomm.DataParallel`.
@@ -347,6 +377,25 @@ class CommProfiler:
         twin = compute_only_step(dp, state, batch)
         self.compute_time = median_time(twin, (state, batch), twin_reps)
         driver.levels = [int(np.asarray(a.level)) for a in found]
+        rungs = len(ladders[0]) if len(found) == 1 and driver.ladders else 0
+        self.kernel_times = [0.0] * rungs
+        if calibrate and rungs > 1:
+            share = driver._put(-1.0)
+            times = [
+                median_time(compiled, (_at_level(state, lv), batch, share), twin_reps)
+                for lv in range(rungs)
+            ]
+            link = max(times[0] - self.compute_time, 0.0)  # the first rung's exposed traffic
+            fractions = ladders[0].wire
+            self.kernel_times = [
+                max(t - self.compute_time - w / fractions[0] * link, 0.0)
+                for t, w in zip(times, fractions, strict=True)
+            ]
+        driver.kernel = self.kernel_times or [0.0]
+        driver.compute0 = self.compute_time
+        driver.recent = [self.compute_time]
+        if retime_twin > 0 and not getattr(dp, "_donate", False):
+            driver.twin, driver.retime = (twin, batch), retime_twin
         return self
 
     # -- recording ----------------------------------------------------------------------
@@ -432,6 +481,22 @@ class CommProfiler:
             self._tb.close()
 
 
+def _at_level(state: Any, level: int) -> Any:
+    """``state`` with every adaptive compressor at rung ``level`` (new level arrays only;
+    the other leaves are shared, so the copy costs nothing)."""
+
+    def visit(node):
+        if not isinstance(node, AdaptiveState):
+            return node
+        value = np.asarray(level, np.int32)
+        return node._replace(
+            level=jax.make_array_from_callback((), node.level.sharding, lambda _: value)
+        )
+
+    is_adaptive = lambda n: isinstance(n, AdaptiveState)  # noqa: E731
+    return state._replace(opt_state=jax.tree.map(visit, state.opt_state, is_leaf=is_adaptive))
+
+
 def _adaptive_states(opt_state: Any) -> list:
     """The :class:`~jaxcomm.compression.AdaptiveState` nodes of ``opt_state``, in tree order."""
     nodes = jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, AdaptiveState))
@@ -455,6 +520,12 @@ class _Driver:
         self.window = window
         self.levels: list[int] = []
         self.ladders: list | None = None
+        self.kernel: list[float] = [0.0]  # drive(): each rung's kernel time (s)
+        self.twin: tuple | None = None  # drive(retime_twin=True): (twin, example batch)
+        self.compute0 = 0.0  # the twin's time when the kernels were calibrated
+        self.recent: list[float] = []  # the twin's last timed runs
+        self.retime = 0  # windows between twin runs
+        self._windows = 0  # windows ended since drive()
         self._sharding = dp.batch_sharding
         self._devices = dp.num_devices
         self._share = self._put(-1.0)  # unknown until the first window is measured
@@ -489,17 +560,26 @@ class _Driver:
         now = self._clock()
         step_time = (now - self._t0) / self._timed
         start = self._count - self._timed  # the window's first step (since drive)
-        self._t0, self._steps, self._timed = now, 0, 0
-        compute = self.prof.compute_time or 0.0
-        share = min(max(1.0 - compute / step_time, 0.0), 1.0) if step_time > 0 else 0.0
-        self._share = self._put(share)
-        self.prof.step_times.append(step_time)
+        self._windows += 1
+        if self.twin is not None and self._windows % self.retime == 0:
+            fn, example = self.twin  # the load now, out of the windows' clock
+            jax.block_until_ready(fn(state, example))
+            self.recent = [*self.recent, self._clock() - now][-3:]
+            self.prof.compute_time = float(np.median(self.recent))
+        self._t0, self._steps, self._timed = self._clock(), 0, 0
         # The scalars only (never the per-device residuals): one small copy per window.
         found = jax.device_get(
             [_Scalars(a.level, a.error_sum, a.window_steps, a.last_error, a.last_reason,
                       a.comm_share)
              for a in _adaptive_states(state.opt_state)]
         )  # fmt: skip
+        # The rung the window ran (decisions are taken at a window's first step).
+        compute = self.prof.compute_time or 0.0
+        kernel = self.kernel[int(found[0].level)] if len(self.kernel) > 1 else 0.0
+        kernel *= compute / self.compute0 if self.compute0 else 1.0
+        share = min(max(1.0 - (compute + kernel) / step_time, 0.0), 1.0) if step_time > 0 else 0.0
+        self._share = self._put(share)
+        self.prof.step_times.append(step_time)
         scalars = {"adapt/comm_share": share, "adapt/step_time": step_time}
         for i, (a, old) in enumerate(zip(found, self.levels, strict=True)):
             level = int(a.level)
@@ -526,6 +606,7 @@ class _Driver:
             "step": self._count,
             "step_time": step_time,
             "compute_time": compute,
+            "kernel_time": kernel,
             "comm_share": share,
             "levels": [self._name(i, v) for i, v in enumerate(self.levels)],
             "errors": [scalars[f"adapt/error_{i}"] for i in range(len(found))],

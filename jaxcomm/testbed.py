@@ -31,8 +31,9 @@ Set-up (all names start with ``jc`` plus a per-run tag, so parallel runs do not 
    name resolves to (../shared/REFERENCE.md).
 5. Each node's process runs under ``ip netns exec`` with ``JAXCOMM_COORDINATOR`` (node 0's
    address), ``JAXCOMM_NUM_PROCESSES``, ``JAXCOMM_PROCESS_ID``, ``JAXCOMM_LOCAL_DEVICES`` and
-   ``JAXCOMM_TESTBED_*`` (link rate in bit/s, addresses) set; it calls
-   ``jaxcomm.init_distributed()``.
+   ``JAXCOMM_TESTBED_*`` (link rate in bit/s, addresses; ``..._LINK_LOG``, the JSON lines of
+   the link changes; ``..._START``, the unix time that ``--link-schedule`` counts from) set;
+   it calls ``jaxcomm.init_distributed()``.
 6. Cleanup always runs (normal exit, failure, Ctrl-C, SIGTERM): processes ended, namespaces
    (and with them the veths and the bridge) and hosts files removed.
 
@@ -210,6 +211,7 @@ class Testbed:
         self.latency_applied = self.latency_s == 0
         self.topology_file: str | None = None
         self.link_log: str | None = None
+        self.started: float | None = None  # run(): when the link schedule's clock started
         self._link_ends: list[tuple[str, str, list[str]]] = []
         self._created: list[str] = []
         self._hosts_dirs: list[str] = []
@@ -389,6 +391,8 @@ class Testbed:
             JAXCOMM_TOPO_FILE=self.topology_file or "",
             JAXCOMM_TESTBED_LINK_LOG=self.link_log or "",
         )
+        if self.started is not None:  # the link schedule's zero (unix seconds)
+            env["JAXCOMM_TESTBED_START"] = repr(self.started)
         if self.spine_ends:
             env["JAXCOMM_TESTBED_SPINE"] = ",".join(f"{ns}/{dev}" for ns, dev in self.spine_ends)
             env["JAXCOMM_TESTBED_SPINE_BPS"] = str(self.spine_bps)
@@ -410,12 +414,12 @@ class Testbed:
             times while the job runs (see :func:`parse_link_schedule`).
         """
         commands = [["ip", "netns", "exec", ns, *cmd] for ns in self.namespaces]
+        start, self.started = time.monotonic(), time.time()
         envs = [self.env(i) for i in range(self.nodes)]
         prefixes = [f"[node{i}] " for i in range(self.nodes)]
         done = threading.Event()
 
         def changes():
-            start = time.monotonic()
             for at, rate in sorted(link_schedule):
                 if done.wait(max(0.0, start + at - time.monotonic())):
                     return

@@ -189,8 +189,8 @@ def test_drive_follows_a_synthetic_link_and_logs_every_change(mesh, tmp_path):
     dp, state, batch = _mlp_setup(mesh, comp, check_replicas=1)
     log = tmp_path / "adapt.jsonl"
     prof = jaxcomm.CommProfiler(log_file=str(log), tensorboard_dir=str(tmp_path / "tb"))
-    prof.drive(dp, state, batch, twin_reps=1)
-    assert prof.compute_time > 0 and prof.wire["total"] > 0
+    prof.drive(dp, state, batch, twin_reps=1, calibrate=False, retime_twin=0)
+    assert prof.compute_time > 0 and prof.wire["total"] > 0 and prof.kernel_times == [0.0] * 3
     # A synthetic clock: 1 s of compute per step, plus f32 traffic of 0.25 s (fast link)
     # or 2.5 s (10x slower) scaled by the wire fraction of the level the step ran.
     prof.compute_time = 1.0
@@ -228,19 +228,63 @@ def test_drive_follows_a_synthetic_link_and_logs_every_change(mesh, tmp_path):
     assert len(tb) == 1 and tb[0].stat().st_size > 200
 
 
+def test_calibrated_kernels_are_not_communication_so_the_ladder_comes_down(mesh):
+    # int8's kernels cost 0.8 s per step (a CPU's quantization), more than the 0.25 s of f32
+    # traffic on the fast link. Counted as communication, they would hold int8 on the fast
+    # link for good (share 0.46, predicted 0.76 at f32); calibrated, the share is the traffic.
+    comp = C.adaptive(
+        0.0, min_compression=0.0, adjustment_step=2, ladder=("f32", "int8"),
+        comm_low=0.15, comm_high=0.3,
+    )  # fmt: skip
+    dp, state, batch = _mlp_setup(mesh, comp)
+    prof = jaxcomm.CommProfiler(log_file=os.devnull)
+    prof.drive(dp, state, batch, twin_reps=1)  # calibrates: one timed step per rung
+    assert len(prof.kernel_times) == 2 and prof.kernel_times[0] == 0.0
+    assert prof.kernel_times[1] >= 0.0
+    driver = dp._feedback
+    assert driver.twin is not None and driver.compute0 == prof.compute_time
+    # The synthetic clock: the twin's time stays 1 s (it does not advance the clock).
+    prof.compute_time, driver.kernel, driver.twin, driver.compute0 = 1.0, [0.0, 0.8], None, 1.0
+    wire = [1.0, (1 + 4 / 256) / 4]
+    now, link = [0.0], [0.25]
+    dp._feedback._clock = lambda: now[0]
+    step = dp._compiled_step
+
+    def timed_step(*args):
+        out = step(*args)
+        lv = int(out[0].opt_state[0].compression.level)
+        now[0] += 1.0 + [0.0, 0.8][lv] + link[0] * wire[lv]
+        return out
+
+    dp._compiled_step = timed_step
+    levels = []
+    for fast in [True] * 4 + [False] * 6 + [True] * 6:
+        link[0] = 0.25 if fast else 2.5
+        state, _ = dp(state, batch)
+        levels.append(int(state.opt_state[0].compression.level))
+    assert levels[::2] == [0, 0, 0, 1, 1, 1, 0, 0], levels  # (slow: windows 2-4)
+    fast_int8 = prof.windows[5]  # the first fast window, still at int8
+    assert fast_int8["levels"] == ["int8"] and fast_int8["kernel_time"] == 0.8
+    step_time = 1.8 + 0.25 * wire[1]
+    assert fast_int8["comm_share"] == pytest.approx(1 - 1.8 / step_time, rel=1e-5)
+
+
 def test_error_guard_change_is_logged_with_its_reason(mesh):
     # An error band under int8's error: the controller steps down for error.
     comp = C.adaptive(0.75, min_compression=0.0, adjustment_step=1, ladder=("bf16", "int8"),
                       error_low=1e-4, error_high=2e-3)  # fmt: skip
     dp, state, batch = _mlp_setup(mesh, comp)
     prof = jaxcomm.CommProfiler(log_file=os.devnull)
-    prof.drive(dp, state, batch, twin_reps=1)
+    prof.drive(dp, state, batch, twin_reps=1, retime_twin=2)
     for _ in range(3):
         state, _ = dp(state, batch)
     assert [(c["from"], c["to"], c["reason"]) for c in prof.level_changes] == [
         ("int8", "bf16", "error")
     ]
     assert prof.level_changes[0]["error"] > 2e-3
+    # The twin was timed again after window 2 (of 3): the median of its two timed runs.
+    recent = dp._feedback.recent
+    assert len(recent) == 2 and prof.compute_time == pytest.approx(float(np.median(recent)))
 
 
 def test_drive_needs_an_adaptive_compressor(mesh):

@@ -20,7 +20,7 @@ import optax
 
 from jaxcomm.validate import check_int
 
-__all__ = ["digits_accuracy", "load_split", "main", "reexec_with_fake_devices"]
+__all__ = ["data_order", "digits_accuracy", "load_split", "main", "reexec_with_fake_devices"]
 
 HIDDEN = 256
 BATCH = 120  # 15 per device on 8 devices; 1440 training images -> 12 steps per epoch
@@ -45,24 +45,39 @@ def load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return x[:TRAIN], y[:TRAIN], x[TRAIN:], y[TRAIN:]
 
 
-def _init(seed: int, hidden: int = HIDDEN) -> dict:
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    return {
-        "w1": jax.random.normal(k1, (64, hidden), jnp.float32) / 8.0,
-        "b1": jnp.zeros((hidden,), jnp.float32),
-        "w2": jax.random.normal(k2, (hidden, 10), jnp.float32) / np.sqrt(hidden),
-        "b2": jnp.zeros((10,), jnp.float32),
-    }
+def _init(seed: int, hidden: int | tuple[int, ...] = HIDDEN) -> dict:
+    """MLP parameters ``w1, b1, ..., wN, bN`` (64 -> hidden... -> 10), ``w ~ N(0, 1/fan_in)``.
+
+    ``hidden``: one width or a tuple of widths, one per hidden layer."""
+    sizes = (64, *((hidden,) if isinstance(hidden, int) else hidden), 10)
+    keys = jax.random.split(jax.random.key(seed), len(sizes) - 1)
+    params = {}
+    for i, (k, n_in, n_out) in enumerate(zip(keys, sizes, sizes[1:], strict=False), 1):
+        params[f"w{i}"] = jax.random.normal(k, (n_in, n_out), jnp.float32) / np.sqrt(n_in)
+        params[f"b{i}"] = jnp.zeros((n_out,), jnp.float32)
+    return params
 
 
 def _logits(params: dict, x: jax.Array) -> jax.Array:
-    h = jax.nn.relu(x @ params["w1"] + params["b1"])
-    return h @ params["w2"] + params["b2"]
+    n = len(params) // 2
+    for i in range(1, n):
+        x = jax.nn.relu(x @ params[f"w{i}"] + params[f"b{i}"])
+    return x @ params[f"w{n}"] + params[f"b{n}"]
 
 
 def _loss(params: dict, batch: dict) -> jax.Array:
     logits = _logits(params, batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def data_order(seed: int, steps: int, batch: int) -> np.ndarray:
+    """Training-image indices of ``steps`` batches of ``batch``: one permutation of the
+    training set per epoch (drawn from ``seed``), its tail that fills no batch dropped."""
+    per_epoch = TRAIN // batch
+    rng = np.random.default_rng(seed)
+    return np.concatenate(
+        [rng.permutation(TRAIN)[: per_epoch * batch] for _ in range(-(-steps // per_epoch))]
+    )
 
 
 def digits_accuracy(
@@ -141,10 +156,7 @@ def digits_accuracy(
     dp = jaxcomm.data_parallel(_loss, tx, mesh, compiler_options=compiler_options)
     state = dp.init(_init(seed, hidden))
     per_epoch = TRAIN // batch_size
-    rng = np.random.default_rng(seed)
-    order = np.concatenate(
-        [rng.permutation(TRAIN)[: per_epoch * batch_size] for _ in range(-(-steps // per_epoch))]
-    )
+    order = data_order(seed, steps, batch_size)
     step = dp.step_fn(state)
     losses = []
     t0 = time.perf_counter()

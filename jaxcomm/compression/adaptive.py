@@ -40,6 +40,9 @@ all-reduce, the traffic compression avoids):
    norms estimates the error; its relative spread is about ``sqrt(2/sketch_size)``
    (0.04 at 1021), and the window mean averages it further.
 
+The ``'f32'`` rung's mean is exact (to f32 rounding), so its signal is 0 and it skips the
+sketch: on a CPU the sketch's signs cost about as much as a 1 Gbit/s all-reduce.
+
 The old signal, the mean over devices of each device's own ``||c - sent|| / ||c||``,
 counted every device's quantization error in full although the mean averages them
 (for identical gradients on 8 devices it read 2.8x the true error).
@@ -114,6 +117,7 @@ __all__ = [
     "DEFAULT_LADDER",
     "LADDER",
     "REASONS",
+    "Ladder",
     "AdaptiveState",
     "Controller",
     "adaptive",
@@ -142,10 +146,23 @@ _LADDERS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 )
 
 
+class Ladder(tuple):
+    """The rung names of one traced adaptive compressor (a tuple), with ``wire``: each
+    rung's wire fraction on the compressor's reduce axes."""
+
+    wire: tuple[float, ...]
+
+    def __new__(cls, names: Sequence[str], wire: Sequence[float]):
+        out = super().__new__(cls, names)
+        out.wire = tuple(float(w) for w in wire)
+        return out
+
+
 @contextlib.contextmanager
 def ladder_probe():
-    """Context manager yielding a list that gets the rung names of each adaptive
-    compressor whose ``reduce`` is traced inside it (in trace order)."""
+    """Context manager yielding a list that gets the :class:`Ladder` (rung names and wire
+    fractions) of each adaptive compressor whose ``reduce`` is traced inside it (in trace
+    order)."""
     token = _LADDERS.set([])
     try:
         yield _LADDERS.get()
@@ -523,12 +540,12 @@ def adaptive(
         )
 
     def reduce(xs, state: AdaptiveState, ctx: ReduceContext):
-        probe = _LADDERS.get()
-        if probe is not None:
-            probe.append(names)
         # 1. The decision at the first step of a window, from the last window's error and
         #    the share measured over it (every input is replicated: one branch everywhere).
         p = axes_size(ctx.axes)
+        probe = _LADDERS.get()
+        if probe is not None:
+            probe.append(Ladder(names, [r.wire(p) for r in levels]))
         wire = jnp.asarray([r.wire(p) for r in levels], jnp.float32)
         decide = state.window_steps >= adjustment_step
         mean_err = state.error_sum / jnp.maximum(state.window_steps, 1).astype(jnp.float32)
@@ -542,14 +559,21 @@ def adaptive(
         def branch(rung):
             def run(cs):
                 pairs = [rung.mean(c, ctx, ctx.key, i) for i, c in enumerate(cs)]
-                return [m for m, _ in pairs], [s for _, s in pairs]
+                out = [m for m, _ in pairs]
+                # 3. The error of the mean, over every data axis (not ctx.axes, the outer
+                #    axes only with compress_stage='inter'): all devices must pick the same
+                #    branch. The f32 rung's mean is exact (to f32 rounding, ~1e-7), so it
+                #    skips the sketch, whose signs cost as much as a 1 Gbit/s all-reduce on
+                #    a CPU (docs/benchmarks.md, issue 11).
+                if rung.name == "f32":
+                    err = jnp.zeros((), jnp.float32)
+                else:
+                    err = error_of_mean(cs, out, ctx, sketch_size=sketch_size)
+                return out, [s for _, s in pairs], err
 
             return run
 
-        out, sent = lax.switch(level, [branch(r) for r in levels], cs)
-        # 3. The error of the mean, over every data axis (not ctx.axes, the outer axes only
-        #    with compress_stage='inter'): all devices must pick the same branch.
-        err = error_of_mean(cs, out, ctx, sketch_size=sketch_size)
+        out, sent, err = lax.switch(level, [branch(r) for r in levels], cs)
         zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
         new = AdaptiveState(
             level=level,
