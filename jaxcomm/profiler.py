@@ -296,9 +296,10 @@ class CommProfiler:
            kernels (quantization, error feedback, the error sketch), which no link speed
            changes: with ``calibrate``, the step is timed once at every rung (a copy of the
            state, ``twin_reps`` runs each) and ``kernel_time[l] = t_l - compute_time -
-           wire_l * (t_0 - compute_time)`` (the first rung's kernels are the zero, its
-           exposed traffic scaled by each rung's wire fraction). Without it (or with
-           several adaptive compressors) the kernels count as communication, and a rung
+           (wire_l / wire_0) (t_0 - compute_time)`` (the first rung's kernels are the
+           zero, its exposed traffic scaled by each rung's wire fraction relative to the
+           first's). Without it the kernel times are zeros (with several adaptive
+           compressors: empty) and the kernels count as communication, and a rung
            whose kernels cost more than the traffic they save looks communication-bound
            on any link, so the ladder never comes down. With ``retime_twin`` the twin runs
            once more after every ``retime_twin``-th window (a count, not a clock, so every
@@ -325,12 +326,12 @@ class CommProfiler:
           calibrate: time each rung once to separate its kernels from communication
             (one adaptive compressor only; see step 3).
           retime_twin: windows between timed runs of the twin during training (one run
-            after the window, out of the windows' clock; 0: never; never with
-            ``donate=True``, whose step would consume the state).
+            after the window, out of the windows' clock; 0: never).
 
         Returns:
           self. ``level_changes`` and ``windows`` hold the logged records,
-          ``kernel_times`` the calibrated kernel time per rung (s; zeros without it).
+          ``kernel_times`` the calibrated kernel time per rung (s; zeros without
+          ``calibrate``, empty with several adaptive compressors).
 
         Raises:
           TypeError: ``dp`` is not a :class:`jaxcomm.DataParallel`.
@@ -350,6 +351,12 @@ class CommProfiler:
             raise TypeError(
                 f"CommProfiler.drive needs a jaxcomm.DataParallel (from jaxcomm.data_parallel), "
                 f"got {type(dp).__name__}."
+            )
+        if getattr(dp, "_donate", False):
+            raise ValueError(
+                "CommProfiler.drive times the compute-only twin and each rung on the state "
+                "you pass (several runs of it), but data_parallel(donate=True) consumes the "
+                "state's buffers on every step; build the step with donate=False to drive it."
             )
         if dp.microbatches > 1 and dp.accumulate == "overlap":
             raise ValueError(
@@ -394,7 +401,7 @@ class CommProfiler:
         driver.kernel = self.kernel_times or [0.0]
         driver.compute0 = self.compute_time
         driver.recent = [self.compute_time]
-        if retime_twin > 0 and not getattr(dp, "_donate", False):
+        if retime_twin > 0:
             driver.twin, driver.retime = (twin, batch), retime_twin
         return self
 
@@ -488,9 +495,17 @@ def _at_level(state: Any, level: int) -> Any:
     def visit(node):
         if not isinstance(node, AdaptiveState):
             return node
-        value = np.asarray(level, np.int32)
+
+        def put(like, value):
+            value = np.asarray(value, like.dtype)
+            return jax.make_array_from_callback(like.shape, like.sharding, lambda _: value)
+
+        # A fresh window too: a state at a window's end would let the controller change
+        # the rung inside the timed step.
         return node._replace(
-            level=jax.make_array_from_callback((), node.level.sharding, lambda _: value)
+            level=put(node.level, level),
+            window_steps=put(node.window_steps, 0),
+            error_sum=put(node.error_sum, 0.0),
         )
 
     is_adaptive = lambda n: isinstance(n, AdaptiveState)  # noqa: E731

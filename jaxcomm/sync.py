@@ -356,6 +356,14 @@ def sync_gradients(
             # The compressor gathers its encoded means over the node (int8: 1/4 of the f32
             # bytes on the intra-node all-gather), then decodes.
             outs, cstate = compression.reduce(shards, cstate, ctx._replace(gather_axis=inner))
+            for o, sh in zip(outs, shards, strict=True):
+                if o.shape != (g * sh.shape[0],):
+                    raise ValueError(
+                        f"compressor {compression.name!r} has gathers=True but returned a mean "
+                        f"of shape {o.shape} for a shard of {sh.shape[0]} elements over "
+                        f"{g} devices; it must return {(g * sh.shape[0],)} (every device's "
+                        "mean, concatenated), or set gathers=False."
+                    )
             return [o[:n] for o, n in zip(outs, sizes, strict=True)], cstate
         outs, cstate = compression.reduce(shards, cstate, ctx)
         outs = [all_gather_invariant(o, inner)[:n] for o, n in zip(outs, sizes, strict=True)]

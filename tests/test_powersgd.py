@@ -40,7 +40,7 @@ def _reference(xs, qs, es):
 def test_padded_batches_equal_the_per_matrix_algorithm(mesh, max_padding, batches):
     comp = C.powersgd(rank=RANK, max_padding=max_padding)
     dims = [(*matrix_shape(s), RANK) for s in SHAPES]
-    groups = shape_groups(dims, max_padding)
+    groups = shape_groups(dims, max_padding=max_padding)
     assert len(groups) == batches
     specs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in SHAPES]
     sspecs = state_specs(lambda: comp.init(specs), mesh)
@@ -93,13 +93,13 @@ def test_shape_groups_merge_within_the_padding_budget():
     assert shape_groups(dims) == [[0, 2, 5], [1], [3], [4]]
     real = sum(n * m for n, m, _ in dims)
     for budget in (0.05, 0.2, 0.5, 1.0):
-        groups = shape_groups(dims, budget)
+        groups = shape_groups(dims, max_padding=budget)
         padded = sum(
             len(g) * max(dims[i][0] for i in g) * max(dims[i][1] for i in g) for g in groups
         )
         assert padded - real <= budget * real
         assert sorted(i for g in groups for i in g) == list(range(len(dims)))
     # another rank never shares a batch
-    assert shape_groups([(4, 3, 2), (4, 3, 1)], 10.0) == [[0], [1]]
+    assert shape_groups([(4, 3, 2), (4, 3, 1)], max_padding=10.0) == [[0], [1]]
     with pytest.raises(ValueError, match="max_padding=-1"):
         C.powersgd(max_padding=-1)

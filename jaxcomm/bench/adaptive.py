@@ -392,7 +392,7 @@ def _parser() -> argparse.ArgumentParser:
         "needs root) while its link rate changes on a schedule; one testbed per run.",
     )
     p.add_argument("--runs", default="adaptive," + ",".join(FIXED),
-                   help="'adaptive' and fixed levels (rungs of --ladder)")  # fmt: skip
+                   help="'adaptive' and fixed levels (any of f32, bf16, int8, int4)")  # fmt: skip
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of every run")
     p.add_argument("--hidden", default="1024,1024", help="hidden layer widths")
     p.add_argument("--batch", type=int, default=960, help="global batch (images)")

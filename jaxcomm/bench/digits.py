@@ -90,7 +90,7 @@ def digits_accuracy(
     optimizer: optax.GradientTransformation | None = None,
     transform: optax.GradientTransformation | None = None,
     wire: bool = False,
-    hidden: int = HIDDEN,
+    hidden: int | tuple[int, ...] = HIDDEN,
     time_from: int = 1,
     batch_size: int = BATCH,
 ) -> dict:

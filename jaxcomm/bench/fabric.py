@@ -52,7 +52,8 @@ def _worker(sizes_mib: list[int], reps: int, out_path: str) -> None:
     from jaxcomm.profiler import median_time
     from jaxcomm.testbed import spine_bytes
 
-    want = sum(range(1, jax.process_count() + 1))
+    # every device holds its process index + 1
+    want = jax.local_device_count() * sum(range(1, jax.process_count() + 1))
     orders = (("process", {}), ("topology", {"topology": jaxcomm.topology.detect()}))
     out: dict[str, Any] = {"rows": []}
     for size in sizes_mib:

@@ -24,6 +24,7 @@ from jaxcomm.compression.adaptive import (
     REASONS,
     AdaptiveState,
     Controller,
+    Ladder,
     adaptive,
     with_comm_share,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "Compressor",
     "Controller",
     "Fp16State",
+    "Ladder",
     "PowerSGDState",
     "ReduceContext",
     "adaptive",

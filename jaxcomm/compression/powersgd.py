@@ -100,7 +100,9 @@ def orthogonalize(p: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(q), q, 0.0) * jnp.where(nonzero, 1.0, 0.0)[..., None, :]
 
 
-def shape_groups(shapes: list[tuple[int, int, int]], max_padding: float = 0.0) -> list[list[int]]:
+def shape_groups(
+    shapes: list[tuple[int, int, int]], *, max_padding: float = 0.0
+) -> list[list[int]]:
     """Batches of ``(n, m, r)`` matrices: equal shapes, then merged by zero padding.
 
     PowerSGD stacks each group into one batch, so that a ResNet's hundreds of matrices
@@ -235,7 +237,7 @@ def powersgd(
         """The batches, each leaf's ``(n, m, r)`` and each batch's padded ``(N, M, r)``."""
         nm = [matrix_shape(tuple(sh)) for sh in shapes]
         dims = [(n, m, min(rank, n, m)) for n, m in nm]
-        groups = shape_groups(dims, max_padding)
+        groups = shape_groups(dims, max_padding=max_padding)
         pads = [
             (max(dims[i][0] for i in g), max(dims[i][1] for i in g), dims[g[0]][2]) for g in groups
         ]
