@@ -134,7 +134,7 @@ def smoke_run(tmp_path_factory):
     argv = [
         "--preset", "cpu-smoke", "--train", "--ablation", "--accuracy",
         "--image-size", "16", "--per-device-batch", "2", "--steps", "2",
-        "--warmup-steps", "1", "--timing-steps", "1", "--repeats", "2", "--accuracy-steps", "5",
+        "--warmup-steps", "1", "--timing-steps", "1", "--repeats", "1", "--accuracy-steps", "5",
         "--data-dir", str(data), "--checkpoint-dir", str(root / "ckpt"),
         "--out", str(out), "--no-progress",
     ]  # fmt: skip
