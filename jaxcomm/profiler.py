@@ -347,6 +347,9 @@ class CommProfiler:
           >>> prof.level_changes[0]["reason"]
         """
         twin_reps = check_int("twin_reps", twin_reps, minimum=1)
+        retime_twin = check_int(
+            "retime_twin", retime_twin, minimum=0, fix="windows between twin re-timings; 0: never"
+        )
         if not hasattr(dp, "set_feedback"):
             raise TypeError(
                 f"CommProfiler.drive needs a jaxcomm.DataParallel (from jaxcomm.data_parallel), "

@@ -300,6 +300,9 @@ def test_drive_needs_an_adaptive_compressor(mesh):
     dp, state, batch = _mlp_setup(mesh, C.adaptive(adjustment_step=1), donate=True)
     with pytest.raises(ValueError, match="donate=False"):
         jaxcomm.CommProfiler().drive(dp, state, batch)
+    dp, state, batch = _mlp_setup(mesh, C.adaptive(adjustment_step=1))
+    with pytest.raises(ValueError, match="retime_twin"):
+        jaxcomm.CommProfiler().drive(dp, state, batch, retime_twin=-1)
 
 
 def test_without_a_driver_the_share_stays_unknown(mesh):
