@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from typing import Any
 
 AXES = ("inter", "intra")
@@ -152,23 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"bench fabric: cannot run here: {why}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="jc-fabric-") as tmp:
-        out = os.path.join(tmp, "node0.json")
-        cmd = [sys.executable, "-m", "jaxcomm.bench", "fabric", "--worker", "--worker-out", out]
-        cmd += ["--sizes-mib", ",".join(map(str, sizes)), "--reps", str(args.reps)]
-        with testbed.Testbed(
-            nodes=args.nodes,
-            devices_per_node=args.devices_per_node,
-            link=args.link,
-            leaves=args.leaves,
-            spine=args.spine,
-        ) as tb:
-            rc = tb.run(cmd)
-        if rc != 0:
-            print(f"bench fabric: the run failed with {rc}", file=sys.stderr)
-            return rc
-        with open(out) as f:
-            run = json.load(f)
+    from jaxcomm.bench.testbed import run_worker
+
+    worker_args = ["--sizes-mib", ",".join(map(str, sizes)), "--reps", str(args.reps)]
+    rc, run = run_worker(
+        "fabric", worker_args, nodes=args.nodes, devices_per_node=args.devices_per_node,
+        link=args.link, leaves=args.leaves, spine=args.spine,
+    )  # fmt: skip
+    if rc != 0:
+        print(f"bench fabric: the run failed with {rc}", file=sys.stderr)
+        return rc
     run.update(leaves=args.leaves, link=args.link, spine=args.spine)
     print("\n".join(_table(run)), flush=True)
     if args.json:

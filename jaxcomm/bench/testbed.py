@@ -326,6 +326,29 @@ def _table(run: dict[str, Any]) -> list[str]:
     return lines
 
 
+def run_worker(
+    bench: str, worker_args: list[str], **testbed_kwargs: Any
+) -> tuple[int, dict[str, Any] | None]:
+    """Runs ``python -m jaxcomm.bench BENCH --worker --worker-out OUT *worker_args`` on every
+    node of a :class:`jaxcomm.testbed.Testbed` (``testbed_kwargs``) and reads the JSON that
+    node 0 wrote to ``OUT``.
+
+    Returns:
+      ``(returncode, results)``; ``results`` is None when the run failed.
+    """
+    from jaxcomm import testbed
+
+    with tempfile.TemporaryDirectory(prefix=f"jc-{bench}-") as tmp:
+        out = os.path.join(tmp, "node0.json")
+        cmd = [sys.executable, "-m", "jaxcomm.bench", bench, "--worker", "--worker-out", out]
+        with testbed.Testbed(**testbed_kwargs) as tb:
+            rc = tb.run(cmd + list(worker_args))
+        if rc != 0:
+            return rc, None
+        with open(out) as f:
+            return 0, json.load(f)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxcomm.bench testbed",
@@ -352,20 +375,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs = []
     for link in args.links.split(","):
-        with tempfile.TemporaryDirectory(prefix="jc-bench-") as tmp:
-            out = os.path.join(tmp, "node0.json")
-            cmd = [sys.executable, "-m", "jaxcomm.bench", "testbed", "--worker"]
-            cmd += ["--worker-out", out, "--sizes-mib", ",".join(map(str, args.sizes_mib))]
-            cmd += ["--reps", str(args.reps)]
-            with testbed.Testbed(
-                nodes=args.nodes, devices_per_node=args.devices_per_node, link=link
-            ) as tb:
-                rc = tb.run(cmd)
-            if rc != 0:
-                print(f"bench testbed: the run at {link} failed with {rc}", file=sys.stderr)
-                return rc
-            with open(out) as f:
-                run = json.load(f)
+        worker_args = ["--sizes-mib", ",".join(map(str, args.sizes_mib)), "--reps", str(args.reps)]
+        rc, run = run_worker(
+            "testbed", worker_args, nodes=args.nodes, devices_per_node=args.devices_per_node,
+            link=link,
+        )  # fmt: skip
+        if rc != 0:
+            print(f"bench testbed: the run at {link} failed with {rc}", file=sys.stderr)
+            return rc
         run["link"] = link
         runs.append(run)
         print("\n".join(_table(run)), flush=True)
