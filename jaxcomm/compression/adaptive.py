@@ -41,7 +41,13 @@ all-reduce, the traffic compression avoids):
    (0.04 at 1021), and the window mean averages it further.
 
 The ``'f32'`` rung's mean is exact (to f32 rounding), so its signal is 0 and it skips the
-sketch: on a CPU the sketch's signs cost about as much as a 1 Gbit/s all-reduce.
+sketch: on a CPU the sketch's signs cost about as much as a 1 Gbit/s all-reduce. Under
+``sync_gradients`` (``compress_stage='all'``, f32 leaves) it skips the packing and the
+``lax.switch`` too (``Compressor.exact``): a ``lax.cond`` on the rung all-reduces the
+leaves plus the residual as ``sync_gradients()`` without compression does, and the
+residual is zero after it. That step costs what a plain f32 step costs; through the
+switch it cost ~1.6x on a CPU (the copy of the leaves into one buffer is an elementwise
+``concatenate`` there, slower than the all-reduce itself; docs/benchmarks.md, issue 11).
 
 The old signal, the mean over devices of each device's own ``||c - sent|| / ||c||``,
 counted every device's quantization error in full although the mean averages them
