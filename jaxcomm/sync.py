@@ -11,6 +11,9 @@ With ``compression=``, one step runs:
    ``compressor.reduce``; with ``compress_stage='inter'`` only the inter-node stage is
    compressed (full-precision reduce-scatter inside a node; the all-gather inside a node
    moves the compressor's encoded means where it can, ``Compressor.gathers``: int8/int4).
+   A step the compressor would send whole (``Compressor.exact``: adaptive's f32 rung) is a
+   ``lax.cond`` branch instead that all-reduces the f32 leaves plus its residual unpacked,
+   as plain leaves are (``compress_stage='all'``).
 4. during the first ``warmup_steps`` steps a ``lax.cond`` sends the compressed leaves
    uncompressed instead (no branch at all when ``warmup_steps=0``).
 
