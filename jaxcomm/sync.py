@@ -11,6 +11,9 @@ With ``compression=``, one step runs:
    ``compressor.reduce``; with ``compress_stage='inter'`` only the inter-node stage is
    compressed (full-precision reduce-scatter inside a node; the all-gather inside a node
    moves the compressor's encoded means where it can, ``Compressor.gathers``: int8/int4).
+   A step the compressor would send whole (``Compressor.exact``: adaptive's f32 rung) is a
+   ``lax.cond`` branch instead that all-reduces the f32 leaves plus its residual unpacked,
+   as plain leaves are (``compress_stage='all'``).
 4. during the first ``warmup_steps`` steps a ``lax.cond`` sends the compressed leaves
    uncompressed instead (no branch at all when ``warmup_steps=0``).
 
@@ -407,27 +410,56 @@ def sync_gradients(
                 key=jax.random.fold_in(jax.random.key(seed), state.count),
                 data_axes=axes,
             )
-            buffers = plan.pack(leaves)
 
             def compressed(bufs, cs):
                 reduced, cs = reduce_compressed(bufs, cs, ctx)
                 good = compression.finite(cs) if compression.finite else jnp.ones((), bool)
                 return reduced, cs, good
 
-            if warmup_steps > 0:
-                # 4. warm-up: the same leaves, uncompressed, while count < warmup_steps.
-                def uncompressed(bufs, cs):
-                    reduced = allreduce(
-                        bufs, axes=axes, algorithm=algorithm, op="mean", topology=topology
-                    )
-                    return reduced, cs, jnp.ones((), bool)
+            def packed(cs):
+                buffers = plan.pack(leaves)
+                if warmup_steps > 0:
+                    # 4. warm-up: the same leaves, uncompressed, while count < warmup_steps.
+                    def uncompressed(bufs, cs):
+                        reduced = allreduce(
+                            bufs, axes=axes, algorithm=algorithm, op="mean", topology=topology
+                        )
+                        return reduced, cs, jnp.ones((), bool)
 
-                reduced, cstate, ok = lax.cond(
-                    state.count < warmup_steps, uncompressed, compressed, buffers, cstate
-                )
+                    reduced, cs, good = lax.cond(
+                        state.count < warmup_steps, uncompressed, compressed, buffers, cs
+                    )
+                else:
+                    reduced, cs, good = compressed(buffers, cs)
+                restored = [None] * len(leaves)
+                plan.unpack(reduced, restored)
+                return [restored[i] for i in plan.compressed], cs, good
+
+            f32 = all(plan.dtypes[i] == jnp.float32 for i in plan.compressed)
+            if compression.exact is not None and compress_stage == "all" and f32:
+                # A step the compressor would send in full precision (adaptive's 'f32'
+                # rung): the leaves plus its residual, reduced unpacked as plain leaves
+                # are; packing them costs as much as the all-reduce on a CPU.
+                is_exact, residual, after = compression.exact(cstate, ctx)
+
+                def exact(cs):
+                    del cs
+                    extra = [None] * len(leaves)
+                    if residual is not None:
+                        plan.unpack(list(residual), extra)
+                    xs = [leaves[i] if extra[i] is None else leaves[i] + extra[i]
+                          for i in plan.compressed]  # fmt: skip
+                    return reduce_plain(xs), _vary_per_device(after, axes), jnp.ones((), bool)
+
+                def lossy(cs):  # both branches type the residual alike
+                    reduced, cs, good = packed(cs)
+                    return reduced, _vary_per_device(cs, axes), good
+
+                reduced, cstate, ok = lax.cond(is_exact, exact, lossy, cstate)
             else:
-                reduced, cstate, ok = compressed(buffers, cstate)
-            plan.unpack(reduced, out)
+                reduced, cstate, ok = packed(cstate)
+            for i, r in zip(plan.compressed, reduced, strict=True):
+                out[i] = r
             _check_shared_state(compression.name, cstate, axes)
         if compression.finite is not None:
             # fp16 overflow: skip the whole step (all leaves), counted in the state.

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import AX, per_device, sharded, state_specs
+from helpers import AX, assert_rows_equal, per_device, sharded, state_specs
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -94,6 +94,80 @@ def test_error_signal_with_the_inter_stage(kind):
     # the signal adds the shards' sketches over the intra axis.
     signal, true, _ = _signals(kind, 8, "inter")
     assert signal == pytest.approx(true, rel=0.1), (kind, signal, true)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Names of every primitive in ``jaxpr`` and the jaxprs nested in it."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= _primitives(inner)
+    return names
+
+
+def _conds(jaxpr) -> list:
+    """The ``cond`` equations of ``jaxpr``, nested ones included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            out.append(eqn)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _conds(inner)
+    return out
+
+
+def test_f32_rung_reduces_the_leaves_unpacked_and_keeps_the_residual(mesh):
+    # int4 for one step (its residual holds what it did not send), then the network is
+    # cheap: down to f32 (ladder f32, int4), which sends g + e whole and empties the residual.
+    comp = C.adaptive(0.875, min_compression=0.0, adjustment_step=1, ladder=("f32", "int4"))
+    tx = jaxcomm.sync_gradients(compression=comp, min_size=1024)
+    example = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+    sspecs = state_specs(lambda: tx.init(example), mesh)
+
+    def local(g):
+        g = jax.tree.map(lambda x: x[0], g)
+        state = tx.init(g)
+        state = state._replace(compression=C.with_comm_share(state.compression, 0.01))
+
+        def body(state, _):
+            out, state = tx.update(g, state)
+            return state, (out["w"], state.compression.level)
+
+        state, (outs, levels) = jax.lax.scan(body, state, None, length=3)
+        return outs[None], levels[None], stack_local(state)
+
+    fn = sharded(local, mesh, out_specs=(P(AX), P(AX), sspecs))
+    rng = np.random.default_rng(0)
+    g = {"w": rng.normal(size=(8, 64, 48)).astype(np.float32),
+         "b": rng.normal(size=(8, 48)).astype(np.float32)}  # fmt: skip
+    args = per_device(mesh, g)
+    outs, levels, state = fn(args)
+    outs, levels = np.asarray(outs), np.asarray(levels)
+    assert_rows_equal(outs)  # the same bits on every device
+    assert list(levels[0]) == [1, 0, 0]
+    mean = g["w"].astype(np.float64).mean(0)
+    assert np.abs(outs[0, 0] - mean).max() > 1e-3  # int4 kept part of it back
+    # nothing lost: the f32 step sent int4's residual too; after it the residual is zero
+    np.testing.assert_allclose(outs[0, 0] + outs[0, 1], 2 * mean, atol=1e-5)
+    np.testing.assert_allclose(outs[0, 2], mean, atol=1e-6)
+    assert not np.asarray(state.compression.residual.value[0]).any()
+    # The step branches before the compressor: one branch only all-reduces the leaves (no
+    # copy into a buffer), the other holds the compressor's lax.switch over its rungs.
+    conds = _conds(jax.make_jaxpr(fn)(args).jaxpr)
+    plain = {"psum_invariant", "reduce_scatter", "all_gather_invariant"}
+    pairs = [[_primitives(b.jaxpr) for b in c.params["branches"]] for c in conds]
+    assert any(
+        any(plain <= b and not b & {"cond", "concatenate"} for b in bs)
+        and any("cond" in b for b in bs)
+        for bs in pairs
+    )
 
 
 # -- the controller on a synthetic network ------------------------------------------------

@@ -41,7 +41,13 @@ all-reduce, the traffic compression avoids):
    (0.04 at 1021), and the window mean averages it further.
 
 The ``'f32'`` rung's mean is exact (to f32 rounding), so its signal is 0 and it skips the
-sketch: on a CPU the sketch's signs cost about as much as a 1 Gbit/s all-reduce.
+sketch: on a CPU the sketch's signs cost about as much as a 1 Gbit/s all-reduce. Under
+``sync_gradients`` (``compress_stage='all'``, f32 leaves) it skips the packing and the
+``lax.switch`` too (``Compressor.exact``): a ``lax.cond`` on the rung all-reduces the
+leaves plus the residual as ``sync_gradients()`` without compression does, and the
+residual is zero after it. That step costs what a plain f32 step costs; through the
+switch it cost ~1.6x on a CPU (the copy of the leaves into one buffer is an elementwise
+``concatenate`` there, slower than the all-reduce itself; docs/benchmarks.md, issue 11).
 
 The old signal, the mean over devices of each device's own ``||c - sent|| / ||c||``,
 counted every device's quantization error in full although the mean averages them
@@ -111,6 +117,7 @@ from jaxcomm.compression.base import (
 from jaxcomm.compression.cast import bf16_mean
 from jaxcomm.compression.quantize import two_phase_mean, uniform_dither
 from jaxcomm.compression.sparse import random_k_mean, topk_mean
+from jaxcomm.state import PerDevice
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -539,20 +546,42 @@ def adaptive(
             window=jnp.asarray(adjustment_step, jnp.int32),
         )
 
-    def reduce(xs, state: AdaptiveState, ctx: ReduceContext):
-        # 1. The decision at the first step of a window, from the last window's error and
-        #    the share measured over it (every input is replicated: one branch everywhere).
-        p = axes_size(ctx.axes)
-        probe = _LADDERS.get()
-        if probe is not None:
-            probe.append(Ladder(names, [r.wire(p) for r in levels]))
+    def decision(state: AdaptiveState, p: int):
+        """This step's ``(decide, level, hold, strikes, reason, window-mean error)``: the
+        decision at the first step of a window, from the last window's error and the share
+        measured over it (every input is replicated: one branch everywhere)."""
         wire = jnp.asarray([r.wire(p) for r in levels], jnp.float32)
         decide = state.window_steps >= adjustment_step
         mean_err = state.error_sum / jnp.maximum(state.window_steps, 1).astype(jnp.float32)
         level, hold, strikes, reason = control.decide(
             state.level, state.hold, state.strikes, mean_err, state.comm_share, wire
         )
-        level = jnp.where(decide, level, state.level)
+        return decide, jnp.where(decide, level, state.level), hold, strikes, reason, mean_err
+
+    def advance(state: AdaptiveState, d, residual: PerDevice, err: jax.Array) -> AdaptiveState:
+        """The state after a step that took decision ``d`` and measured ``err``."""
+        decide, level, hold, strikes, reason, mean_err = d
+        zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+        return AdaptiveState(
+            level=level,
+            residual=residual,
+            error_sum=jnp.where(decide, zero_f, state.error_sum) + err,
+            window_steps=(jnp.where(decide, zero_i, state.window_steps) + 1).astype(jnp.int32),
+            hold=jnp.where(decide, hold, state.hold),
+            strikes=jnp.where(decide, strikes, state.strikes),
+            comm_share=state.comm_share,
+            last_error=jnp.where(decide, mean_err, state.last_error),
+            last_reason=jnp.where(decide, reason, state.last_reason),
+            window=state.window,
+        )
+
+    def reduce(xs, state: AdaptiveState, ctx: ReduceContext):
+        # 1. The decision (at the first step of a window).
+        p = axes_size(ctx.axes)
+        probe = _LADDERS.get()
+        if probe is not None:
+            probe.append(Ladder(names, [r.wire(p) for r in levels]))
+        d = decision(state, p)
         # 2. Compress g + e with the rung; one shared residual.
         cs = ef.corrected(xs, state.residual)
 
@@ -573,23 +602,20 @@ def adaptive(
 
             return run
 
-        out, sent, err = lax.switch(level, [branch(r) for r in levels], cs)
-        zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
-        new = AdaptiveState(
-            level=level,
-            residual=ef.new_residuals(cs, sent),
-            error_sum=jnp.where(decide, zero_f, state.error_sum) + err,
-            window_steps=(jnp.where(decide, zero_i, state.window_steps) + 1).astype(jnp.int32),
-            hold=jnp.where(decide, hold, state.hold),
-            strikes=jnp.where(decide, strikes, state.strikes),
-            comm_share=state.comm_share,
-            last_error=jnp.where(decide, mean_err, state.last_error),
-            last_reason=jnp.where(decide, reason, state.last_reason),
-            window=state.window,
-        )
+        out, sent, err = lax.switch(d[1], [branch(r) for r in levels], cs)
+        new = advance(state, d, ef.new_residuals(cs, sent), err)
         out = [o.astype(jnp.result_type(x)) for o, x in zip(out, xs, strict=True)]
         return out, new
 
+    def exact(state: AdaptiveState, ctx: ReduceContext):
+        # The 'f32' rung sends g + e whole: its mean is exact, the residual after it zero.
+        d = decision(state, axes_size(ctx.axes))
+        is_f32 = jnp.asarray([r.name == "f32" for r in levels])[d[1]]
+        zeros = ef.init_residuals(state.residual.value)
+        return is_f32, list(state.residual.value), advance(state, d, zeros, jnp.zeros(()))
+
     return Compressor(
-        f"adaptive[{','.join(names)}]", init, reduce, wire_fraction=1.0 - levels[0].compression
-    )
+        f"adaptive[{','.join(names)}]", init, reduce,
+        wire_fraction=1.0 - levels[0].compression,
+        exact=exact if "f32" in names else None,
+    )  # fmt: skip

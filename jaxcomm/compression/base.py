@@ -99,6 +99,15 @@ class Compressor(NamedTuple):
       gathers: ``reduce`` honours ``ctx.gather_axis``: each returned mean is then the
         concatenation of the means of every device of that axis (``g`` times the length of
         the input shard), identical on every device of ``axes`` and ``gather_axis``.
+      exact: optional ``exact(state, ctx) -> (is_exact, residual, state_after)`` for a
+        compressor that sends some steps uncompressed (adaptive's ``'f32'`` rung):
+        ``is_exact`` a bool scalar, the same on every device, True when this step's
+        ``reduce`` would return the full-precision mean of ``xs + residual``;
+        ``residual`` a list shaped like ``xs`` (per device; ``None``: nothing to add);
+        ``state_after`` the state such a step leaves. ``sync_gradients`` (with
+        ``compress_stage='all'``) then reduces the leaves themselves with its plain
+        all-reduce, never packed into a buffer (on a CPU the packing copy costs as much as
+        the all-reduce), and calls ``reduce`` only on the other steps (``lax.cond``).
     """
 
     name: str
@@ -109,6 +118,7 @@ class Compressor(NamedTuple):
     finite: Callable[[Any], jax.Array] | None = None
     wire_fraction: float = 1.0
     gathers: bool = False
+    exact: Callable[[Any, ReduceContext], tuple[jax.Array, list | None, Any]] | None = None
 
 
 def check_range(
