@@ -128,14 +128,18 @@ def test_pack_and_unpack_add_no_per_leaf_ops():
     def prims(plan):
         jaxpr = jax.make_jaxpr(lambda ls: plan.unpack(plan.pack(ls)))(leaves)
         names = [e.primitive.name for e in jaxpr.eqns]
-        return {k: names.count(k) for k in ("concatenate", "slice", "reshape")}
+        return {k: names.count(k) for k in ("concatenate", "slice", "dynamic_slice", "reshape")}
 
     whole = plan_groups(leaves, [[0], [1, 3, 4], [2, 5]])
-    # 2 concatenates (packing the two multi-leaf buffers); 5 slices (unpacking them);
-    # the single-leaf buffer neither.
+    # 2 concatenates (packing the two multi-leaf buffers); 5 dynamic slices (unpacking
+    # them, at runtime offsets: one static slice per distinct offset takes it out of
+    # runtime_ints' sort); the single-leaf buffer neither.
     got = prims(whole)
-    assert got["concatenate"] == 2 and got["slice"] == 5, got
+    offsets = {0, leaves[1].size, leaves[1].size + leaves[3].size, leaves[2].size}
+    assert got["concatenate"] == 2 and got["dynamic_slice"] == 5, got
+    assert got["slice"] == len(offsets), got
     cut = plan_streams(leaves, [0], first_bytes=4000, max_bytes=4000)  # 3 buckets of leaf 0
     got = prims(cut)
-    assert got["slice"] == 3 and got["concatenate"] == 1, got
+    # 3 slices cut leaf 0 into its buckets; each bucket is one piece: no unpacking slice
+    assert got["slice"] == 3 and got["dynamic_slice"] == 0 and got["concatenate"] == 1, got
     assert got["reshape"] <= 2, got  # one ravel of leaf 0, one reshape back

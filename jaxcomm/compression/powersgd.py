@@ -25,8 +25,6 @@ References:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -41,6 +39,7 @@ from jaxcomm.compression.base import (
     decision_axes,
     sum_over,
 )
+from jaxcomm.packing import runtime_ints
 from jaxcomm.validate import check_int
 
 __all__ = ["PowerSGDState", "matrix_shape", "orthogonalize", "powersgd", "shape_groups"]
@@ -162,26 +161,6 @@ def _pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape, strict=True)])
 
 
-def _runtime_indices(count: int) -> Callable[[int], jax.Array]:
-    """``index(j)``: the int32 ``j`` (``0 <= j < count``) as a value XLA cannot fold.
-
-    XLA:CPU compiles one kernel per distinct fusion, and a slice at a constant offset is a
-    fusion of its own, so cutting ``g`` matrices out of a batch at constant offsets costs
-    ``g`` kernels, at a runtime offset one. The digits ``0 .. b-1`` (``b = ceil(sqrt(
-    count))``) pass through one ``lax.optimization_barrier``, which XLA does not constant-fold
-    through, so each is a buffer of its own, and ``index(j) = d[j // b] * b + d[j % b]`` is
-    computed inside the consumer's fusion: the same code for every ``j``. No collective and
-    no input is involved.
-    """
-    base = max(1, math.isqrt(max(count - 1, 0)) + 1)
-    digits = jax.lax.optimization_barrier([jnp.int32(k) for k in range(base)])
-
-    def index(j: int) -> jax.Array:
-        return digits[j // base] * base + digits[j % base]
-
-    return index
-
-
 def powersgd(
     rank: int = 4,
     *,
@@ -298,16 +277,18 @@ def powersgd(
         ps = [orthogonalize(p) for p in ps]
         q_local = [jnp.swapaxes(mt, -1, -2) @ p for mt, p in zip(mats, ps, strict=True)]
         q_mean = mean_all(q_local)
-        # Each matrix is cut out of its batch at a runtime index (_runtime_indices), so
-        # that the matrices of one shape share one compiled kernel; at constant offsets
-        # every matrix would be a kernel of its own.
-        index = _runtime_indices(max(len(g) for g in groups))
+        # Each matrix is cut out of its batch at a runtime index (jaxcomm.packing's
+        # runtime_ints), so that the matrices of one shape share one compiled kernel; at
+        # constant offsets every matrix would be a kernel of its own.
+        index = runtime_ints(range(max(len(g) for g in groups)))
         out: list = [None] * len(xs)
         for g, p, q in zip(groups, ps, q_mean, strict=True):
             approx = p @ jnp.swapaxes(q, -1, -2)
             for j, i in enumerate(g):
                 n, m, _ = dims[i]
-                block = jax.lax.dynamic_slice(approx, (index(j), 0, 0), (1, n, m))
+                block = jax.lax.dynamic_slice(
+                    approx, (index[j], 0, 0), (1, n, m), allow_negative_indices=False
+                )
                 out[i] = block.reshape(xs[i].shape).astype(jnp.result_type(xs[i]))
         res = state.residual
         if error_feedback:
