@@ -275,7 +275,7 @@ def powersgd(
 
         ps = mean_all([mt @ q for mt, q in zip(mats, qs, strict=True)])
         ps = [orthogonalize(p) for p in ps]
-        q_local = [jnp.swapaxes(mt, -1, -2) @ p for mt, p in zip(mats, ps, strict=True)]
+        q_local = [jnp.einsum("gnm,gnr->gmr", mt, p) for mt, p in zip(mats, ps, strict=True)]
         q_mean = mean_all(q_local)
         # Each matrix is cut out of its batch at a runtime index (jaxcomm.packing's
         # runtime_ints), so that the matrices of one shape share one compiled kernel; at
@@ -283,7 +283,7 @@ def powersgd(
         index = runtime_ints(range(max(len(g) for g in groups)))
         out: list = [None] * len(xs)
         for g, p, q in zip(groups, ps, q_mean, strict=True):
-            approx = p @ jnp.swapaxes(q, -1, -2)
+            approx = jnp.einsum("gnr,gmr->gnm", p, q)
             for j, i in enumerate(g):
                 n, m, _ = dims[i]
                 block = jax.lax.dynamic_slice(
@@ -292,7 +292,7 @@ def powersgd(
                 out[i] = block.reshape(xs[i].shape).astype(jnp.result_type(xs[i]))
         res = state.residual
         if error_feedback:
-            sent = [p @ jnp.swapaxes(q, -1, -2) for p, q in zip(ps, q_local, strict=True)]
+            sent = [jnp.einsum("gnr,gmr->gnm", p, q) for p, q in zip(ps, q_local, strict=True)]
             res = ef.new_residuals(cs, [s.reshape(c.shape) for s, c in zip(sent, cs, strict=True)])
         return out, PowerSGDState(tuple(q_mean), res)
 
