@@ -3,7 +3,10 @@
 The one packing abstraction of jaxcomm. A :class:`BufferPlan` lists buffers; each buffer is
 a run of *pieces* ``(leaf_index, start, stop)``, element ranges of raveled leaves laid end
 to end. :meth:`BufferPlan.pack` builds the buffers (one concatenate per buffer, static
-slices only where a leaf is cut), :meth:`BufferPlan.unpack` restores the leaves exactly.
+slices only where a leaf is cut), :meth:`BufferPlan.unpack` restores the leaves exactly,
+cutting them out at runtime offsets (:func:`runtime_ints`): XLA compiles one kernel per
+distinct slice, and at runtime offsets the leaves of one size share one (ResNet-152's
+467 leaves: 22 sizes), which cuts the compile time of every packed path.
 
 Callers decide *which* leaves go where and build the plan with one of two functions:
 
