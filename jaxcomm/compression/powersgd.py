@@ -201,11 +201,12 @@ def powersgd(
 ) -> Compressor:
     """PowerSGD low-rank compression (matrices only; other leaves go uncompressed).
 
-    Matrices are computed in batches (:func:`shape_groups`): one ``P = M Q``, one batched
-    QR and one ``Q = M^T P`` per batch. A batch may hold matrices of different shapes,
-    zero-padded to its largest ``(n, m)``; the result is the unpadded one: zero rows and
-    columns add nothing to the products and stay zero through the QR (the padded rows of
-    ``P`` and ``Q`` go over the wire, zeros).
+    Matrices are computed in batches (:func:`shape_groups`): one ``P = M Q`` and one
+    ``Q = M^T P`` per batch; the QRs of batches with similar row counts are stacked into
+    one (zero-padded rows, at most doubling the QR's rows). A batch may hold matrices of
+    different shapes, zero-padded to its largest ``(n, m)``; the result is the unpadded
+    one: zero rows and columns add nothing to the products and stay zero through the QR
+    (the padded rows of ``P`` and ``Q`` go over the wire, zeros).
 
     Args:
       rank: approximation rank ``r`` (>= 1); capped at ``min(n, m)`` per matrix.
@@ -274,9 +275,9 @@ def powersgd(
         return PowerSGDState(tuple(q), res)
 
     def reduce(xs, state: PowerSGDState, ctx: ReduceContext):
-        # One batch (g, N, M) per group: one batched product and one batched QR per batch
-        # instead of one per matrix (compile time and kernel count grow with the number of
-        # batches, not of leaves; PyTorch's hook batches likewise).
+        # One batch (g, N, M) per group: one batched product per batch (and one QR per
+        # stack of batches) instead of one per matrix (compile time and kernel count grow
+        # with the number of batches, not of leaves; PyTorch's hook batches likewise).
         groups, dims, pads = layout([x.shape for x in xs])
         rows = [
             jnp.concatenate([_pad_to(jnp.reshape(xs[i], dims[i][:2]), (n, m)) for i in g])
