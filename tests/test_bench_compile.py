@@ -42,8 +42,10 @@ def test_unknown_option_is_rejected(capsys):
 
 
 def test_powersgd_batches_matrices_of_one_shape(mesh):
-    """Twelve matrices of one shape cost one QR; twelve of different shapes cost twelve
-    without padding, one when zero padding may merge them into one batch."""
+    """Twelve matrices of one shape are one batch (4 products: P, Q, the result and the
+    residual's); twelve of different shapes are twelve batches without padding, one when
+    zero padding may merge them. The QRs of batches of similar rows are stacked into one.
+    The twelve of one shape are cut out of their batch by one kernel (runtime indices)."""
     import jax
     import jax.numpy as jnp
 
@@ -52,7 +54,7 @@ def test_powersgd_batches_matrices_of_one_shape(mesh):
     f32 = jnp.float32
     same = {f"w{i}": jax.ShapeDtypeStruct((64, 48), f32) for i in range(12)}
     diff = {f"w{i}": jax.ShapeDtypeStruct((64, 40 + i), f32) for i in range(12)}
-    counts = []
+    counts, dots, cuts = [], [], []
     for tree, pad in ((same, 0.0), (diff, 0.0), (diff, 0.5)):
         tx = jaxcomm.sync_gradients(
             compression=jaxcomm.compression.powersgd(rank=4, max_padding=pad)
@@ -61,7 +63,15 @@ def test_powersgd_batches_matrices_of_one_shape(mesh):
         text = fn.lower(*args).compile().as_text()
         # the QR factorizations (LAPACK custom calls on CPU) of the optimized module
         counts.append(len(re.findall(r'custom_call_target="lapack_sgeqrf', text)))
-    assert counts == [1, 12, 1]
+        dots.append(len(re.findall(r" dot\(", text)))
+        bodies = {
+            re.sub(r"%[\w.\-]+|, metadata=\{[^}]*\}", "", b.split("\n", 1)[1])
+            for b in text.split("\n\n")
+            if "dynamic-slice(" in b and not b.lstrip().startswith("ENTRY")
+        }
+        cuts.append(len(bodies))
+    assert dots == [4, 48, 4] and counts == [1, 1, 1], (dots, counts)
+    assert cuts[0] == 1, cuts  # distinct kernels that cut the 12 matrices out
 
 
 def test_step_compiles_the_whole_train_step(mesh):

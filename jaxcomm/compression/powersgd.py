@@ -25,8 +25,6 @@ References:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -41,6 +39,7 @@ from jaxcomm.compression.base import (
     decision_axes,
     sum_over,
 )
+from jaxcomm.packing import runtime_ints
 from jaxcomm.validate import check_int
 
 __all__ = ["PowerSGDState", "matrix_shape", "orthogonalize", "powersgd", "shape_groups"]
@@ -162,24 +161,33 @@ def _pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape, strict=True)])
 
 
-def _runtime_indices(count: int) -> Callable[[int], jax.Array]:
-    """``index(j)``: the int32 ``j`` (``0 <= j < count``) as a value XLA cannot fold.
+# Zero rows the stacked QRs of _orthogonalize_batches may add, as a fraction of the real
+# rows: a QR of (n, r) costs O(n r^2), r / m of a product's O(n m r), so doubling its rows
+# is noise, while each batch's QR is a custom call, a masking kernel and ~0.1 s of
+# lowering (ResNet-152: the 11 batches' QRs in 2 stacks).
+_QR_PADDING = 1.0
 
-    XLA:CPU compiles one kernel per distinct fusion, and a slice at a constant offset is a
-    fusion of its own, so cutting ``g`` matrices out of a batch at constant offsets costs
-    ``g`` kernels, at a runtime offset one. The digits ``0 .. b-1`` (``b = ceil(sqrt(
-    count))``) pass through one ``lax.optimization_barrier``, which XLA does not constant-fold
-    through, so each is a buffer of its own, and ``index(j) = d[j // b] * b + d[j % b]`` is
-    computed inside the consumer's fusion: the same code for every ``j``. No collective and
-    no input is involved.
-    """
-    base = max(1, math.isqrt(max(count - 1, 0)) + 1)
-    digits = jax.lax.optimization_barrier([jnp.int32(k) for k in range(base)])
 
-    def index(j: int) -> jax.Array:
-        return digits[j // base] * base + digits[j % base]
-
-    return index
+def _orthogonalize_batches(ps: list[jax.Array]) -> list[jax.Array]:
+    """:func:`orthogonalize` of each ``(g, n, r)`` batch, batches of similar ``n`` stacked
+    into one QR: their matrices zero-padded to the stack's largest ``(n, r)`` (zero rows
+    stay zero through the QR, zero columns come out masked; the real block is the
+    unpadded QR's), grouped by :func:`shape_groups` within ``_QR_PADDING``."""
+    items = [(p.shape[1], p.shape[2], 0) for p in ps for _ in range(p.shape[0])]
+    owner = [b for b, p in enumerate(ps) for _ in range(p.shape[0])]
+    out: list = [None] * len(ps)
+    for group in shape_groups(items, max_padding=_QR_PADDING):
+        batches = sorted({owner[i] for i in group})
+        n = max(ps[b].shape[1] for b in batches)
+        r = max(ps[b].shape[2] for b in batches)
+        stack = [_pad_to(ps[b], (ps[b].shape[0], n, r)) for b in batches]
+        q = orthogonalize(stack[0] if len(stack) == 1 else jnp.concatenate(stack))
+        off = 0
+        for b in batches:
+            g, nb, rb = ps[b].shape
+            out[b] = q[off : off + g, :nb, :rb]
+            off += g
+    return out
 
 
 def powersgd(
@@ -193,11 +201,12 @@ def powersgd(
 ) -> Compressor:
     """PowerSGD low-rank compression (matrices only; other leaves go uncompressed).
 
-    Matrices are computed in batches (:func:`shape_groups`): one ``P = M Q``, one batched
-    QR and one ``Q = M^T P`` per batch. A batch may hold matrices of different shapes,
-    zero-padded to its largest ``(n, m)``; the result is the unpadded one: zero rows and
-    columns add nothing to the products and stay zero through the QR (the padded rows of
-    ``P`` and ``Q`` go over the wire, zeros).
+    Matrices are computed in batches (:func:`shape_groups`): one ``P = M Q`` and one
+    ``Q = M^T P`` per batch; the QRs of batches with similar row counts are stacked into
+    one (zero-padded rows, at most doubling the QR's rows). A batch may hold matrices of
+    different shapes, zero-padded to its largest ``(n, m)``; the result is the unpadded
+    one: zero rows and columns add nothing to the products and stay zero through the QR
+    (the padded rows of ``P`` and ``Q`` go over the wire, zeros).
 
     Args:
       rank: approximation rank ``r`` (>= 1); capped at ``min(n, m)`` per matrix.
@@ -266,9 +275,9 @@ def powersgd(
         return PowerSGDState(tuple(q), res)
 
     def reduce(xs, state: PowerSGDState, ctx: ReduceContext):
-        # One batch (g, N, M) per group: one batched product and one batched QR per batch
-        # instead of one per matrix (compile time and kernel count grow with the number of
-        # batches, not of leaves; PyTorch's hook batches likewise).
+        # One batch (g, N, M) per group: one batched product per batch (and one QR per
+        # stack of batches) instead of one per matrix (compile time and kernel count grow
+        # with the number of batches, not of leaves; PyTorch's hook batches likewise).
         groups, dims, pads = layout([x.shape for x in xs])
         rows = [
             jnp.concatenate([_pad_to(jnp.reshape(xs[i], dims[i][:2]), (n, m)) for i in g])
@@ -294,24 +303,25 @@ def powersgd(
                 off += x.size
             return out
 
-        ps = mean_all([mt @ q for mt, q in zip(mats, qs, strict=True)])
-        ps = [orthogonalize(p) for p in ps]
-        q_local = [jnp.swapaxes(mt, -1, -2) @ p for mt, p in zip(mats, ps, strict=True)]
+        ps = _orthogonalize_batches(mean_all([mt @ q for mt, q in zip(mats, qs, strict=True)]))
+        q_local = [jnp.einsum("gnm,gnr->gmr", mt, p) for mt, p in zip(mats, ps, strict=True)]
         q_mean = mean_all(q_local)
-        # Each matrix is cut out of its batch at a runtime index (_runtime_indices), so
-        # that the matrices of one shape share one compiled kernel; at constant offsets
-        # every matrix would be a kernel of its own.
-        index = _runtime_indices(max(len(g) for g in groups))
+        # Each matrix is cut out of its batch at a runtime index (jaxcomm.packing's
+        # runtime_ints), so that the matrices of one shape share one compiled kernel; at
+        # constant offsets every matrix would be a kernel of its own.
+        index = runtime_ints(range(max(len(g) for g in groups)))
         out: list = [None] * len(xs)
         for g, p, q in zip(groups, ps, q_mean, strict=True):
-            approx = p @ jnp.swapaxes(q, -1, -2)
+            approx = jnp.einsum("gnr,gmr->gnm", p, q)
             for j, i in enumerate(g):
                 n, m, _ = dims[i]
-                block = jax.lax.dynamic_slice(approx, (index(j), 0, 0), (1, n, m))
+                block = jax.lax.dynamic_slice(
+                    approx, (index[j], 0, 0), (1, n, m), allow_negative_indices=False
+                )
                 out[i] = block.reshape(xs[i].shape).astype(jnp.result_type(xs[i]))
         res = state.residual
         if error_feedback:
-            sent = [p @ jnp.swapaxes(q, -1, -2) for p, q in zip(ps, q_local, strict=True)]
+            sent = [jnp.einsum("gnr,gmr->gnm", p, q) for p, q in zip(ps, q_local, strict=True)]
             res = ef.new_residuals(cs, [s.reshape(c.shape) for s, c in zip(sent, cs, strict=True)])
         return out, PowerSGDState(tuple(q_mean), res)
 
