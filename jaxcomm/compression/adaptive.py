@@ -588,21 +588,25 @@ def adaptive(
         def branch(rung):
             def run(cs):
                 pairs = [rung.mean(c, ctx, ctx.key, i) for i, c in enumerate(cs)]
-                out = [m for m, _ in pairs]
-                # 3. The error of the mean, over every data axis (not ctx.axes, the outer
-                #    axes only with compress_stage='inter'): all devices must pick the same
-                #    branch. The f32 rung's mean is exact (to f32 rounding, ~1e-7), so it
-                #    skips the sketch, whose signs cost as much as a 1 Gbit/s all-reduce on
-                #    a CPU (docs/benchmarks.md, issue 11).
-                if rung.name == "f32":
-                    err = jnp.zeros((), jnp.float32)
-                else:
-                    err = error_of_mean(cs, out, ctx, sketch_size=sketch_size)
-                return out, [s for _, s in pairs], err
+                return [m for m, _ in pairs], [s for _, s in pairs]
 
             return run
 
-        out, sent, err = lax.switch(d[1], [branch(r) for r in levels], cs)
+        out, sent = lax.switch(d[1], [branch(r) for r in levels], cs)
+        # 3. The error of the mean, over every data axis (not ctx.axes, the outer axes only
+        #    with compress_stage='inter'): all devices must pick the same branch. Once,
+        #    after the switch: a sketch per rung would be compiled once per rung (issue 17).
+        #    The f32 rung's mean is exact (to f32 rounding, ~1e-7), so it skips the sketch,
+        #    whose signs cost as much as a 1 Gbit/s all-reduce on a CPU (docs/benchmarks.md,
+        #    issue 11).
+        def sketched():
+            return error_of_mean(cs, out, ctx, sketch_size=sketch_size)
+
+        if "f32" in names:
+            is_f32 = jnp.asarray([r.name == "f32" for r in levels])[d[1]]
+            err = lax.cond(is_f32, lambda: jnp.zeros((), jnp.float32), sketched)
+        else:
+            err = sketched()
         new = advance(state, d, ef.new_residuals(cs, sent), err)
         out = [o.astype(jnp.result_type(x)) for o, x in zip(out, xs, strict=True)]
         return out, new
