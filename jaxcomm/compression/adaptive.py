@@ -593,6 +593,7 @@ def adaptive(
             return run
 
         out, sent = lax.switch(d[1], [branch(r) for r in levels], cs)
+
         # 3. The error of the mean, over every data axis (not ctx.axes, the outer axes only
         #    with compress_stage='inter'): all devices must pick the same branch. Once,
         #    after the switch: a sketch per rung would be compiled once per rung (issue 17).
