@@ -31,10 +31,13 @@ global batch of 240 (60 images per device) keeps the compute per step small next
 kernels; at 960 on a 1 Gbit/s fast link int4's kernels were nearly free at low load and
 fixed int4 was as fast as f32 there (the previous setting in docs/benchmarks.md). Ladder
 ``f32,int4`` (on a CPU the int8 and bf16 rungs cost as much time as int4 and would add a
-window to every reaction), windows of 2 steps, ``comm_low=0.7`` (int4's share on the slow
-link reads 0.5-0.65, 0.87+ predicted at f32; on the fast link it falls to ~0.2 once TCP has
-recovered its rate, 0.67 predicted), ``comm_high=0.8`` (f32's share reads 0-0.45 on the
-fast link, 0.94 on the slow one), ``error_high=0.4`` (int4's
+window to every reaction), windows of 2 steps, ``comm_low=0.8`` (int4's share on the slow
+link reads 0.65-0.8 on an idle machine, 0.93+ predicted at f32; on the fast link it reads
+0.2-0.4 after the recovery, because the wire-fraction model scales the share by bytes and
+the fast link's time is per-collective overhead, not bytes: 0.66-0.83 predicted, and at
+``comm_low=0.7`` one idle run held int4 for 10 windows after the recovery),
+``comm_high=0.85`` (f32's share reads 0-0.6 on the fast link, 0.91-0.95 on the slow one),
+``error_high=0.4`` (int4's
 error of the mean reads 0.27-0.30 here). ``--start-at 75``: the compile and
 ``CommProfiler.drive``'s calibration (one timed step per rung) must end before the first
 link change, or the calibration times int4 on the slow link and takes its traffic for
@@ -421,8 +424,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds from the testbed start to training (compile first)")  # fmt: skip
     p.add_argument("--ladder", default="f32,int4", help="rungs of the adaptive run")
     p.add_argument("--window", type=int, default=2, help="adjustment_step (steps per window)")
-    p.add_argument("--comm-low", type=float, default=0.7, help="adaptive comm_low")
-    p.add_argument("--comm-high", type=float, default=0.8, help="adaptive comm_high")
+    p.add_argument("--comm-low", type=float, default=0.8, help="adaptive comm_low")
+    p.add_argument("--comm-high", type=float, default=0.85, help="adaptive comm_high")
     p.add_argument("--cooldown", type=int, default=3, help="adaptive cooldown (windows)")
     p.add_argument("--error-low", type=float, default=0.05, help="adaptive error_low")
     p.add_argument("--error-high", type=float, default=0.4, help="adaptive error_high")
