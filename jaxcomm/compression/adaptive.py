@@ -575,6 +575,10 @@ def adaptive(
             window=state.window,
         )
 
+    def on_f32(level: jax.Array) -> jax.Array:
+        """Whether rung ``level`` is the exact ``'f32'`` rung (a replicated bool)."""
+        return jnp.asarray([r.name == "f32" for r in levels])[level]
+
     def reduce(xs, state: AdaptiveState, ctx: ReduceContext):
         # 1. The decision (at the first step of a window).
         p = axes_size(ctx.axes)
@@ -604,8 +608,7 @@ def adaptive(
             return error_of_mean(cs, out, ctx, sketch_size=sketch_size)
 
         if "f32" in names:
-            is_f32 = jnp.asarray([r.name == "f32" for r in levels])[d[1]]
-            err = lax.cond(is_f32, lambda: jnp.zeros((), jnp.float32), sketched)
+            err = lax.cond(on_f32(d[1]), lambda: jnp.zeros((), jnp.float32), sketched)
         else:
             err = sketched()
         new = advance(state, d, ef.new_residuals(cs, sent), err)
@@ -615,9 +618,8 @@ def adaptive(
     def exact(state: AdaptiveState, ctx: ReduceContext):
         # The 'f32' rung sends g + e whole: its mean is exact, the residual after it zero.
         d = decision(state, axes_size(ctx.axes))
-        is_f32 = jnp.asarray([r.name == "f32" for r in levels])[d[1]]
         zeros = ef.init_residuals(state.residual.value)
-        return is_f32, list(state.residual.value), advance(state, d, zeros, jnp.zeros(()))
+        return on_f32(d[1]), list(state.residual.value), advance(state, d, zeros, jnp.zeros(()))
 
     return Compressor(
         f"adaptive[{','.join(names)}]", init, reduce,
