@@ -98,18 +98,75 @@ class _Step:
     The step is compiled once, ahead of time, and that executable is both timed and read
     (``wire``: ``jaxcomm.wire_bytes`` of its HLO), so the bytes are those of the program
     that ran.
+
+    With ``adapt_windows > 0`` (the step has an adaptive compressor), the step runs under
+    ``jaxcomm.CommProfiler.drive`` instead (the measured communication share in the loop,
+    as a user runs it) and ``adapt_windows`` of its windows run before any timing, so the
+    ladder settles on the link first; every timed round is then whole windows (``steps``
+    rounded up), so no window's clock spans the other rows' rounds. ``wire`` is read from
+    the driven program, its ladder's ``lax.switch`` priced at the rung the step ended on
+    (:meth:`adaptive_wire`).
     """
 
-    def __init__(self, dp: Any, state: Any, batch: Any):
+    def __init__(self, dp: Any, state: Any, batch: Any, *, adapt_windows: int = 0):
         self.batch = dp.shard_batch(batch)
-        self.compiled = dp.lower(state, batch).compile()
-        self.wire = jaxcomm.wire_bytes(self.compiled, mesh=dp.mesh)
+        self.mesh = dp.mesh
         self.state = state
         self.metrics = None
+        self.profiler: jaxcomm.CommProfiler | None = None
+        if adapt_windows:
+            # no retime_twin: the ablation times its own twin beside every round
+            self.profiler = jaxcomm.CommProfiler(log_file=os.devnull)
+            self.profiler.drive(dp, state, self.batch, retime_twin=0)
+            self.fn: Callable = dp
+            window = int(_adaptive_states(state)[0].window)
+            self.state, _, self.metrics = _timed(dp, self.state, self.batch, adapt_windows * window)
+            self.settled = len(self.profiler.windows)
+        else:
+            self.fn = dp.lower(state, batch).compile()
+            self.wire = jaxcomm.wire_bytes(self.fn, mesh=dp.mesh)
 
     def run(self, steps: int) -> float:
-        self.state, t, self.metrics = _timed(self.compiled, self.state, self.batch, steps)
+        if self.profiler is not None:  # whole windows: a window never spans two rounds
+            window = int(_adaptive_states(self.state)[0].window)
+            steps = -(-steps // window) * window
+        self.state, t, self.metrics = _timed(self.fn, self.state, self.batch, steps)
         return t
+
+    def adaptive_wire(self) -> dict:
+        """The driven program's bytes at the rung the step ended on, and the ladder's log:
+        ``level`` (the final rung), ``timed_levels`` (the rung of every window that ended
+        during the timed rounds) and ``changes`` (every level change, settling included)."""
+        prof = self.profiler
+        (adaptive,) = _adaptive_states(self.state)  # drive's calibration: one compressor
+        rungs = len(prof.kernel_times)
+        summary = jaxcomm.wire.summarize(prof.module, self.mesh)
+        switch = [c for c, b in summary["branches"].items() if len(b) == rungs]
+        if len(switch) != 1:
+            raise RuntimeError(
+                f"expected one conditional with {rungs} branches (the ladder's lax.switch) in "
+                f"the driven step, found {len(switch)}: {summary['branches']}"
+            )
+        self.wire = jaxcomm.wire.summarize(
+            prof.module, self.mesh, taken={switch[0]: int(adaptive.level)}
+        )
+        names = [w["levels"][0] for w in prof.windows]
+        return {
+            "level": names[-1] if names else None,
+            "timed_levels": names[self.settled :],
+            "changes": [
+                {k: c[k] for k in ("step", "from", "to", "reason", "comm_share", "error")}
+                for c in prof.level_changes
+            ],
+            "kernel_times_s": list(prof.kernel_times),
+        }
+
+
+def _adaptive_states(state: Any) -> list:
+    """The adaptive compressors' states in ``state``'s optimizer state."""
+    AdaptiveState = jaxcomm.compression.AdaptiveState
+    nodes = jax.tree.leaves(state.opt_state, is_leaf=lambda n: isinstance(n, AdaptiveState))
+    return [n for n in nodes if isinstance(n, AdaptiveState)]
 
 
 class _Bench:
@@ -131,9 +188,17 @@ class _Bench:
             warmup=preset.lr_warmup,
             total_steps=preset.steps,
         )
-        dp, state = steplib.build_step(
-            parts, steplib.make_optimizer(sync, schedule), mesh, compiler_options=options
+        # CommProfiler.drive runs the state it is given several times: no donation there
+        compression = sync.get("compression")
+        driven = (
+            preset.adapt_windows > 0
+            and bool(compression)
+            and compression.name.startswith("adaptive")
         )
+        dp, state = steplib.build_step(
+            parts, steplib.make_optimizer(sync, schedule), mesh, compiler_options=options,
+            donate=not driven,
+        )  # fmt: skip
         data = SyntheticImages(
             dp.batch_sharding,
             global_batch=self.global_batch,
@@ -145,8 +210,9 @@ class _Bench:
         batch = data.batch(0)
         warmup = max(1, preset.warmup_steps)
         t0 = time.perf_counter()
-        self.full = _Step(dp, state, batch)
-        self.full.run(warmup)  # compiles
+        self.full = _Step(dp, state, batch, adapt_windows=preset.adapt_windows if driven else 0)
+        if not driven:  # a driven step compiled and ran its windows already
+            self.full.run(warmup)  # compiles
         settings = r.describe()
         key = repr((settings["topology"], settings["compiler_options"]))
         if twins is not None and key not in twins:
@@ -179,6 +245,7 @@ class _Bench:
         # Best round, as timeit does: slower rounds are other processes' interference.
         step_time = min(self.t_full)
         twin_time = min(self.t_twin) if self.t_twin else None
+        adaptive = self.full.adaptive_wire() if self.full.profiler else None
         crossing = self.full.wire["crossing"].get("inter", 0.0)
         bound = crossing / (link_bps / 8) if link_bps else None
         comm = twin_time and step_time - twin_time
@@ -204,6 +271,8 @@ class _Bench:
             "link_efficiency": bound / comm if bound is not None and comm and comm > 0 else None,
             # measured on a leaf-spine testbed (tc counters): what each step sent over the spine
             "spine_bytes_measured": statistics.median(self.spine) if self.spine else None,
+            # driven adaptive rows: the rung the bytes above are priced at, and its log
+            "adaptive": adaptive,
         }
 
 

@@ -42,6 +42,10 @@ class Preset:
       modes: the modes run when no mode flag is given.
       link: the emulated link rate (tc units) when the preset builds a testbed; ``None``:
         the preset runs on the devices it is given.
+      adapt_windows: ablation rows with an adaptive compressor run under
+        ``jaxcomm.CommProfiler.drive`` (the measured communication share in the loop) for
+        this many of its windows before they are timed, so the ladder settles on the
+        network first; ``0``: no driving (the controller then follows the error alone).
     """
 
     name: str
@@ -61,6 +65,7 @@ class Preset:
     accuracy_steps: int
     modes: tuple[str, ...] = MODES
     link: str | None = None
+    adapt_windows: int = 0
 
 
 PRESETS: dict[str, Preset] = {
@@ -117,6 +122,7 @@ PRESETS: dict[str, Preset] = {
         lr_warmup=200,
         checkpoint_every=200,
         accuracy_steps=300,
+        adapt_windows=4,
     ),
 }
 
@@ -127,7 +133,7 @@ PRESETS: dict[str, Preset] = {
 # table with its quality guard fits in about 5 minutes on 2 cores.
 PRESETS["testbed"] = dataclasses.replace(
     PRESETS["cpu-smoke"], name="testbed", timing_steps=3, repeats=3, intra=None,
-    modes=("ablation", "accuracy"), link="50mbit",
+    modes=("ablation", "accuracy"), link="50mbit", adapt_windows=4,
 )  # fmt: skip
 # The ablation issue's configuration: ResNet-18 (46.8 MB of f32 gradient) on 32 px images
 # over 250 Mbit/s: the gradient's time on the link is several times the compute, as on the

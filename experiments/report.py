@@ -95,7 +95,8 @@ def format_table(rows: Sequence[dict]) -> str:
     images/s, on a network the link columns (MB per step across a node's link, their
     line-rate time, efficiency = that time / exposed communication), on a leaf-spine
     fabric the MB per step the spine carried (measured), and (when measured) digits
-    accuracy; errors are listed under the table."""
+    accuracy; errors, and the rungs a driven adaptive row ran, are listed under the
+    table."""
     with_acc = any("accuracy_status" in r for r in rows)
     with_link = any(r.get("link_bound_s") is not None for r in rows)
     head = ["config", "status", "step ms", "compute ms", "speedup", "comm %", "img/s"]
@@ -133,6 +134,15 @@ def format_table(rows: Sequence[dict]) -> str:
         for key in ("error", "accuracy_note"):
             if r.get(key):
                 notes.append(f"  {r['config']}: {key.replace('_', ' ')}: {r[key]}")
+        if r.get("adaptive"):  # a driven adaptive row: the rungs it ran
+            ad = r["adaptive"]
+            moves = ", ".join(
+                f"step {c['step']} {c['from']}->{c['to']} ({c['reason']})" for c in ad["changes"]
+            )
+            notes.append(
+                f"  {r['config']}: adaptive timed at {'/'.join(dict.fromkeys(ad['timed_levels']))}"
+                f" (changes: {moves or 'none'})"
+            )
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
     fmt_row = lambda cells: "  ".join(  # noqa: E731
         c.ljust(w) if i < 2 else c.rjust(w)

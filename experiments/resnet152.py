@@ -48,6 +48,11 @@ _OVERRIDES = {
     "lr_warmup": (int, "learning-rate warm-up steps"),
     "checkpoint_every": (int, "checkpoint period in steps (with --checkpoint-dir)"),
     "accuracy_steps": (int, "digits training steps per row of the quality guard"),
+    "adapt_windows": (
+        int,
+        "windows an adaptive row runs driven by the measured network "
+        "before it is timed (0: not driven)",
+    ),  # fmt: skip
 }
 
 

@@ -287,7 +287,8 @@ class CommProfiler:
         2. Windows are the adaptive compressor's ``adjustment_step`` steps (read from the
            state, aligned with its ``window_steps``). At the end of a window the driver
            waits for the state (one host synchronisation per window, none per step) and
-           measures ``step_time`` = the window's wall time / its steps.
+           measures ``step_time`` = the window's wall time (from its first step's call,
+           so a pause between windows does not count) / its steps.
         3. ``comm_share = clip(1 - (compute_time + kernel_time[level]) / step_time, 0,
            1)``, put on this process's devices once per window; the steps of the next
            window take it and average it over all devices (one scalar ``pmean``, so
@@ -584,7 +585,9 @@ class _Driver:
             jax.block_until_ready(fn(state, example))
             self.recent = [*self.recent, self._clock() - now][-3:]
             self.prof.compute_time = float(np.median(self.recent))
-        self._t0, self._steps, self._timed = self._clock(), 0, 0
+        # The next window's clock starts at its first step: a pause between windows
+        # (evaluation, a checkpoint, other programs) is not communication.
+        self._t0, self._steps, self._timed = None, 0, 0
         # The scalars only (never the per-device residuals): one small copy per window.
         found = jax.device_get(
             [_Scalars(a.level, a.error_sum, a.window_steps, a.last_error, a.last_reason,

@@ -12,7 +12,8 @@ replica group size:
 
 Collectives inside the branches of a conditional (``lax.cond`` / ``lax.switch``: warm-up,
 adaptive levels) are listed per branch, and ``total`` counts the unconditional ones plus
-the **largest** branch of every conditional (nested conditionals recursively). A
+the **largest** branch of every conditional (nested conditionals recursively), or the
+branch that ``taken`` names for it (the branch a run is known to take). A
 collective inside a loop body (``lax.scan``) is counted once, i.e. per iteration.
 """
 
@@ -53,12 +54,16 @@ def _new_node() -> dict:
     return {"direct": [], "conds": defaultdict(lambda: defaultdict(_new_node))}
 
 
-def _counted(node: dict) -> list[dict]:
+def _counted(node: dict, taken: Mapping[str, int]) -> list[dict]:
     """Records a node counts: its own collectives plus, for every conditional below it, the
-    counted records of the branch with the most bytes (the first such branch on a tie)."""
+    counted records of the branch ``taken`` names for it, else of the branch with the most
+    bytes (the first such branch on a tie)."""
     out = list(node["direct"])
-    for branches in node["conds"].values():
-        picks = [_counted(branches[i]) for i in sorted(branches)]
+    for cond, branches in node["conds"].items():
+        if cond in taken:  # a branch without collectives has no node: it counts nothing
+            out += _counted(branches[taken[cond]], taken) if taken[cond] in branches else []
+            continue
+        picks = [_counted(branches[i], taken) for i in sorted(branches)]
         out += max(picks, key=lambda recs: sum(r["bytes"] for r in recs))
     return out
 
@@ -97,10 +102,13 @@ def _crossing(counted: list[dict], mesh: Mesh) -> dict[str, float]:
     return out
 
 
-def summarize(mod: hlo.HloModule, mesh: Mesh | None = None) -> dict:
+def summarize(
+    mod: hlo.HloModule, mesh: Mesh | None = None, *, taken: Mapping[str, int] | None = None
+) -> dict:
     """Prices the collectives of a parsed module (see :func:`wire_bytes` for the keys).
 
-    ``crossing`` needs the ``mesh`` the module was compiled for (empty without).
+    ``crossing`` needs the ``mesh`` the module was compiled for (empty without); ``taken``
+    prices the named conditionals at the given branch (:func:`wire_bytes`).
 
     The one place that walks a module's conditionals: :func:`wire_bytes` and
     :class:`jaxcomm.CommProfiler` both count what this returns.
@@ -127,7 +135,14 @@ def summarize(mod: hlo.HloModule, mesh: Mesh | None = None) -> dict:
         for cond, idx in chain:
             node = node["conds"][cond][idx]
         node["direct"].append(rec)
-    counted = _counted(root)
+    taken = dict(taken or {})
+    unknown = sorted(set(taken) - {cond for cond, _ in mod.branches.values()})
+    if unknown:
+        raise ValueError(
+            f"taken names conditionals {unknown} that the module does not have; use names "
+            f"from the 'branches' key of wire_bytes' result."
+        )
+    counted = _counted(root, taken)
     counted_ids = {id(r) for r in counted}
     branches: dict[str, dict[int, float]] = {}
 
@@ -140,7 +155,8 @@ def summarize(mod: hlo.HloModule, mesh: Mesh | None = None) -> dict:
             # branches without collectives count 0 (they still matter for the maximum)
             indices = sorted(all_indices.get(cond, set()) | set(bs))
             branches[cond] = {
-                i: (sum(r["bytes"] for r in _counted(bs[i])) if i in bs else 0.0) for i in indices
+                i: (sum(r["bytes"] for r in _counted(bs[i], taken)) if i in bs else 0.0)
+                for i in indices
             }
             for b in bs.values():
                 walk(b)
@@ -154,6 +170,7 @@ def summarize(mod: hlo.HloModule, mesh: Mesh | None = None) -> dict:
         "operand_bytes": float(sum(r["operand_bytes"] for r in counted)),
         "num_collectives": len(counted),
         "conditionals": CONDITIONALS,
+        "taken": taken,
         "unconditional": sum(r["bytes"] for r in records if not r["branch"]),
         "branches": branches,
         "collectives": [
@@ -179,6 +196,7 @@ def wire_bytes(
     *args: Any,
     mesh: Mesh | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    taken: Mapping[str, int] | None = None,
     **kwargs: Any,
 ) -> dict:
     """Compiles ``fn(*args)`` and returns the bytes each device sends per call.
@@ -190,6 +208,9 @@ def wire_bytes(
       mesh: names the mesh axes of each collective; found from the arguments' shardings
         when not given.
       compiler_options: XLA options for this compilation.
+      taken: ``{conditional name: branch index}``: price these conditionals at the branch
+        that ran (e.g. an adaptive compressor's ``lax.switch`` at its current level, the
+        names from a first call's ``branches``) instead of their largest branch.
       **kwargs: keyword arguments of ``fn``.
 
     Returns:
@@ -201,7 +222,8 @@ def wire_bytes(
       every replica group spanning nodes counts its bus bytes once, as a ring ordered by
       node crosses each node's link once per direction; groups side by side add up),
       ``operand_bytes`` and ``num_collectives`` (input bytes and number of the collectives
-      that total counts), ``conditionals`` (the rule: ``'largest_branch'``),
+      that total counts), ``conditionals`` (the rule: ``'largest_branch'``), ``taken``
+      (the conditionals priced at a given branch instead),
       ``unconditional`` (bytes outside any conditional), ``branches`` (``{conditional:
       {branch index: bytes}}``) and ``collectives`` (one dict per collective: kind, name,
       dtype, axes, group_size, operand_bytes, bytes, branch chain, ``counted``: whether
@@ -213,4 +235,4 @@ def wire_bytes(
     """
     mesh = mesh if mesh is not None else _find_mesh((args, kwargs))
     mod = hlo.collectives(fn, *args, mesh=mesh, compiler_options=compiler_options, **kwargs)
-    return summarize(mod, mesh)
+    return summarize(mod, mesh, taken=taken)

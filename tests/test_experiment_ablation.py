@@ -19,6 +19,9 @@ def test_rows_follow_the_seed_table_and_accumulate(monkeypatch):
     assert [r.config for r in ROWS] == [
         "baseline", "+hierarchical", "+overlap", "+compression", "+topology", "+batching",
     ]  # fmt: skip
+    (compression,) = [r for r in ROWS if r.config == "+compression"]
+    assert compression.sync["compression"].name.startswith("adaptive[")  # the seed's dynamic bits
+    assert compression.sync["compress_stage"] == "inter"
     topo = jaxcomm.topology.from_dict({"preset": "dgx_h100", "nodes": 2})
     monkeypatch.setattr(jaxcomm.topology, "detect", lambda: topo)
     calls = []

@@ -236,7 +236,8 @@ def test_link_schedule_from_the_command_line():
 def test_networked_ablation_reads_its_link_bytes_from_the_compiled_steps(tmp_path):
     # The experiment re-runs itself under the testbed (2 nodes x 2 devices, 50 Mbit/s): the
     # table's link columns come from each row's compiled HLO. Checks columns and bytes, not
-    # timings. One row (+compression: hierarchical, int8 on the inter stage) keeps it short.
+    # timings. One row (+compression: hierarchical, the adaptive compressor on the inter
+    # stage, driven by the measured network) keeps it short.
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "experiments.resnet152", "--preset", "testbed", "--ablation",
            "--rows", "+compression", "--image-size", "16", "--per-device-batch", "2",
@@ -252,12 +253,20 @@ def test_networked_ablation_reads_its_link_bytes_from_the_compiled_steps(tmp_pat
     comm = row["step_time_s"] - row["compute_only_step_time_s"]
     if row["link_efficiency"] is not None:
         assert row["link_efficiency"] == pytest.approx(row["link_bound_s"] / comm)
+    # The adaptive compressor ran driven by the measured share (the preset's adapt_windows of
+    # 2 steps before timing) and its bytes are priced at the rung it ended on.
+    ad = row["adaptive"]
+    assert ad["level"] in ("f32", "bf16", "int8", "int4") and len(ad["kernel_times_s"]) == 4
+    assert all(c["from"] != c["to"] and c["reason"] in ("error", "network") for c in ad["changes"])
     # f32 gradient bytes S of the model: a flat ring in node order would send 1.5 S across a
-    # node's link per direction. int8 on the inter stage sends each device's half in int8
-    # (1/4) plus the small leaves in f32: well under a quarter of that, and only part of
-    # the step's wire bytes (the intra-node stages stay inside the node).
+    # node's link per direction, hierarchical's inter stage S (each of the 2 devices of a
+    # node all-reduces its half over 2 nodes). A compressed rung sends its wire fraction of
+    # that (int8 1/4 + block scales), plus the small leaves in f32; and only part of the
+    # step's wire bytes (the intra-node stages stay inside the node).
     grads = gradient_shapes(meta["preset"]["model"], meta["preset"]["num_classes"])
     f32_bytes = 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(grads))
-    assert 0.1 * 1.5 * f32_bytes < row["link_bytes"] < 0.25 * 1.5 * f32_bytes
+    fraction = {"f32": 1.0, "bf16": 0.5, "int8": 0.254, "int4": 0.129}[ad["level"]]
+    assert 0.8 * fraction * f32_bytes < row["link_bytes"] < 1.5 * fraction * f32_bytes
     assert row["link_bytes"] < row["wire_bytes"]
     assert "link 50mbit" in p.stdout and "+compression" in p.stdout
+    assert f"+compression: adaptive timed at {ad['timed_levels'][0]}" in p.stdout

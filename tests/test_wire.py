@@ -15,7 +15,7 @@ from jaxcomm.wire import summarize
 AX = ("inter", "intra")
 
 
-def _wire(mesh, body, n=1024, extra=()):
+def _wire(mesh, body, n=1024, extra=(), taken=None):
     fn = jax.jit(
         jax.shard_map(
             lambda x, *e: body(x[0], *e)[None],
@@ -26,7 +26,7 @@ def _wire(mesh, body, n=1024, extra=()):
         )
     )
     arg = jax.ShapeDtypeStruct((8, n), jnp.float32, sharding=NamedSharding(mesh, P(AX)))
-    return jaxcomm.wire_bytes(fn, arg, *extra)
+    return jaxcomm.wire_bytes(fn, arg, *extra, taken=taken)
 
 
 S = 4 * 1024  # bytes of the f32[1024] buffer
@@ -114,6 +114,23 @@ def test_conditional_counts_the_largest_branch(mesh):
     assert sorted(c["axes"] for c in counted) == sorted([("intra",), AX])
     assert wb["num_collectives"] == 2 and wb["conditionals"] == "largest_branch"
     assert wb["operand_bytes"] == pytest.approx(2 * S)
+    assert wb["taken"] == {}
+
+    # The branch a run took (an adaptive compressor's level), priced instead of the largest:
+    # branch 1's psum of S/4 over 'inter' crosses the inter boundary once per group (4 groups).
+    (cond,) = wb["branches"]
+    cases = (
+        (1, uncond + 2 * 1 / 2 * S / 4, 4 * 2 * 1 / 2 * S / 4),
+        (2, uncond, 0.0),
+        (0, wb["total"], wb["crossing"]["inter"]),
+    )
+    for index, total, inter in cases:
+        got = _wire(mesh, body, extra=(jax.ShapeDtypeStruct((), jnp.int32),), taken={cond: index})
+        assert got["total"] == pytest.approx(total) and got["taken"] == {cond: index}
+        assert got["crossing"]["inter"] == pytest.approx(inter)
+        assert got["branches"] == wb["branches"]
+    with pytest.raises(ValueError, match="does not have"):
+        _wire(mesh, body, extra=(jax.ShapeDtypeStruct((), jnp.int32),), taken={"nope": 0})
 
 
 _ASYNC_HLO = """HloModule m, num_partitions=4
