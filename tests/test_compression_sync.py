@@ -121,8 +121,17 @@ def test_inter_stage_only_compresses_across_nodes(mesh):
     assert not any(k == "all-gather" and t == "f32" for k, _, t in by)
 
 
+def _adaptive_at(rung: str) -> C.Compressor:
+    """An adaptive compressor that starts at ``rung`` and stays there (no window ends)."""
+    start = dict(C.LADDER)[rung]
+    return C.adaptive(start, min_compression=0.0, max_compression=1.0, adjustment_step=100)
+
+
 @pytest.mark.parametrize(
-    "comp", [C.int8(), C.int4(block=128), C.int8(error_feedback=True)], ids=lambda c: c.name
+    "comp",
+    [C.int8(), C.int4(block=128), C.int8(error_feedback=True)]
+    + [_adaptive_at(r) for r in ("f32", "int4")],
+    ids=["int8", "int4", "int8_ef", "adaptive@f32", "adaptive@int4"],
 )
 def test_inter_stage_gathers_encoded_means_bit_for_bit(mesh, comp):
     # gathering the quantized means over the node and decoding after gives the same bits

@@ -104,6 +104,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
     Compressor,
@@ -310,11 +311,14 @@ def _rung(name: str, block: int, method: str) -> _Rung:
         bits = int(name[3:])
 
         def quant(c, ctx, key, i):
+            # with ctx.gather_axis the int8/int4 means travel over it quantized (gathers)
             mean, local = two_phase_mean(
                 c.reshape(-1), ctx.axes, bits=bits, block=block,
-                key=jax.random.fold_in(device_key(key, ctx.axes), i),
+                key=jax.random.fold_in(device_key(key, ctx.axes), i), gather_axis=ctx.gather_axis,
             )  # fmt: skip
-            return mean.reshape(c.shape), local.reshape(c.shape)
+            return mean.reshape(c.shape if ctx.gather_axis is None else (-1,)), local.reshape(
+                c.shape
+            )
 
         frac = (bits / 8 + 4 / block) / 4
         return _Rung(name, dict(LADDER)[name], lambda p: frac, quant)
@@ -592,11 +596,24 @@ def adaptive(
         def branch(rung):
             def run(cs):
                 pairs = [rung.mean(c, ctx, ctx.key, i) for i, c in enumerate(cs)]
-                return [m for m, _ in pairs], [s for _, s in pairs]
+                means = [m for m, _ in pairs]
+                if ctx.gather_axis is not None and rung.name not in ("int8", "int4"):
+                    # gathers=True: every rung returns the node's means; the int rungs
+                    # gather theirs quantized inside two_phase_mean, the others in f32
+                    means = [all_gather_invariant(m, ctx.gather_axis) for m in means]
+                return means, [s for _, s in pairs]
 
             return run
 
         out, sent = lax.switch(d[1], [branch(r) for r in levels], cs)
+        # this device's own means (the sketch compares them with its own c)
+        own = out
+        if ctx.gather_axis is not None:
+            at = lax.axis_index(ctx.gather_axis)
+            own = [
+                lax.dynamic_slice_in_dim(o, at * c.size, c.size)
+                for o, c in zip(out, cs, strict=True)
+            ]
 
         # 3. The error of the mean, over every data axis (not ctx.axes, the outer axes only
         #    with compress_stage='inter'): all devices must pick the same branch. Once,
@@ -605,7 +622,7 @@ def adaptive(
         #    whose signs cost as much as a 1 Gbit/s all-reduce on a CPU (docs/benchmarks.md,
         #    issue 11).
         def sketched():
-            return error_of_mean(cs, out, ctx, sketch_size=sketch_size)
+            return error_of_mean(cs, own, ctx, sketch_size=sketch_size)
 
         if "f32" in names:
             err = lax.cond(on_f32(d[1]), lambda: jnp.zeros((), jnp.float32), sketched)
@@ -624,5 +641,6 @@ def adaptive(
     return Compressor(
         f"adaptive[{','.join(names)}]", init, reduce,
         wire_fraction=1.0 - levels[0].compression,
+        gathers=True,
         exact=exact if "f32" in names else None,
     )  # fmt: skip
