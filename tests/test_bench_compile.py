@@ -9,7 +9,7 @@ import pytest
 from jaxcomm.bench import compile as bc
 
 KEYS = {"trace_s", "lower_s", "compile_s", "total_s", "cpu_s"}
-KEYS |= {"jaxpr_eqns", "hlo_ops_pre", "hlo_ops_post"}
+KEYS |= {"jaxpr_eqns", "hlo_ops_pre", "hlo_ops_post", "kernels"}
 
 
 def test_run_table_and_json(mesh, tmp_path, capsys):

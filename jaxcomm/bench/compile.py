@@ -10,8 +10,11 @@ leaves, 60.2M parameters), recording where the time goes:
   equation count (``jaxpr_eqns``, nested jaxprs included);
 * ``lower_s``: lowering to StableHLO, and the HLO instruction count before XLA's passes
   (``hlo_ops_pre``);
-* ``compile_s``: XLA's optimization and code generation, and the instruction count of the
-  optimized module (``hlo_ops_post``).
+* ``compile_s``: XLA's optimization and code generation, the instruction count of the
+  optimized module (``hlo_ops_post``), and its distinct fusion kernels (``kernels``,
+  :func:`distinct_kernels`): XLA:CPU compiles each distinct kernel once, 40-190 ms each,
+  so compile time follows this count, which unlike the seconds does not depend on the
+  machine's load.
 
 ``--step`` also compiles the whole data-parallel train step (``jaxcomm.data_parallel``,
 forward, backward, sync, SGD) of a real ResNet (``--step-model``, default ResNet-50 at 32
@@ -32,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -146,6 +150,19 @@ def hlo_op_count(text: str) -> int:
     return sum(len(v) for v in hlo.instructions(text).values())
 
 
+def distinct_kernels(text: str) -> int:
+    """Distinct fused computations of an optimized HLO module's text: the computations
+    that ``fusion`` instructions call, those equal up to names and metadata counted once,
+    as XLA:CPU compiles them once (slices at different constant offsets differ)."""
+    called = set(re.findall(r" fusion\(.*?calls=(%[\w.\-]+)", text))
+    bodies = set()
+    for block in text.split("\n\n"):
+        head, _, body = block.lstrip().partition("\n")
+        if head.split(" ", 1)[0] in called:
+            bodies.add(re.sub(r"%[\w.\-]+|, metadata=\{[^}]*\}", "", body))
+    return len(bodies)
+
+
 def measure(fn: Callable, *args: Any) -> dict[str, Any]:
     """Traces, lowers and compiles ``fn`` (jitted) for ``args``; times and sizes each stage.
 
@@ -155,7 +172,7 @@ def measure(fn: Callable, *args: Any) -> dict[str, Any]:
 
     Returns:
       ``{trace_s, lower_s, compile_s, total_s, cpu_s, jaxpr_eqns, hlo_ops_pre,
-      hlo_ops_post}`` (seconds of wall clock, ``cpu_s`` of process CPU time).
+      hlo_ops_post, kernels}`` (seconds of wall clock, ``cpu_s`` of process CPU time).
     """
     t0, c0 = time.perf_counter(), time.process_time()
     traced = fn.trace(*args)
@@ -164,6 +181,7 @@ def measure(fn: Callable, *args: Any) -> dict[str, Any]:
     t2 = time.perf_counter()
     compiled = lowered.compile()
     t3, c3 = time.perf_counter(), time.process_time()
+    text = compiled.as_text()
     return {
         "trace_s": t1 - t0,
         "lower_s": t2 - t1,
@@ -174,7 +192,8 @@ def measure(fn: Callable, *args: Any) -> dict[str, Any]:
         "cpu_s": c3 - c0,
         "jaxpr_eqns": _count_eqns(traced.jaxpr.jaxpr),
         "hlo_ops_pre": hlo_op_count(lowered.as_text(dialect="hlo")),
-        "hlo_ops_post": hlo_op_count(compiled.as_text()),
+        "hlo_ops_post": hlo_op_count(text),
+        "kernels": distinct_kernels(text),
     }
 
 
@@ -339,14 +358,14 @@ def table(out: dict[str, Any]) -> str:
     for p in parts:
         head += [f"{p} trace s", f"{p} lower s", f"{p} compile s", f"{p} total s", "x flat"]
         head += [f"{p} CPU s", "x flat"]
-        head += [f"{p} eqns", f"{p} HLO pre", f"{p} HLO post"]
+        head += [f"{p} eqns", f"{p} HLO pre", f"{p} HLO post", f"{p} kernels"]
     rows = [head]
     for name, r in res.items():
         row = [name]
         for p in parts:
             m = r.get(p)
             if m is None:
-                row += ["-"] * 10
+                row += ["-"] * 11
                 continue
             b = None if base is None else base.get(p)
             ratio = "-" if b is None else f"{m['total_s'] / b['total_s']:.2f}"
@@ -354,6 +373,7 @@ def table(out: dict[str, Any]) -> str:
             row += [f"{m['trace_s']:.2f}", f"{m['lower_s']:.2f}", f"{m['compile_s']:.2f}"]
             row += [f"{m['total_s']:.2f}", ratio, f"{m['cpu_s']:.2f}", cpu_ratio]
             row += [str(m["jaxpr_eqns"]), str(m["hlo_ops_pre"]), str(m["hlo_ops_post"])]
+            row += [str(m.get("kernels", "-"))]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
