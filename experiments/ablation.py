@@ -188,13 +188,7 @@ class _Bench:
             warmup=preset.lr_warmup,
             total_steps=preset.steps,
         )
-        # CommProfiler.drive runs the state it is given several times: no donation there
-        compression = sync.get("compression")
-        driven = (
-            preset.adapt_windows > 0
-            and bool(compression)
-            and compression.name.startswith("adaptive")
-        )
+        driven = steplib.drives_adaptive(sync, preset.adapt_windows)
         dp, state = steplib.build_step(
             parts, steplib.make_optimizer(sync, schedule), mesh, compiler_options=options,
             donate=not driven,

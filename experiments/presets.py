@@ -45,7 +45,9 @@ class Preset:
       adapt_windows: ablation rows with an adaptive compressor run under
         ``jaxcomm.CommProfiler.drive`` (the measured communication share in the loop) for
         this many of its windows before they are timed, so the ladder settles on the
-        network first; ``0``: no driving (the controller then follows the error alone).
+        network first, and with ``> 0`` the ``train`` mode drives its step too (log:
+        ``adapt.jsonl`` in the output folder); ``0``: no driving (the controller then
+        follows the error alone).
     """
 
     name: str

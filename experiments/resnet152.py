@@ -50,8 +50,9 @@ _OVERRIDES = {
     "accuracy_steps": (int, "digits training steps per row of the quality guard"),
     "adapt_windows": (
         int,
-        "windows an adaptive row runs driven by the measured network "
-        "before it is timed (0: not driven)",
+        "adaptive compression follows the measured network (CommProfiler"
+        ".drive): --ablation runs this many windows of an adaptive row before "
+        "timing it, --train drives its step when > 0; 0: not driven",
     ),  # fmt: skip
 }
 
@@ -239,9 +240,11 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     schedule = steplib.learning_rate(
         lr=preset.lr, global_batch=global_batch, warmup=preset.lr_warmup, total_steps=preset.steps
     )
+    driven = steplib.drives_adaptive(sync, preset.adapt_windows)
     dp, state = steplib.build_step(
-        parts, steplib.make_optimizer(sync, schedule), mesh, compiler_options=options
-    )
+        parts, steplib.make_optimizer(sync, schedule), mesh, compiler_options=options,
+        donate=not driven,
+    )  # fmt: skip
     data = folder or SyntheticImages(
         dp.batch_sharding,
         global_batch=global_batch,
@@ -271,6 +274,10 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
             raise SystemExit(f"--resume: the checkpoint is of another run: {clash}")
         start = int(saved["position"])
     stop = preset.steps if args.stop_at is None else min(args.stop_at, preset.steps)
+    if driven:  # the adaptive compressor follows the measured network (adapt.jsonl: its log)
+        os.makedirs(args.out, exist_ok=True)
+        log = os.path.join(args.out, "adapt.jsonl") if is_main else os.devnull
+        jaxcomm.CommProfiler(log_file=log).drive(dp, state, data.batch(start))
     if is_main:
         print(
             f"train: {preset.model} {preset.image_size}px {preset.dtype}, config {name} "

@@ -130,6 +130,15 @@ def make_optimizer(
     )
 
 
+def drives_adaptive(sync_kwargs: Mapping[str, Any] | None, adapt_windows: int) -> bool:
+    """Whether a step with these ``sync_gradients`` arguments runs under
+    ``jaxcomm.CommProfiler.drive``: it has an adaptive compressor and the preset asks for
+    driven windows. Such a step is built with ``donate=False`` (drive runs the state it is
+    given several times)."""
+    compression = (sync_kwargs or {}).get("compression")
+    return adapt_windows > 0 and compression is not None and compression.name.startswith("adaptive")
+
+
 def build_step(
     parts: ModelParts,
     optimizer: optax.GradientTransformation,

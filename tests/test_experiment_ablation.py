@@ -179,3 +179,21 @@ def test_smoke_training_reads_the_folder_and_checkpoints(smoke_run):
     assert set(train["losses"]) == {"1", "2"}
     assert all(np.isfinite(v) for v in train["losses"].values())
     assert (root / "ckpt" / "2").is_dir()
+
+
+def test_training_drives_the_adaptive_compressor(tmp_path):
+    # --train with the last row (adaptive on the inter stage) and --adapt-windows: the step
+    # runs under CommProfiler.drive, whose windows and level changes land in adapt.jsonl.
+    out = tmp_path / "out"
+    argv = [
+        "--preset", "cpu-smoke", "--train", "--adapt-windows", "1", "--image-size", "16",
+        "--per-device-batch", "2", "--steps", "4", "--out", str(out), "--no-progress",
+    ]  # fmt: skip
+    assert resnet152.main(argv) == 0
+    train = json.loads((out / "train.json").read_text())
+    assert train["step"] == 4 and train["config"] == "+batching"
+    events = [json.loads(x) for x in (out / "adapt.jsonl").read_text().splitlines()]
+    windows = [e for e in events if e["event"] == "adapt_window"]
+    assert [w["step"] for w in windows] == [2, 4]  # adjustment_step=2 of the row's compressor
+    assert all(w["levels"][0] in ("f32", "bf16", "int8", "int4") for w in windows)
+    assert all(0.0 <= w["comm_share"] <= 1.0 for w in windows)
