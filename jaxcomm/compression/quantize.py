@@ -203,8 +203,11 @@ def _materialized(x: jax.Array) -> jax.Array:
     gradient leaves, each at a runtime offset through the row padding: the decoding then
     runs once per leaf with a division chain per element (unpacking ResNet-18's 46.8 MB
     took 3-4x a copy). A conditional's operand is a buffer, so the decoding runs once,
-    linearly; the predicate is a runtime value (never folded) that is always true.
+    linearly; the predicate is a runtime value (never folded) that is always true. Only on
+    CPU: a GPU conditional reads its predicate on the host, and GPU kernels index cheaply.
     """
+    if jax.default_backend() != "cpu":
+        return x
     (one,) = runtime_ints([1])
     return lax.cond(one == 1, lambda v: v, jnp.zeros_like, x)
 
