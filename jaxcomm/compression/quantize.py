@@ -31,13 +31,13 @@ from jax import lax
 
 from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression import error_feedback as ef
-from jaxcomm.packing import runtime_ints
 from jaxcomm.compression.base import (
     Compressor,
     ReduceContext,
     axes_size,
     device_key,
 )
+from jaxcomm.packing import runtime_ints
 from jaxcomm.validate import check_int
 
 __all__ = [
