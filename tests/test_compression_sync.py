@@ -77,7 +77,9 @@ def test_warmup_zero_compiles_no_uncompressed_branch(mesh):
     args = ({"w": abstract_per_device(mesh, (64, 48)), "b": abstract_per_device(mesh, (48,))},)
     no_warm = _runner(mesh, jaxcomm.sync_gradients(compression=C.int8(), min_size=1024))
     mod = jaxcomm.hlo.collectives(no_warm, *args, mesh=mesh)
-    assert " conditional(" not in mod.text and not mod.branches
+    # no collective under a conditional (int8 keeps one on CPU, without collectives, to
+    # compute its decoded mean once)
+    assert not any(mod.branch_chain(c.computation) for c in mod.collectives)
     # the compressed leaf never goes through an f32 collective of its size
     big_f32 = [c for c in mod.collectives if c.dtype == "f32" and c.operand_elements >= 64 * 48]
     assert not big_f32
