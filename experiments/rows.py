@@ -52,6 +52,10 @@ class Row:
 # starting at int8 and moving one rung per window of 2 steps between f32, bf16, int8 and
 # int4 by the error of the mean and the measured communication share (the ablation drives
 # it with jaxcomm.CommProfiler.drive for the preset's adapt_windows before timing it).
+# The error band is the default (0.05-0.25): int4's error of the mean on ResNet-18 reads
+# 0.31-0.34 (int8's 0.02), so on a slow link the ladder tries int4 and steps back to int8,
+# each retry after twice as many windows; with error_high=0.4 it stayed at int4 and the
+# digits guard lost 0.8 points (docs/benchmarks.md, issue 12).
 ADAPTIVE = jaxcomm.compression.adaptive(
     0.75, min_compression=0.0, max_compression=1.0, ladder=("f32", "bf16", "int8", "int4"),
     adjustment_step=2,
