@@ -139,7 +139,8 @@ PRESETS["testbed"] = dataclasses.replace(
 )  # fmt: skip
 # The ablation issue's configuration: ResNet-18 (46.8 MB of f32 gradient) on 32 px images
 # over 250 Mbit/s: the gradient's time on the link is several times the compute, as on the
-# seed's 64-node cluster. About 9 minutes on 2 cores (half of it compilation).
+# seed's 64-node cluster. About 10 minutes on 2 cores (half of it compilation and the
+# adaptive rows' calibration).
 # 8 settling windows (16 steps): the adaptive row's first int4 tries (each stepped back for
 # its error, the next after a doubled hold) fall before the timing; a later try can still
 # fall inside it, and the row's notes list the rung of every timed window.
