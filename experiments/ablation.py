@@ -104,8 +104,8 @@ class _Step:
     as a user runs it) and ``adapt_windows`` of its windows run before any timing, so the
     ladder settles on the link first; every timed round is then whole windows (``steps``
     rounded up), so no window's clock spans the other rows' rounds. ``wire`` is read from
-    the driven program, its ladder's ``lax.switch`` priced at the rung the step ended on
-    (:meth:`adaptive_wire`).
+    the driven program, its ladder's ``lax.switch`` priced at the rung of the round whose
+    time the row reports (:meth:`adaptive_wire`).
     """
 
     def __init__(self, dp: Any, state: Any, batch: Any, *, adapt_windows: int = 0):
@@ -122,6 +122,7 @@ class _Step:
             window = int(_adaptive_states(state)[0].window)
             self.state, _, self.metrics = _timed(dp, self.state, self.batch, adapt_windows * window)
             self.settled = len(self.profiler.windows)
+            self.rounds: list[tuple[list[str], int]] = []  # per timed round: rungs, last index
         else:
             self.fn = dp.lower(state, batch).compile()
             self.wire = jaxcomm.wire_bytes(self.fn, mesh=dp.mesh)
@@ -130,15 +131,22 @@ class _Step:
         if self.profiler is not None:  # whole windows: a window never spans two rounds
             window = int(_adaptive_states(self.state)[0].window)
             steps = -(-steps // window) * window
+        before = len(self.profiler.windows) if self.profiler is not None else 0
         self.state, t, self.metrics = _timed(self.fn, self.state, self.batch, steps)
+        if self.profiler is not None:
+            (adaptive,) = _adaptive_states(self.state)  # drive's calibration: one compressor
+            names = [w["levels"][0] for w in self.profiler.windows[before:]]
+            self.rounds.append((names, int(adaptive.level)))
         return t
 
-    def adaptive_wire(self) -> dict:
-        """The driven program's bytes at the rung the step ended on, and the ladder's log:
-        ``level`` (the final rung), ``timed_levels`` (the rung of every window that ended
-        during the timed rounds) and ``changes`` (every level change, settling included)."""
+    def adaptive_wire(self, best_round: int) -> dict:
+        """The driven program's bytes at the rung of timed round ``best_round`` (the rung of
+        its last window; a round is one window at the presets' settings), and the ladder's
+        log: ``level`` (the final rung), ``timed_levels`` (the rung of every window that
+        ended during the timed rounds), ``best_round_levels`` (those of ``best_round``)
+        and ``changes`` (every level change, settling included)."""
         prof = self.profiler
-        (adaptive,) = _adaptive_states(self.state)  # drive's calibration: one compressor
+        round_names, round_level = self.rounds[best_round]
         rungs = len(prof.kernel_times)
         summary = jaxcomm.wire.summarize(prof.module, self.mesh)
         switch = [c for c, b in summary["branches"].items() if len(b) == rungs]
@@ -147,13 +155,12 @@ class _Step:
                 f"expected one conditional with {rungs} branches (the ladder's lax.switch) in "
                 f"the driven step, found {len(switch)}: {summary['branches']}"
             )
-        self.wire = jaxcomm.wire.summarize(
-            prof.module, self.mesh, taken={switch[0]: int(adaptive.level)}
-        )
+        self.wire = jaxcomm.wire.summarize(prof.module, self.mesh, taken={switch[0]: round_level})
         names = [w["levels"][0] for w in prof.windows]
         return {
             "level": names[-1] if names else None,
             "timed_levels": names[self.settled :],
+            "best_round_levels": round_names,
             "changes": [
                 {k: c[k] for k in ("step", "from", "to", "reason", "comm_share", "error")}
                 for c in prof.level_changes
@@ -239,7 +246,8 @@ class _Bench:
         # Best round, as timeit does: slower rounds are other processes' interference.
         step_time = min(self.t_full)
         twin_time = min(self.t_twin) if self.t_twin else None
-        adaptive = self.full.adaptive_wire() if self.full.profiler else None
+        best = self.t_full.index(step_time)
+        adaptive = self.full.adaptive_wire(best) if self.full.profiler else None
         crossing = self.full.wire["crossing"].get("inter", 0.0)
         bound = crossing / (link_bps / 8) if link_bps else None
         comm = twin_time and step_time - twin_time
@@ -265,7 +273,7 @@ class _Bench:
             "link_efficiency": bound / comm if bound is not None and comm and comm > 0 else None,
             # measured on a leaf-spine testbed (tc counters): what each step sent over the spine
             "spine_bytes_measured": statistics.median(self.spine) if self.spine else None,
-            # driven adaptive rows: the rung the bytes above are priced at, and its log
+            # driven adaptive rows: the rungs of the best round (the bytes above), and the log
             "adaptive": adaptive,
         }
 

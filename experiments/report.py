@@ -141,6 +141,7 @@ def format_table(rows: Sequence[dict]) -> str:
             )
             notes.append(
                 f"  {r['config']}: adaptive timed at {'/'.join(dict.fromkeys(ad['timed_levels']))}"
+                f", best round at {'/'.join(dict.fromkeys(ad['best_round_levels']))}"
                 f" (changes: {moves or 'none'})"
             )
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
