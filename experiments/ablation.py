@@ -119,8 +119,10 @@ class _Step:
             self.profiler = jaxcomm.CommProfiler(log_file=os.devnull)
             self.profiler.drive(dp, state, self.batch, retime_twin=0)
             self.fn: Callable = dp
-            window = int(_adaptive_states(state)[0].window)
-            self.state, _, self.metrics = _timed(dp, self.state, self.batch, adapt_windows * window)
+            self.window = int(jaxcomm.compression.adaptive_states(state.opt_state)[0].window)
+            self.state, _, self.metrics = _timed(
+                dp, self.state, self.batch, adapt_windows * self.window
+            )
             self.settled = len(self.profiler.windows)
             self.rounds: list[tuple[list[str], int]] = []  # per timed round: rungs, last index
         else:
@@ -129,12 +131,12 @@ class _Step:
 
     def run(self, steps: int) -> float:
         if self.profiler is not None:  # whole windows: a window never spans two rounds
-            window = int(_adaptive_states(self.state)[0].window)
-            steps = -(-steps // window) * window
+            steps = -(-steps // self.window) * self.window
         before = len(self.profiler.windows) if self.profiler is not None else 0
         self.state, t, self.metrics = _timed(self.fn, self.state, self.batch, steps)
         if self.profiler is not None:
-            (adaptive,) = _adaptive_states(self.state)  # drive's calibration: one compressor
+            # drive's calibration: one adaptive compressor
+            (adaptive,) = jaxcomm.compression.adaptive_states(self.state.opt_state)
             names = [w["levels"][0] for w in self.profiler.windows[before:]]
             self.rounds.append((names, int(adaptive.level)))
         return t
@@ -148,12 +150,12 @@ class _Step:
         prof = self.profiler
         round_names, round_level = self.rounds[best_round]
         rungs = len(prof.kernel_times)
-        summary = jaxcomm.wire.summarize(prof.module, self.mesh)
-        switch = [c for c, b in summary["branches"].items() if len(b) == rungs]
+        # drive() summarized the driven program already (prof.wire): its conditionals
+        switch = [c for c, b in prof.wire["branches"].items() if len(b) == rungs]
         if len(switch) != 1:
             raise RuntimeError(
                 f"expected one conditional with {rungs} branches (the ladder's lax.switch) in "
-                f"the driven step, found {len(switch)}: {summary['branches']}"
+                f"the driven step, found {len(switch)}: {prof.wire['branches']}"
             )
         self.wire = jaxcomm.wire.summarize(prof.module, self.mesh, taken={switch[0]: round_level})
         names = [w["levels"][0] for w in prof.windows]
@@ -167,13 +169,6 @@ class _Step:
             ],
             "kernel_times_s": list(prof.kernel_times),
         }
-
-
-def _adaptive_states(state: Any) -> list:
-    """The adaptive compressors' states in ``state``'s optimizer state."""
-    AdaptiveState = jaxcomm.compression.AdaptiveState
-    nodes = jax.tree.leaves(state.opt_state, is_leaf=lambda n: isinstance(n, AdaptiveState))
-    return [n for n in nodes if isinstance(n, AdaptiveState)]
 
 
 class _Bench:

@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from jaxcomm import hlo, wire
-from jaxcomm.compression.adaptive import REASONS, AdaptiveState
+from jaxcomm.compression.adaptive import REASONS, AdaptiveState, adaptive_states
 from jaxcomm.sync import pre_reduced
 from jaxcomm.validate import check_int
 
@@ -367,7 +367,7 @@ class CommProfiler:
                 "CommProfiler.drive: accumulate='overlap' reduces every microbatch, so the "
                 "adaptive windows would count reductions, not steps; use accumulate='local'."
             )
-        found = _adaptive_states(state.opt_state)
+        found = adaptive_states(state.opt_state)
         if not found:
             raise ValueError(
                 "CommProfiler.drive: the optimizer state holds no adaptive compressor; use "
@@ -516,12 +516,6 @@ def _at_level(state: Any, level: int) -> Any:
     return state._replace(opt_state=jax.tree.map(visit, state.opt_state, is_leaf=is_adaptive))
 
 
-def _adaptive_states(opt_state: Any) -> list:
-    """The :class:`~jaxcomm.compression.AdaptiveState` nodes of ``opt_state``, in tree order."""
-    nodes = jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, AdaptiveState))
-    return [n for n in nodes if isinstance(n, AdaptiveState)]
-
-
 class _Scalars(NamedTuple):
     level: Any
     error_sum: Any
@@ -592,7 +586,7 @@ class _Driver:
         found = jax.device_get(
             [_Scalars(a.level, a.error_sum, a.window_steps, a.last_error, a.last_reason,
                       a.comm_share)
-             for a in _adaptive_states(state.opt_state)]
+             for a in adaptive_states(state.opt_state)]
         )  # fmt: skip
         # The rung the window ran (decisions are taken at a window's first step).
         compute = self.prof.compute_time or 0.0

@@ -26,6 +26,7 @@ from jaxcomm.compression.adaptive import (
     Controller,
     Ladder,
     adaptive,
+    adaptive_states,
     with_comm_share,
 )
 from jaxcomm.compression.base import Compressor, ReduceContext
@@ -46,6 +47,7 @@ __all__ = [
     "PowerSGDState",
     "ReduceContext",
     "adaptive",
+    "adaptive_states",
     "bf16",
     "fp16",
     "int4",

@@ -129,6 +129,7 @@ __all__ = [
     "AdaptiveState",
     "Controller",
     "adaptive",
+    "adaptive_states",
     "error_of_mean",
     "ladder_probe",
     "with_comm_share",
@@ -284,6 +285,7 @@ class _Rung(NamedTuple):
     compression: float
     wire: Callable[[int], float]  # p -> wire fraction
     mean: Callable  # (c, ctx, key, i) -> (mean, sent)
+    gathers: bool = False  # mean honours ctx.gather_axis (gathers its encoded payload)
 
 
 def _parse_ratio(name: str, kind: str) -> float:
@@ -321,7 +323,7 @@ def _rung(name: str, block: int, method: str) -> _Rung:
             )
 
         frac = (bits / 8 + 4 / block) / 4
-        return _Rung(name, dict(LADDER)[name], lambda p: frac, quant)
+        return _Rung(name, dict(LADDER)[name], lambda p: frac, quant, gathers=True)
     kind = name.split(":", 1)[0]
     if kind == "topk":
         r = _parse_ratio(name, kind)
@@ -398,6 +400,17 @@ def error_of_mean(
     n2 = jnp.sum(jnp.square(num / scale))
     d2 = jnp.sum(jnp.square(den / scale))
     return jnp.where(d2 > 0, jnp.sqrt(n2 / jnp.where(d2 > 0, d2, 1.0)), 0.0)
+
+
+def adaptive_states(opt_state: Any) -> list[AdaptiveState]:
+    """The :class:`AdaptiveState` nodes of ``opt_state`` (any pytree), in tree order.
+
+    Example:
+      >>> (ad,) = adaptive_states(state.opt_state)   # one adaptive compressor
+      >>> int(ad.level)
+    """
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, AdaptiveState))
+    return [n for n in nodes if isinstance(n, AdaptiveState)]
 
 
 def with_comm_share(opt_state: Any, share: jax.Array) -> Any:
@@ -597,7 +610,7 @@ def adaptive(
             def run(cs):
                 pairs = [rung.mean(c, ctx, ctx.key, i) for i, c in enumerate(cs)]
                 means = [m for m, _ in pairs]
-                if ctx.gather_axis is not None and rung.name not in ("int8", "int4"):
+                if ctx.gather_axis is not None and not rung.gathers:
                     # gathers=True: every rung returns the node's means; the int rungs
                     # gather theirs quantized inside two_phase_mean, the others in f32
                     means = [all_gather_invariant(m, ctx.gather_axis) for m in means]
