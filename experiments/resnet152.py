@@ -191,7 +191,12 @@ def _preset(args, jax, *, testbed: bool = False) -> Any:
     overrides = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
     if jax.process_count() > 1 and args.intra is None:
         overrides["intra"] = None  # intra groups = the devices of one process (node)
-    return dataclasses.replace(PRESETS[name], **overrides)
+    preset = dataclasses.replace(PRESETS[name], **overrides)
+    from jaxcomm.validate import check_int
+
+    check_int("--adapt-windows", preset.adapt_windows, minimum=0,
+              fix="windows of driven adaptive steps before timing; 0: not driven")  # fmt: skip
+    return preset
 
 
 def _select_rows(resolved, names: str | None):

@@ -136,19 +136,24 @@ def summarize(
             node = node["conds"][cond][idx]
         node["direct"].append(rec)
     taken = dict(taken or {})
-    unknown = sorted(set(taken) - {cond for cond, _ in mod.branches.values()})
+    all_indices: dict[str, set[int]] = defaultdict(set)
+    for cond, idx in mod.branches.values():
+        all_indices[cond].add(idx)
+    unknown = sorted(set(taken) - set(all_indices))
     if unknown:
         raise ValueError(
             f"taken names conditionals {unknown} that the module does not have; use names "
             f"from the 'branches' key of wire_bytes' result."
         )
+    for cond, idx in taken.items():
+        if idx not in all_indices[cond]:
+            raise ValueError(
+                f"taken={{{cond!r}: {idx!r}}}: {cond} has branches "
+                f"{sorted(all_indices[cond])}; give one of them."
+            )
     counted = _counted(root, taken)
     counted_ids = {id(r) for r in counted}
     branches: dict[str, dict[int, float]] = {}
-
-    all_indices: dict[str, set[int]] = defaultdict(set)
-    for cond, idx in mod.branches.values():
-        all_indices[cond].add(idx)
 
     def walk(node):
         for cond, bs in node["conds"].items():

@@ -60,6 +60,14 @@ def test_default_preset_follows_the_machine():
     assert PRESETS["testbed"].modes == ("ablation", "accuracy")
 
 
+def test_adapt_windows_must_be_a_count():
+    args = resnet152.build_parser().parse_args(["--preset", "testbed", "--adapt-windows", "-1"])
+    with pytest.raises(ValueError, match=r"--adapt-windows=-1 must be an integer >= 0"):
+        resnet152._preset(args, jax)
+    args = resnet152.build_parser().parse_args(["--preset", "testbed", "--adapt-windows", "0"])
+    assert resnet152._preset(args, jax).adapt_windows == 0
+
+
 def test_without_a_testbed_the_default_falls_back_and_says_why(monkeypatch, capsys):
     import jaxcomm.testbed
 

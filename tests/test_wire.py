@@ -131,6 +131,8 @@ def test_conditional_counts_the_largest_branch(mesh):
         assert got["branches"] == wb["branches"]
     with pytest.raises(ValueError, match="does not have"):
         _wire(mesh, body, extra=(jax.ShapeDtypeStruct((), jnp.int32),), taken={"nope": 0})
+    with pytest.raises(ValueError, match=r"has branches \[0, 1, 2\]; give one of them"):
+        _wire(mesh, body, extra=(jax.ShapeDtypeStruct((), jnp.int32),), taken={cond: 3})
 
 
 _ASYNC_HLO = """HloModule m, num_partitions=4
