@@ -149,6 +149,32 @@ def test_inter_stage_gathers_encoded_means_bit_for_bit(mesh, comp):
     assert_trees_bitwise_equal(state, state2)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_adaptive_nearest_rung_is_the_fixed_compressor_with_error_feedback(mesh, bits):
+    # stochastic=False: the int rungs round to nearest; at a fixed rung the means and the
+    # residual are bit for bit those of int8/int4(stochastic=False, error_feedback=True)
+    rung = f"int{bits}"
+    comp = C.adaptive(
+        dict(C.LADDER)[rung], min_compression=0.0, max_compression=1.0, adjustment_step=100,
+        block=64, stochastic=False,
+    )  # fmt: skip
+    fixed = C.quantized(bits, block=64, stochastic=False, error_feedback=True)
+    g = _grads(5)
+    runs = []
+    for c in (comp, fixed):
+        tx = jaxcomm.sync_gradients(compression=c, compress_stage="inter", min_size=1)
+        runs.append(_call(_runner(mesh, tx, steps=3), per_device(mesh, g)))
+    (outs, state), (outs2, state2) = runs
+    np.testing.assert_array_equal(outs["w"], outs2["w"])
+    np.testing.assert_array_equal(outs["b"], outs2["b"])
+    assert int(C.adaptive_states(state)[0].level) == C.DEFAULT_LADDER.index(rung)
+    res = C.adaptive_states(state)[0].residual.value
+    res2 = jax.tree.leaves(state2.compression)
+    assert len(jax.tree.leaves(res)) == len(res2)
+    for a, b in zip(jax.tree.leaves(res), res2, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_fp16_overflow_skips_the_whole_step_and_counts(mesh):
     g = _grads(3)
     g["w"][3, 0, 0] = 1e9  # 1e9 / 8 > 65504: the fp16 sum overflows
