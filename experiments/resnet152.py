@@ -48,6 +48,7 @@ _OVERRIDES = {
     "lr_warmup": (int, "learning-rate warm-up steps"),
     "checkpoint_every": (int, "checkpoint period in steps (with --checkpoint-dir)"),
     "accuracy_steps": (int, "digits training steps per row of the quality guard"),
+    "accuracy_seeds": (int, "quality-guard runs per row (seeds), averaged"),
     "adapt_windows": (
         int,
         "adaptive compression follows the measured network (CommProfiler"
@@ -196,6 +197,8 @@ def _preset(args, jax, *, testbed: bool = False) -> Any:
 
     check_int("--adapt-windows", preset.adapt_windows, minimum=0,
               fix="windows of driven adaptive steps before timing; 0: not driven")  # fmt: skip
+    check_int("--accuracy-seeds", preset.accuracy_seeds, minimum=1,
+              fix="quality-guard runs per row, e.g. 3")  # fmt: skip
     return preset
 
 
@@ -407,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             intra=preset.intra,
             steps=preset.accuracy_steps,
             seed=args.seed,
+            seeds=preset.accuracy_seeds,
             progress=lambda r: progress(r, desc="accuracy") if progress is not iter else iter(r),
         )
         status |= any(a["accuracy_status"] == "error" for a in acc)

@@ -42,7 +42,9 @@ COMPRESSORS = {
     "powersgd_cold": (lambda: C.powersgd(rank=4, warm_start=False), "lowrank", 1e-4),
     "adaptive": (lambda: C.adaptive(0.5, adjustment_step=1), "gauss", 1e-2),
     "adaptive_nearest": (
-        lambda: C.adaptive(0.5, adjustment_step=1, block=64, stochastic=False), "gauss", 1e-2
+        lambda: C.adaptive(0.5, adjustment_step=1, block=64, stochastic=False),
+        "gauss",
+        1e-2,
     ),
 }
 NAMES = sorted(COMPRESSORS)

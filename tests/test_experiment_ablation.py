@@ -66,6 +66,29 @@ def test_adapt_windows_must_be_a_count():
         resnet152._preset(args, jax)
     args = resnet152.build_parser().parse_args(["--preset", "testbed", "--adapt-windows", "0"])
     assert resnet152._preset(args, jax).adapt_windows == 0
+    args = resnet152.build_parser().parse_args(["--preset", "testbed", "--accuracy-seeds", "0"])
+    with pytest.raises(ValueError, match=r"--accuracy-seeds=0 must be an integer >= 1"):
+        resnet152._preset(args, jax)
+
+
+def test_quality_guard_averages_its_seeds(monkeypatch):
+    # every row runs the guard once per seed (seed, seed + 1, ...) and reports the mean
+    from experiments import ablation
+
+    calls = []
+
+    def fake(sync, *, steps, seed, mesh, compiler_options):
+        calls.append(seed)
+        return {"accuracy": 0.9 + 0.01 * seed, "final_loss": 0.1 * seed}
+
+    monkeypatch.setattr(ablation, "digits_accuracy", fake)
+    rows = resolve_rows(ROWS[:2])
+    got = ablation.run_accuracy(rows, intra=4, steps=5, seed=2, seeds=3)
+    assert calls == [2, 3, 4, 2, 3, 4]
+    for g in got:
+        assert g["accuracy_status"] == "ok"
+        assert g["accuracy_per_seed"] == pytest.approx([0.92, 0.93, 0.94])
+        assert g["accuracy"] == pytest.approx(0.93) and g["final_loss"] == pytest.approx(0.3)
 
 
 def test_without_a_testbed_the_default_falls_back_and_says_why(monkeypatch, capsys):
