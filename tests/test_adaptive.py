@@ -23,26 +23,32 @@ def _mesh(p: int):
     return jaxcomm.make_mesh(intra=min(p, 4), devices=jax.devices()[:p])
 
 
-def _grads(kind: str, p: int, seed: int = 0) -> np.ndarray:
-    """(p, N) per-device gradients: the same vector, a shared part plus noise, or iid."""
+def _grads(kind: str, p: int, seed: int = 0, n: int = N) -> np.ndarray:
+    """(p, n) per-device gradients: the same vector, a shared part plus noise, or iid;
+    ``'layers'``: correlated, in 37 segments whose scales span 1e-3..10 (a packed
+    gradient's leaves)."""
     rng = np.random.default_rng(seed)
-    common = rng.normal(size=N)
+    common = rng.normal(size=n)
     if kind == "identical":
-        g = np.broadcast_to(common, (p, N))
-    elif kind == "correlated":
-        g = common + 0.5 * rng.normal(size=(p, N))
+        g = np.broadcast_to(common, (p, n))
+    elif kind in ("correlated", "layers"):
+        g = common + 0.5 * rng.normal(size=(p, n))
+        if kind == "layers":
+            cuts = np.sort(rng.choice(np.arange(1, n), 36, replace=False))
+            scale = np.repeat(10.0 ** rng.uniform(-3, 1, 37), np.diff(np.r_[0, cuts, n]))
+            g = g * scale
     else:
-        g = rng.normal(size=(p, N))
+        g = rng.normal(size=(p, n))
     return np.ascontiguousarray(g, dtype=np.float32)
 
 
 @functools.cache
-def _one_step(p: int, stage: str):
-    """One sync_gradients update with an int8-only adaptive ladder: (out, state)."""
-    comp = C.adaptive(ladder=("int8",), adjustment_step=100)
+def _one_step(p: int, stage: str, n: int = N, ladder: tuple[str, ...] = ("int8",)):
+    """One sync_gradients update with a one-rung adaptive ladder: (out, state)."""
+    comp = C.adaptive(ladder=ladder, adjustment_step=100, min_compression=0.0)
     tx = jaxcomm.sync_gradients(compression=comp, min_size=1, compress_stage=stage)
     mesh = _mesh(p)
-    example = jnp.zeros(N)
+    example = jnp.zeros(n)
     sspecs = state_specs(lambda: tx.init(example), mesh)
 
     def local(g):
@@ -53,10 +59,10 @@ def _one_step(p: int, stage: str):
     return sharded(local, mesh, out_specs=(P(AX), sspecs))
 
 
-def _signals(kind: str, p: int, stage: str = "all"):
+def _signals(kind: str, p: int, stage: str = "all", n: int = N, ladder=("int8",)):
     """(the adaptive error signal, the true error of the mean, the old bookkeeping)."""
-    g = _grads(kind, p)
-    out, state = _one_step(p, stage)(per_device(_mesh(p), g))
+    g = _grads(kind, p, n=n)
+    out, state = _one_step(p, stage, n, ladder)(per_device(_mesh(p), g))
     out = np.asarray(out)
     np.testing.assert_array_equal(out[0], out[-1])
     mean = g.astype(np.float64).mean(0)
@@ -94,6 +100,18 @@ def test_error_signal_with_the_inter_stage(kind):
     # the signal adds the shards' sketches over the intra axis.
     signal, true, _ = _signals(kind, 8, "inter")
     assert signal == pytest.approx(true, rel=0.1), (kind, signal, true)
+
+
+@pytest.mark.parametrize("stage", ["all", "inter"])
+def test_error_signal_of_a_large_buffer_reads_a_sample_of_it(stage):
+    # 2M elements (over 64 rows of 1021 per device even as an inter-stage shard): the
+    # sketch folds every 8th row only, and still reads the error of the whole mean, with
+    # leaves of very different scales packed in the buffer
+    n = 1 << 21
+    assert n // 4 > 8 * 64 * 1021
+    for ladder in (("int8",), ("int4",)):
+        signal, true, _ = _signals("layers", 8, stage, n=n, ladder=ladder)
+        assert signal == pytest.approx(true, rel=0.1), (ladder, signal, true)
 
 
 def _primitives(jaxpr) -> set[str]:

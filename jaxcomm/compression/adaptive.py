@@ -33,6 +33,9 @@ all-reduce, the traffic compression avoids):
 1. Each device folds its ``out - c`` and its ``c`` into ``sketch_size`` buckets: element
    ``j`` goes to bucket ``j mod sketch_size`` with a random sign ``s_j = +-1`` (hashed
    from a key shared by all devices, :func:`~jaxcomm.compression.quantize.uniform_dither`).
+   A buffer of more than ``64 x sketch_size`` elements is folded on a strided sample of
+   its rows of ``sketch_size`` (one in up to 8; the same rows for ``out - c`` and ``c``):
+   the ratio of step 3 is then that of the sample.
 2. One all-reduce of the ``2 x sketch_size`` sums over every data axis (8 KiB): the
    sketch is linear, so the sums are the sketches of ``out - mean_dev(c)`` and
    ``mean_dev(c)``.
@@ -351,13 +354,27 @@ def _rung(name: str, block: int, method: str, stochastic: bool = True) -> _Rung:
     )
 
 
+#: The sketch reads one row of ``sketch_size`` values in every ``_SKETCH_STRIDE``,
+_SKETCH_STRIDE = 8
+#: but keeps at least this many rows (a smaller buffer is sketched whole).
+_SKETCH_MIN_ROWS = 64
+
+
 def _sketch(x: jax.Array, key: jax.Array, size: int) -> jax.Array:
-    """``size`` signed bucket sums of a flat ``x``: bucket ``j mod size``, sign from ``key``."""
+    """``size`` signed bucket sums of a flat ``x``: bucket ``j mod size``, sign from ``key``.
+
+    ``x`` is viewed as rows of ``size``; a large ``x`` is sketched on every
+    ``_SKETCH_STRIDE``-th row only (at least ``_SKETCH_MIN_ROWS`` rows kept). The error
+    is a ratio of two norms over the same rows, and a strided sample of a packed gradient
+    covers every leaf in proportion; the whole sketch cost about 70 ms of a 1 s ResNet-18
+    step on a CPU (docs/benchmarks.md, issue 12), the sample an eighth of that.
+    """
     x = x.reshape(-1)
     rows = -(-x.shape[0] // size)
-    x = jnp.pad(x, (0, rows * size - x.shape[0]))
-    signs = jnp.where(uniform_dither(key, (rows * size,)) < 0.5, -1.0, 1.0)
-    return (x * signs).reshape(rows, size).sum(0)
+    x = jnp.pad(x, (0, rows * size - x.shape[0])).reshape(rows, size)
+    x = x[:: min(_SKETCH_STRIDE, max(1, rows // _SKETCH_MIN_ROWS))]
+    signs = jnp.where(uniform_dither(key, x.shape) < 0.5, -1.0, 1.0)
+    return (x * signs).sum(0)
 
 
 def error_of_mean(
