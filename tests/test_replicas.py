@@ -235,13 +235,16 @@ def test_adaptive_inter_level_is_one_decision(mesh):
     assert max(levels) > 0, levels  # it moved off the start level (bf16)
 
 
+@pytest.mark.parametrize("stochastic", [True, False])
 @pytest.mark.parametrize("stage", STAGES)
-def test_adaptive_every_rung_keeps_replicas_equal(mesh, params, stage):
+def test_adaptive_every_rung_keeps_replicas_equal(mesh, params, stage, stochastic):
     # The error band is out of reach, so the ladder climbs one rung per step: every rung
-    # (quantized and sparse) runs once, from the shared residual, replicas compared bitwise.
+    # (quantized and sparse) runs once, from the shared residual, replicas compared bitwise;
+    # the int rungs round stochastically or to nearest.
     ladder = ("f32", "bf16", "int8", "int4", "topk:0.05", "random_k:0.02")
     comp = C.adaptive(0.0, min_compression=0.0, max_compression=1.0, adjustment_step=1,
-                      ladder=ladder, error_low=2.0, error_high=3.0, block=32)  # fmt: skip
+                      ladder=ladder, error_low=2.0, error_high=3.0, block=32,
+                      stochastic=stochastic)  # fmt: skip
     sync = jaxcomm.sync_gradients(compression=comp, compress_stage=stage, min_size=64)
     dp = jaxcomm.data_parallel(
         mlp_loss, optax.chain(sync, optax.adam(1e-2)), mesh, check_replicas=1,
