@@ -373,11 +373,12 @@ def run_accuracy(
                 )
                 for k in range(seeds)
             ]
+            per_seed = [float(g["accuracy"]) for g in runs]
             res.update(
                 accuracy_status="ok",
-                accuracy=statistics.fmean(float(g["accuracy"]) for g in runs),
+                accuracy=statistics.fmean(per_seed),
                 final_loss=statistics.fmean(float(g["final_loss"]) for g in runs),
-                accuracy_per_seed=[float(g["accuracy"]) for g in runs],
+                accuracy_per_seed=per_seed,
                 accuracy_note=None,
             )
         except Exception as e:

@@ -45,7 +45,7 @@ def _grads(kind: str, p: int, seed: int = 0, n: int = N) -> np.ndarray:
 @functools.cache
 def _one_step(p: int, stage: str, n: int = N, ladder: tuple[str, ...] = ("int8",)):
     """One sync_gradients update with a one-rung adaptive ladder: (out, state)."""
-    comp = C.adaptive(ladder=ladder, adjustment_step=100, min_compression=0.0)
+    comp = C.adaptive(ladder=ladder, adjustment_step=100)
     tx = jaxcomm.sync_gradients(compression=comp, min_size=1, compress_stage=stage)
     mesh = _mesh(p)
     example = jnp.zeros(n)
