@@ -304,7 +304,11 @@ def _parse_ratio(name: str, kind: str) -> float:
     return check_range(f"ladder rung {name!r}: ratio", r, 0.0, 1.0, low_open=True)
 
 
-def _rung(name: str, block: int, method: str, stochastic: bool = True) -> _Rung:
+def _rung(
+    name: str, block: int, method: str, stochastic: bool = True, switched: bool = True
+) -> _Rung:
+    """Rung ``name``; ``switched``: it runs as a ``lax.switch`` branch, whose outputs are
+    buffers already (a one-rung ladder has no switch: JAX inlines it)."""
     if name == "f32":
         return _Rung(
             name, 0.0, lambda p: 1.0, lambda c, ctx, key, i: (
@@ -323,7 +327,7 @@ def _rung(name: str, block: int, method: str, stochastic: bool = True) -> _Rung:
             mean, local = two_phase_mean(
                 c.reshape(-1), ctx.axes, bits=bits, block=block,
                 key=jax.random.fold_in(device_key(key, ctx.axes), i) if stochastic else None,
-                gather_axis=ctx.gather_axis,
+                gather_axis=ctx.gather_axis, materialize=not switched,
             )  # fmt: skip
             return mean.reshape(c.shape if ctx.gather_axis is None else (-1,)), local.reshape(
                 c.shape
@@ -559,6 +563,7 @@ def adaptive(
         raise ValueError(
             f"topk_method={topk_method!r} is not known; choose one of ['auto', 'exact', 'sampled']."
         )
+    names = _check_ladder(ladder)
     rungs = [_rung(n, block, topk_method, bool(stochastic)) for n in _check_ladder(ladder)]
     for a, b in zip(rungs, rungs[1:], strict=False):
         if not a.compression < b.compression:
@@ -573,6 +578,8 @@ def adaptive(
             f"no compression level lies in [min_compression={lo}, max_compression={hi}]; "
             f"the ladder is {dict((r.name, r.compression) for r in rungs)}. Widen the range."
         )
+    if len(levels) == 1:  # no lax.switch: the rung's result must be made a buffer itself
+        levels = [_rung(levels[0].name, block, topk_method, bool(stochastic), switched=False)]
     start = min(range(len(levels)), key=lambda i: abs(levels[i].compression - init_c))
     names = tuple(r.name for r in levels)
     control = Controller(float(error_low), float(error_high), float(comm_low), float(comm_high),
@@ -644,11 +651,13 @@ def adaptive(
                     # gathers=True: every rung returns the node's means; the int rungs
                     # gather theirs quantized inside two_phase_mean, the others in f32
                     means = [all_gather_invariant(m, ctx.gather_axis) for m in means]
-                return means, [s for _, s in pairs]
+                # the residual inside the branch: it fuses with the kernel that computes
+                # what was sent, where a ``sent`` output would be one more buffer pass
+                return means, ef.new_residuals(cs, [s for _, s in pairs])
 
             return run
 
-        out, sent = lax.switch(d[1], [branch(r) for r in levels], cs)
+        out, residual = lax.switch(d[1], [branch(r) for r in levels], cs)
         # this device's own means (the sketch compares them with its own c)
         own = out
         if ctx.gather_axis is not None:
@@ -671,7 +680,7 @@ def adaptive(
             err = lax.cond(on_f32(d[1]), lambda: jnp.zeros((), jnp.float32), sketched)
         else:
             err = sketched()
-        new = advance(state, d, ef.new_residuals(cs, sent), err)
+        new = advance(state, d, residual, err)
         out = [o.astype(jnp.result_type(x)) for o, x in zip(out, xs, strict=True)]
         return out, new
 

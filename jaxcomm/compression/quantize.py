@@ -24,6 +24,8 @@ chunk it owns, so that transmitted + residual is exactly the true gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,7 @@ from jaxcomm.compression.base import (
     device_key,
 )
 from jaxcomm.packing import runtime_ints
+from jaxcomm.state import varying_axes
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -195,21 +198,30 @@ def _sum_rows(x: jax.Array) -> jax.Array:
     return acc
 
 
-def _materialized(x: jax.Array) -> jax.Array:
-    """``x``, computed into a buffer of its own by one kernel.
+def _materialized(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """``f(x)``, computed into a buffer of its own by one kernel.
 
     XLA:CPU fuses a cheap elementwise producer (the decoding of the gathered means) into
     every consumer, and the consumers of the mean are the slices that cut it into
     gradient leaves, each at a runtime offset through the row padding: the decoding then
     runs once per leaf with a division chain per element (unpacking ResNet-18's 46.8 MB
-    took 3-4x a copy). A conditional's operand is a buffer, so the decoding runs once,
-    linearly; the predicate is a runtime value (never folded) that is always true. Only on
-    CPU: a GPU conditional reads its predicate on the host, and GPU kernels index cheaply.
+    took 3-4x a copy). A conditional's output is a buffer, so ``f`` runs once, linearly,
+    as the root of the taken branch, straight into that buffer (an identity branch on a
+    decoded operand would copy it once more); the predicate is a runtime value (never
+    folded) that is always true. Only on CPU: a GPU conditional reads its predicate on the
+    host, and GPU kernels index cheaply.
     """
     if jax.default_backend() != "cpu":
-        return x
+        return f(x)
     (one,) = runtime_ints([1])
-    return lax.cond(one == 1, lambda v: v, jnp.zeros_like, x)
+    out = jax.eval_shape(f, x)
+
+    def unused(_):  # never runs; typed as f's result (shard_map's varying axes included)
+        zeros = jnp.zeros(out.shape, out.dtype)
+        axes = tuple(varying_axes(out))
+        return lax.pcast(zeros, axes, to="varying") if axes else zeros
+
+    return lax.cond(one == 1, f, unused, x)
 
 
 def two_phase_mean(
@@ -220,6 +232,7 @@ def two_phase_mean(
     block: int,
     key: jax.Array | None,
     gather_axis: str | None = None,
+    materialize: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Mean of a 1-D f32 ``x`` over ``axes`` through quantized all-to-all + all-gather.
 
@@ -235,6 +248,9 @@ def two_phase_mean(
         ``bits/32`` of the f32 bytes. The result is then the concatenation of the means
         of every device of ``gather_axis`` (in its index order), bit for bit what an f32
         all-gather of each device's mean would give.
+      materialize: decode the mean into a buffer of its own (on CPU, see
+        ``_materialized``); False where the caller's result is a buffer already (a
+        ``lax.switch`` branch's output), which would copy it once more.
 
     Returns:
       ``(mean, sent)``: the mean (same on all devices; shape of ``x``, or ``g`` times its
@@ -272,8 +288,11 @@ def two_phase_mean(
         # (g * p, bytes): row j * p + i is chunk i of inner device j's shard
         gathered = all_gather_invariant(gathered, gather_axis)
         rows = lax.axis_size(gather_axis)
-    mean = _materialized(_dequantize_blocks(*_from_bytes(gathered, chunk, bits), bits))
-    mean = mean.reshape(rows, -1)[:, :n].reshape(-1)
+    def decode(gathered: jax.Array) -> jax.Array:
+        mean = _dequantize_blocks(*_from_bytes(gathered, chunk, bits), bits)
+        return mean.reshape(rows, -1)[:, :n].reshape(-1)
+
+    mean = _materialized(decode, gathered) if materialize else decode(gathered)
     local = local.reshape(-1)[:n]
     return mean, local
 
