@@ -288,6 +288,7 @@ def two_phase_mean(
         # (g * p, bytes): row j * p + i is chunk i of inner device j's shard
         gathered = all_gather_invariant(gathered, gather_axis)
         rows = lax.axis_size(gather_axis)
+
     def decode(gathered: jax.Array) -> jax.Array:
         mean = _dequantize_blocks(*_from_bytes(gathered, chunk, bits), bits)
         return mean.reshape(rows, -1)[:, :n].reshape(-1)
