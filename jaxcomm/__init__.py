@@ -1,6 +1,17 @@
 """jaxcomm: less communication and less waiting for data-parallel training on JAX/XLA."""
 
-from jaxcomm import buckets, collectives, compression, cost, diloco, hlo, schedule, topology, xla
+from jaxcomm import (
+    buckets,
+    collectives,
+    compression,
+    cost,
+    diloco,
+    hlo,
+    host_memory,
+    schedule,
+    topology,
+    xla,
+)
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.diloco import LocalSGDState, local_sgd
 from jaxcomm.distributed import init_distributed
@@ -37,6 +48,7 @@ __all__ = [
     "flat_allreduce",
     "hierarchical_allreduce",
     "hlo",
+    "host_memory",
     "init_distributed",
     "linen_data_parallel",
     "local_sgd",

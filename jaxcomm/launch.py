@@ -28,6 +28,7 @@ from jaxcomm.distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
+from jaxcomm.host_memory import reuse_env
 from jaxcomm.validate import check_int
 
 __all__ = ["free_port", "main", "rank_env", "run_group"]
@@ -88,7 +89,10 @@ def run_group(
 
     Args:
       commands: the argv of each process.
-      envs: extra environment variables of each process (added to ``os.environ``).
+      envs: extra environment variables of each process (added to ``os.environ``). Every
+        process also keeps its freed memory for reuse (``jaxcomm.host_memory.reuse_env``;
+        variables already in ``os.environ`` win, ``JAXCOMM_KEEP_FREED_MEMORY=0`` turns it
+        off).
       prefixes: output prefix per process, default ``[rank] ``.
       timeout_s: end all processes after this many seconds (exit code 124).
       grace_s: seconds between SIGTERM and SIGKILL when ending a group.
@@ -108,7 +112,7 @@ def run_group(
         for cmd, extra, prefix in zip(commands, envs, prefixes, strict=True):
             p = subprocess.Popen(
                 list(cmd),
-                env={**os.environ, **extra},
+                env={**reuse_env(), **os.environ, **extra},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # own process group: we can end it and its children
