@@ -47,7 +47,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.collectives import check_axes
+from jaxcomm.collectives import allreduce, check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.replicas import check_replicas as _check_replicas
@@ -262,7 +262,9 @@ class NnxDataParallel:
                     )
                 new_param[id(p)] = (p, optax.apply_updates(old[id(p)], u), u)
         out_leaves, out = self._exit(objs, out)
-        result = []
+        result: list = []
+        summed: list[int] = []  # metric leaves: each device's additions, summed
+        averaged: list[int] = []  # other float state a step changed per device
         for i, (x, x0, v0, k) in enumerate(zip(out_leaves, leaves, inside, kinds, strict=True)):
             if k == _PARAM:
                 hit = next((n for n in new_param.values() if n[0] is v0), None)
@@ -273,7 +275,7 @@ class NnxDataParallel:
                     if rec is not None and varying_axes(hit[2]) & set(self.axes):
                         rec["varying_update"].append(i)
             elif k == _METRIC:
-                x = x0 + lax.psum(x, self.axes)
+                summed.append(i)  # x0 + psum(x), below
             elif k == _KEY:
                 if x is not v0:
                     raise ValueError(
@@ -284,17 +286,31 @@ class NnxDataParallel:
                 x = x0  # draws advance the counts, never the key
             elif k == _OTHER and varying_axes(x) & set(self.axes):
                 if jnp.issubdtype(x.dtype, jnp.floating):
-                    x = lax.pmean(x, self.axes)  # e.g. batch statistics
+                    averaged.append(i)  # e.g. batch statistics: pmean, below
             result.append(x)
+        # One all-reduce per op and dtype, not one per leaf (gloo runs a tuple all-reduce
+        # operand by operand, each paying the ring's latency: jaxcomm.train._pmean_floats).
+        ret_leaves, ret_def = jax.tree.flatten(out)
+        ret_leaves = [jnp.asarray(y) for y in ret_leaves]
+        ret_float = [j for j, y in enumerate(ret_leaves) if jnp.issubdtype(y.dtype, jnp.floating)]
+        means = allreduce(
+            [result[i] for i in averaged] + [ret_leaves[j] for j in ret_float],
+            axes=self.axes, algorithm="flat", op="mean",
+        )  # fmt: skip
+        for i, m in zip(averaged, means[: len(averaged)], strict=True):
+            result[i] = m
+        for j, m in zip(ret_float, means[len(averaged) :], strict=True):
+            ret_leaves[j] = m
+        float_sums = [i for i in summed if jnp.issubdtype(result[i].dtype, jnp.floating)]
+        sums = dict(zip(float_sums, allreduce(
+            [result[i] for i in float_sums], axes=self.axes, algorithm="flat", op="sum"
+        ), strict=True))  # fmt: skip
+        for i in summed:
+            total = sums[i] if i in sums else lax.psum(result[i], self.axes)  # integer counts
+            result[i] = leaves[i] + total
         if rec is not None:
             rec["vary"] = [bool(varying_axes(x) & set(self.axes)) for x in result]
-        out = jax.tree.map(
-            lambda y: (
-                lax.pmean(y, self.axes) if jnp.issubdtype(jnp.result_type(y), jnp.floating) else y
-            ),
-            out,
-        )
-        return stack_leaves(result, per), out
+        return stack_leaves(result, per), jax.tree.unflatten(ret_def, ret_leaves)
 
     @staticmethod
     def _fill(nodes, objs, args):

@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.collectives import check_axes
+from jaxcomm.collectives import allreduce, check_axes
 from jaxcomm.compression.adaptive import ladder_probe, with_comm_share
 from jaxcomm.diloco import gradient_params
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
@@ -54,12 +54,22 @@ class TrainState(NamedTuple):
     model_state: Any = None
 
 
-def _pmean_floats(tree: Any, axes: tuple[str, ...]) -> Any:
-    def f(x):
-        x = jnp.asarray(x)
-        return lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.floating) else x
+def _pmean_floats(trees: Any, axes: tuple[str, ...]) -> Any:
+    """The floating leaves of ``trees`` averaged over ``axes``, the others as they are.
 
-    return jax.tree.map(f, tree)
+    One all-reduce per dtype (``jaxcomm.allreduce`` packs small leaves into one buffer),
+    not one per leaf: XLA combines per-leaf all-reduces into a tuple all-reduce, and
+    gloo (XLA:CPU's multi-process collectives) runs a tuple one operand after the other,
+    each paying the ring's latency. ResNet-18's 40 batch statistics and 2 metrics took
+    about 150 ms per step that way over the testbed's link (docs/benchmarks.md).
+    """
+    flat, treedef = jax.tree.flatten(trees)
+    flat = [jnp.asarray(x) for x in flat]
+    idx = [i for i, x in enumerate(flat) if jnp.issubdtype(x.dtype, jnp.floating)]
+    means = allreduce([flat[i] for i in idx], axes=axes, algorithm="flat", op="mean")
+    for i, m in zip(idx, means, strict=True):
+        flat[i] = m
+    return jax.tree.unflatten(treedef, flat)
 
 
 def _accumulators(opt_state: Any) -> list[bool]:
@@ -380,7 +390,6 @@ class DataParallel:
                 return self._loss_fn(p, state.model_state, batch)
 
             (value, (model_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(at)
-            model_state = _pmean_floats(model_state, self.axes)
         elif self.microbatches > 1:
             value, aux, grads, update = accumulate_gradients(
                 self._loss_fn,
@@ -403,15 +412,20 @@ class DataParallel:
         self._check_synced(calls)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": value, **dict(aux or {})}
+        # The model state the loss returned (batch statistics) is averaged in the same
+        # all-reduce as the metrics.
+        synced = model_state if self._with_model_state else None
         if local is None:
-            metrics = jax.tree.map(
-                lambda m: lax.pmean(jnp.asarray(m, jnp.float32), self.axes), metrics
-            )
+            metrics = jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
+            synced, metrics = _pmean_floats((synced, metrics), self.axes)
         else:
+            synced = _pmean_floats(synced, self.axes)
             # jaxcomm.local_sgd: each device's own value (at its own params), one row per
             # device. Averaging here would put a collective on every local step, the very
             # cost local steps avoid; the caller averages the rows when it reads them.
             metrics = jax.tree.map(lambda m: jnp.asarray(m, jnp.float32)[None], metrics)
+        if self._with_model_state:
+            model_state = synced
         new_state = TrainState(
             state.step + 1, params, stack_leaves(opt_state, self._opt_layout), model_state
         )
