@@ -142,7 +142,7 @@ PRESETS["testbed"] = dataclasses.replace(
 )  # fmt: skip
 # The ablation issue's configuration: ResNet-18 (46.8 MB of f32 gradient) on 32 px images
 # over 250 Mbit/s: the gradient's time on the link is several times the compute, as on the
-# seed's 64-node cluster. About 11 minutes on 2 cores (half of it compilation and the
+# seed's 64-node cluster. About 8 minutes on 2 cores (half of it compilation and the
 # adaptive rows' calibration).
 # 8 settling windows (16 steps): the adaptive row settles on its rung before the timing
 # (a change inside it is listed in the row's notes, with the rung of every timed window).
