@@ -140,3 +140,32 @@ def test_flax_nnx_model(mesh, data):
     assert losses[-1] < losses[0]
     ref = jax.grad(loss_fn)(params, {"x": x[0], "y": y[0]})
     assert jax.tree.structure(ref) == jax.tree.structure(state.params)
+
+
+def test_model_state_and_metrics_are_averaged_in_one_buffer(mesh):
+    # Batch statistics (model state) and metrics, each a few floats: one all-reduce buffer
+    # for all of them (gloo runs a tuple all-reduce one operand after the other), with the
+    # values of per-leaf means and the same bits on every device.
+    def loss(params, state, batch):
+        h = batch["x"] @ params["w"]
+        stats = {"mean": h.mean(0), "var": h.var(0), "count": state["count"] + 1}
+        return jnp.mean(h**2), (stats, {"positive": jnp.mean(h > 0)})
+
+    tx = optax.chain(jaxcomm.sync_gradients(algorithm="flat"), optax.sgd(0.1))
+    dp = jaxcomm.data_parallel(loss, tx, mesh, with_model_state=True, check_replicas=1)
+    params = {"w": np.random.default_rng(0).normal(size=(12, 3)).astype(np.float32)}
+    zeros = np.zeros(3, np.float32)
+    state = dp.init(params, {"mean": zeros, "var": zeros, "count": np.int32(0)})
+    x = np.random.default_rng(1).normal(size=(64, 12)).astype(np.float32)
+    batch = dp.shard_batch({"x": x})
+    census = jaxcomm.hlo.collectives(dp.step_fn(state), state, batch, mesh=mesh).collectives
+    buffers = sum(c.num_buffers for c in census if c.kind == "all-reduce")
+    assert buffers == 2, census  # the gradient's buffer, and one for the 2 + 2 small leaves
+    new, metrics = dp(state, batch)
+    h = (x @ params["w"]).reshape(8, 8, 3)  # per device
+    np.testing.assert_allclose(new.model_state["mean"], h.mean(1).mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new.model_state["var"], h.var(1).mean(0), rtol=1e-5, atol=1e-6)
+    assert int(new.model_state["count"]) == 1
+    np.testing.assert_allclose(metrics["positive"], (h > 0).mean(), rtol=1e-6)
+    np.testing.assert_allclose(metrics["loss"], (h**2).mean(), rtol=1e-5)
+    assert assert_replicas_equal(new) > 0
