@@ -563,7 +563,6 @@ def adaptive(
         raise ValueError(
             f"topk_method={topk_method!r} is not known; choose one of ['auto', 'exact', 'sampled']."
         )
-    names = _check_ladder(ladder)
     rungs = [_rung(n, block, topk_method, bool(stochastic)) for n in _check_ladder(ladder)]
     for a, b in zip(rungs, rungs[1:], strict=False):
         if not a.compression < b.compression:
