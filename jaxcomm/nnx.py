@@ -47,7 +47,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.collectives import allreduce, check_axes
+from jaxcomm.collectives import allreduce_floats, check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.replicas import check_replicas as _check_replicas
@@ -288,29 +288,18 @@ class NnxDataParallel:
                 if jnp.issubdtype(x.dtype, jnp.floating):
                     averaged.append(i)  # e.g. batch statistics: pmean, below
             result.append(x)
-        # One all-reduce per op and dtype, not one per leaf (gloo runs a tuple all-reduce
-        # operand by operand, each paying the ring's latency: jaxcomm.train._pmean_floats).
-        ret_leaves, ret_def = jax.tree.flatten(out)
-        ret_leaves = [jnp.asarray(y) for y in ret_leaves]
-        ret_float = [j for j, y in enumerate(ret_leaves) if jnp.issubdtype(y.dtype, jnp.floating)]
-        means = allreduce(
-            [result[i] for i in averaged] + [ret_leaves[j] for j in ret_float],
-            axes=self.axes, algorithm="flat", op="mean",
-        )  # fmt: skip
-        for i, m in zip(averaged, means[: len(averaged)], strict=True):
+        # One all-reduce per op and dtype, not one per leaf (allreduce_floats).
+        means, out = allreduce_floats(([result[i] for i in averaged], out), self.axes, "mean")
+        for i, m in zip(averaged, means, strict=True):
             result[i] = m
-        for j, m in zip(ret_float, means[len(averaged) :], strict=True):
-            ret_leaves[j] = m
-        float_sums = [i for i in summed if jnp.issubdtype(result[i].dtype, jnp.floating)]
-        sums = dict(zip(float_sums, allreduce(
-            [result[i] for i in float_sums], axes=self.axes, algorithm="flat", op="sum"
-        ), strict=True))  # fmt: skip
-        for i in summed:
-            total = sums[i] if i in sums else lax.psum(result[i], self.axes)  # integer counts
+        sums = allreduce_floats([result[i] for i in summed], self.axes, "sum")
+        for i, total in zip(summed, sums, strict=True):
+            if not jnp.issubdtype(total.dtype, jnp.floating):  # integer counts
+                total = lax.psum(total, self.axes)
             result[i] = leaves[i] + total
         if rec is not None:
             rec["vary"] = [bool(varying_axes(x) & set(self.axes)) for x in result]
-        return stack_leaves(result, per), jax.tree.unflatten(ret_def, ret_leaves)
+        return stack_leaves(result, per), out
 
     @staticmethod
     def _fill(nodes, objs, args):

@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.collectives import allreduce, check_axes
+from jaxcomm.collectives import allreduce_floats, check_axes
 from jaxcomm.compression.adaptive import ladder_probe, with_comm_share
 from jaxcomm.diloco import gradient_params
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
@@ -52,24 +52,6 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     model_state: Any = None
-
-
-def _pmean_floats(trees: Any, axes: tuple[str, ...]) -> Any:
-    """The floating leaves of ``trees`` averaged over ``axes``, the others as they are.
-
-    One all-reduce per dtype (``jaxcomm.allreduce`` packs small leaves into one buffer),
-    not one per leaf: XLA combines per-leaf all-reduces into a tuple all-reduce, and
-    gloo (XLA:CPU's multi-process collectives) runs a tuple one operand after the other,
-    each paying the ring's latency. ResNet-18's 40 batch statistics and 2 metrics took
-    about 100 ms of a step that way on the testbed, 21 ms packed (docs/benchmarks.md).
-    """
-    flat, treedef = jax.tree.flatten(trees)
-    flat = [jnp.asarray(x) for x in flat]
-    idx = [i for i, x in enumerate(flat) if jnp.issubdtype(x.dtype, jnp.floating)]
-    means = allreduce([flat[i] for i in idx], axes=axes, algorithm="flat", op="mean")
-    for i, m in zip(idx, means, strict=True):
-        flat[i] = m
-    return jax.tree.unflatten(treedef, flat)
 
 
 def _accumulators(opt_state: Any) -> list[bool]:
@@ -413,13 +395,13 @@ class DataParallel:
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": value, **dict(aux or {})}
         # The model state the loss returned (batch statistics) is averaged in the same
-        # all-reduce as the metrics.
+        # all-reduce as the metrics (allreduce_floats: one buffer, not one per leaf).
         synced = model_state if self._with_model_state else None
         if local is None:
             metrics = jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
-            synced, metrics = _pmean_floats((synced, metrics), self.axes)
+            synced, metrics = allreduce_floats((synced, metrics), self.axes, "mean")
         else:
-            synced = _pmean_floats(synced, self.axes)
+            synced = allreduce_floats(synced, self.axes, "mean")
             # jaxcomm.local_sgd: each device's own value (at its own params), one row per
             # device. Averaging here would put a collective on every local step, the very
             # cost local steps avoid; the caller averages the rows when it reads them.
