@@ -52,12 +52,19 @@ REUSE_ENV: dict[str, str] = {
     "MALLOC_MMAP_MAX_": "0",
     "MALLOC_TRIM_THRESHOLD_": str(_TRIM_BYTES),
 }
-# Set to 0 to keep glibc's defaults in the processes jaxcomm starts (an A/B of the policy).
+# 0: glibc's defaults in the processes jaxcomm starts (an A/B of the policy); 1 or unset: the
+# policy; anything else is refused.
 ENV_SWITCH = "JAXCOMM_KEEP_FREED_MEMORY"
 
 
 def _wanted() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    value = os.environ.get(ENV_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{ENV_SWITCH}={value!r} is not one of ['0', '1']; set 0 to keep glibc's "
+            "defaults, 1 (or leave it unset) to keep freed memory for reuse."
+        )
+    return value == "1"
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -73,6 +80,9 @@ def reuse_env() -> dict[str, str]:
     Returns:
       :data:`REUSE_ENV`, or ``{}`` when ``JAXCOMM_KEEP_FREED_MEMORY=0`` is set (the
       launchers then start their processes with glibc's defaults).
+
+    Raises:
+      ValueError: ``JAXCOMM_KEEP_FREED_MEMORY`` is set to neither ``0`` nor ``1``.
     """
     return dict(REUSE_ENV) if _wanted() else {}
 
@@ -88,6 +98,9 @@ def keep_freed_memory() -> bool:
     Returns:
       ``True`` when all three settings took effect; ``False`` when the C library is not
       glibc, the switch is off, or ``mallopt`` refused a setting.
+
+    Raises:
+      ValueError: ``JAXCOMM_KEEP_FREED_MEMORY`` is set to neither ``0`` nor ``1``.
     """
     libc = _glibc() if _wanted() else None
     if libc is None:

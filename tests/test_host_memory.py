@@ -83,6 +83,10 @@ def test_reuse_env_and_its_switch(monkeypatch):
     }
     monkeypatch.setenv(host_memory.ENV_SWITCH, "0")
     assert host_memory.reuse_env() == {}
+    monkeypatch.setenv(host_memory.ENV_SWITCH, "false")
+    for call in (host_memory.reuse_env, host_memory.keep_freed_memory):
+        with pytest.raises(ValueError, match=r"JAXCOMM_KEEP_FREED_MEMORY='false' .*\['0', '1'\]"):
+            call()
 
 
 def test_launched_processes_get_the_policy_and_the_callers_variables_win(tmp_path, monkeypatch):
