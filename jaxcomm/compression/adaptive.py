@@ -122,7 +122,7 @@ from jaxcomm.compression.base import (
     sum_over,
 )
 from jaxcomm.compression.cast import bf16_mean
-from jaxcomm.compression.quantize import two_phase_mean, uniform_dither
+from jaxcomm.compression.quantize import two_phase_mean, two_phase_seeds, uniform_dither
 from jaxcomm.compression.sparse import random_k_mean, topk_mean
 from jaxcomm.state import PerDevice
 from jaxcomm.validate import check_int
@@ -290,7 +290,7 @@ class _Rung(NamedTuple):
     name: str
     compression: float
     wire: Callable[[int], float]  # p -> wire fraction
-    mean: Callable  # (c, ctx, key, i) -> (mean, sent)
+    mean: Callable  # (c, ctx, key, i, seeds) -> (mean, sent); seeds: two_phase_seeds or None
     gathers: bool = False  # mean honours ctx.gather_axis (gathers its encoded payload)
 
 
@@ -304,29 +304,27 @@ def _parse_ratio(name: str, kind: str) -> float:
     return check_range(f"ladder rung {name!r}: ratio", r, 0.0, 1.0, low_open=True)
 
 
-def _rung(
-    name: str, block: int, method: str, stochastic: bool = True, switched: bool = True
-) -> _Rung:
+def _rung(name: str, block: int, method: str, switched: bool = True) -> _Rung:
     """Rung ``name``; ``switched``: it runs as a ``lax.switch`` branch, whose outputs are
-    buffers already (a one-rung ladder has no switch: JAX inlines it)."""
+    buffers already (a one-rung ladder has no switch: JAX inlines it). The int rungs
+    round stochastically when their ``mean`` gets dither seeds, to nearest without."""
     if name == "f32":
         return _Rung(
-            name, 0.0, lambda p: 1.0, lambda c, ctx, key, i: (
+            name, 0.0, lambda p: 1.0, lambda c, ctx, key, i, seeds: (
                 sum_over(c, ctx.axes, ctx.algorithm) / axes_size(ctx.axes), c)
         )  # fmt: skip
     if name == "bf16":
         return _Rung(
             name, 0.5, lambda p: 0.5,
-            lambda c, ctx, key, i: bf16_mean(c, ctx.axes, ctx.algorithm, "auto"),
+            lambda c, ctx, key, i, seeds: bf16_mean(c, ctx.axes, ctx.algorithm, "auto"),
         )  # fmt: skip
     if name in ("int8", "int4"):
         bits = int(name[3:])
 
-        def quant(c, ctx, key, i):
+        def quant(c, ctx, key, i, seeds):
             # with ctx.gather_axis the int8/int4 means travel over it quantized (gathers)
             mean, local = two_phase_mean(
-                c.reshape(-1), ctx.axes, bits=bits, block=block,
-                key=jax.random.fold_in(device_key(key, ctx.axes), i) if stochastic else None,
+                c.reshape(-1), ctx.axes, bits=bits, block=block, seeds=seeds,
                 gather_axis=ctx.gather_axis, materialize=not switched,
             )  # fmt: skip
             return mean.reshape(c.shape if ctx.gather_axis is None else (-1,)), local.reshape(
@@ -339,7 +337,7 @@ def _rung(
     if kind == "topk":
         r = _parse_ratio(name, kind)
 
-        def top(c, ctx, key, i):
+        def top(c, ctx, key, i, seeds):
             k = jax.random.fold_in(device_key(key, ctx.axes), i)
             return topk_mean(c, ctx.axes, ratio=r, method=method, sample_ratio=0.01, key=k)
 
@@ -347,7 +345,7 @@ def _rung(
     if kind == "random_k":
         r = _parse_ratio(name, kind)
 
-        def rand(c, ctx, key, i):
+        def rand(c, ctx, key, i, seeds):
             k = jax.random.fold_in(key, i)  # shared: the same positions on every device
             return random_k_mean(c, ctx.axes, ctx.algorithm, ratio=r, key=k)
 
@@ -563,7 +561,7 @@ def adaptive(
         raise ValueError(
             f"topk_method={topk_method!r} is not known; choose one of ['auto', 'exact', 'sampled']."
         )
-    rungs = [_rung(n, block, topk_method, bool(stochastic)) for n in _check_ladder(ladder)]
+    rungs = [_rung(n, block, topk_method) for n in _check_ladder(ladder)]
     for a, b in zip(rungs, rungs[1:], strict=False):
         if not a.compression < b.compression:
             raise ValueError(
@@ -578,7 +576,7 @@ def adaptive(
             f"the ladder is {dict((r.name, r.compression) for r in rungs)}. Widen the range."
         )
     if len(levels) == 1:  # no lax.switch: the rung's result must be made a buffer itself
-        levels = [_rung(levels[0].name, block, topk_method, bool(stochastic), switched=False)]
+        levels = [_rung(levels[0].name, block, topk_method, switched=False)]
     start = min(range(len(levels)), key=lambda i: abs(levels[i].compression - init_c))
     names = tuple(r.name for r in levels)
     control = Controller(float(error_low), float(error_high), float(comm_low), float(comm_high),
@@ -641,10 +639,16 @@ def adaptive(
         d = decision(state, p)
         # 2. Compress g + e with the rung; one shared residual.
         cs = ef.corrected(xs, state.residual)
+        # The int rungs dither from the same seeds: drawn once, before the switch (each
+        # draw is a threefry hash of several scalar kernels per branch; issue 17).
+        seeds = [None] * len(cs)
+        if stochastic and any(r.name in ("int8", "int4") for r in levels):
+            dkey = device_key(ctx.key, ctx.axes)
+            seeds = [two_phase_seeds(jax.random.fold_in(dkey, i)) for i in range(len(cs))]
 
         def branch(rung):
             def run(cs):
-                pairs = [rung.mean(c, ctx, ctx.key, i) for i, c in enumerate(cs)]
+                pairs = [rung.mean(c, ctx, ctx.key, i, seeds[i]) for i, c in enumerate(cs)]
                 means = [m for m, _ in pairs]
                 if ctx.gather_axis is not None and not rung.gathers:
                     # gathers=True: every rung returns the node's means; the int rungs

@@ -41,6 +41,7 @@ from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression.base import (
     Compressor,
     ReduceContext,
+    all_to_all_rows,
     as_f32,
     axes_size,
     decision_axes,
@@ -67,7 +68,7 @@ def bf16_exchange_mean(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, 
     n = x.shape[0]
     m = -(-n // p)
     lo = jnp.pad(as_f32(x), (0, p * m - n)).astype(jnp.bfloat16).reshape(p, m)
-    words = lax.all_to_all(lax.bitcast_convert_type(lo, jnp.uint16), axes, 0, 0, tiled=True)
+    words = all_to_all_rows(lax.bitcast_convert_type(lo, jnp.uint16), axes)
     chunk = as_f32(lax.bitcast_convert_type(words, jnp.bfloat16)).sum(0) / p
     chunk_lo = chunk.astype(jnp.bfloat16)
     full = all_gather_invariant(lax.bitcast_convert_type(chunk_lo, jnp.uint16), axes)

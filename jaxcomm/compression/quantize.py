@@ -36,6 +36,7 @@ from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
     Compressor,
     ReduceContext,
+    all_to_all_rows,
     axes_size,
     device_key,
 )
@@ -49,7 +50,9 @@ __all__ = [
     "int8",
     "quantize",
     "quantized",
+    "dither_seed",
     "two_phase_mean",
+    "two_phase_seeds",
     "uniform_dither",
 ]
 
@@ -66,6 +69,25 @@ def _lowbias32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
+def dither_seed(key: jax.Array) -> jax.Array:
+    """The uint32 seed that :func:`uniform_dither` draws from ``key`` (its step 1).
+
+    Drawing it is a threefry hash of a few scalar kernels; a program that dithers the
+    same values in several places (adaptive's int8 and int4 rungs) draws it once.
+    """
+    return _lowbias32(jax.random.bits(key, (), jnp.uint32))
+
+
+def _seeded_uniform(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """:func:`uniform_dither`'s steps 2-3 from a :func:`dither_seed`."""
+    n = int(np.prod(shape))
+    if n > 2**32:
+        raise ValueError(f"uniform_dither: {n} elements; at most 2**32 have distinct indices.")
+    index = lax.iota(jnp.uint32, n).reshape(shape)
+    h = _lowbias32(_lowbias32(index) ^ seed)
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
 def uniform_dither(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Uniform ``[0, 1)`` f32 values for stochastic rounding: one integer hash per element.
 
@@ -75,7 +97,7 @@ def uniform_dither(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     of the data, not a cryptographic stream, so each element hashes its index with a seed
     drawn once from ``key``; the hash fuses into the quantization kernel.
 
-    1. ``seed = lowbias32(bits(key))``, one uint32 per call.
+    1. ``seed = lowbias32(bits(key))``, one uint32 per call (:func:`dither_seed`).
     2. ``h = lowbias32(lowbias32(index) ^ seed)`` for each element's flat index.
     3. The top 24 bits of ``h`` times ``2**-24``: exact f32 multiples of ``2**-24`` in
        ``[0, 1)``, so ``floor(v + u)`` is unbiased to within ``2**-24``.
@@ -90,17 +112,18 @@ def uniform_dither(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     Example:
       >>> u = uniform_dither(jax.random.key(0), (4, 256))
     """
-    n = int(np.prod(shape))
-    if n > 2**32:
-        raise ValueError(f"uniform_dither: {n} elements; at most 2**32 have distinct indices.")
-    seed = _lowbias32(jax.random.bits(key, (), jnp.uint32))
-    index = lax.iota(jnp.uint32, n).reshape(shape)
-    h = _lowbias32(_lowbias32(index) ^ seed)
-    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+    return _seeded_uniform(dither_seed(key), shape)
+
+
+def two_phase_seeds(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The two dither seeds of :func:`two_phase_mean` (phase 1, phase 2) from a per-device
+    ``key``: ``key`` split in two, a :func:`dither_seed` of each."""
+    k1, k2 = jax.random.split(key)
+    return dither_seed(k1), dither_seed(k2)
 
 
 def _quantize_blocks(
-    xb: jax.Array, bits: int, key: jax.Array | None
+    xb: jax.Array, bits: int, seed: jax.Array | None
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`quantize` on blocks: ``xb`` f32 ``(rows, blocks, block)`` -> ``q`` int8
     ``(rows, blocks, block)`` (uint8 ``(rows, blocks, block // 2)`` for 4 bits) and the
@@ -116,10 +139,10 @@ def _quantize_blocks(
     scales = jnp.where(absmax > 0, absmax / qmax, 1.0)
     # Divide by a finite positive scale: zeros stay 0, huge finite values stay finite.
     v = xb / scales[..., None]
-    if key is None:
+    if seed is None:
         v = jnp.round(v)
     else:
-        v = jnp.floor(v + uniform_dither(key, v.shape))
+        v = jnp.floor(v + _seeded_uniform(seed, v.shape))
     v = jnp.clip(v, -qmax, qmax)
     if bits == 8:
         return v.astype(jnp.int8), scales
@@ -154,7 +177,8 @@ def quantize(
       nibbles per byte) for 4 bits; ``scales`` f32 ``(rows, m // block)``.
     """
     rows, m = x.shape
-    q, scales = _quantize_blocks(x.reshape(rows, m // block, block), bits, key)
+    seed = None if key is None else dither_seed(key)
+    q, scales = _quantize_blocks(x.reshape(rows, m // block, block), bits, seed)
     return q.reshape(rows, -1), scales
 
 
@@ -230,7 +254,7 @@ def two_phase_mean(
     *,
     bits: int,
     block: int,
-    key: jax.Array | None,
+    seeds: tuple[jax.Array, jax.Array] | None,
     gather_axis: str | None = None,
     materialize: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
@@ -241,7 +265,8 @@ def two_phase_mean(
       axes: mesh axes.
       bits: 8 or 4.
       block: quantization block (even for 4 bits).
-      key: per-device PRNG key for stochastic rounding, or None.
+      seeds: the dither seeds of the two phases for stochastic rounding
+        (:func:`two_phase_seeds` of a per-device key), or None to round to nearest.
       gather_axis: an inner mesh axis over which every device holds a different ``x`` (a
         shard of one buffer, ``compress_stage='inter'``): the quantized means are
         all-gathered over it too and dequantized after, so the inner all-gather moves
@@ -264,17 +289,15 @@ def two_phase_mean(
     blocks = -(-n // (p * block))  # per chunk; every kernel below runs on (rows, blocks, block)
     chunk = (blocks, block if bits == 8 else block // 2)  # value bytes of one chunk
     xb = jnp.pad(x, (0, p * blocks * block - n)).reshape(p, blocks, block)
-    k1 = k2 = None
-    if key is not None:
-        k1, k2 = jax.random.split(key)
-    q, s = _quantize_blocks(xb, bits, k1)
+    seed1, seed2 = (None, None) if seeds is None else seeds
+    q, s = _quantize_blocks(xb, bits, seed1)
     local = _dequantize_blocks(q, s, bits)  # (p, blocks, block): what this device sends
     # Phase 1: chunk i of every device goes to device i; values and scales travel as one
     # byte buffer, so each phase is a single collective.
-    recv = lax.all_to_all(_to_bytes(q, s), axes, 0, 0, tiled=True)
+    recv = all_to_all_rows(_to_bytes(q, s), axes)
     shard = _sum_rows(_dequantize_blocks(*_from_bytes(recv, chunk, bits), bits)) / p
     # Phase 2: re-quantize the mean chunk, gather all chunks.
-    q2, s2 = _quantize_blocks(shard[None], bits, k2)
+    q2, s2 = _quantize_blocks(shard[None], bits, seed2)
     # This device owns chunk i; its re-quantization error enters its own "sent" record
     # (times p, since the result is a mean), so that mean_devices(sent) == result exactly
     # and error feedback conserves the gradient through both phases (1-bit Adam's
@@ -307,9 +330,14 @@ def _quantized(bits: int, block: int, stochastic: bool, error_feedback: bool) ->
         key = device_key(ctx.key, ctx.axes) if stochastic else None
         out, sent = [], []
         for i, c in enumerate(cs):
-            k = None if key is None else jax.random.fold_in(key, i)
+            seeds = None if key is None else two_phase_seeds(jax.random.fold_in(key, i))
             mean, local = two_phase_mean(
-                c.reshape(-1), ctx.axes, bits=bits, block=block, key=k, gather_axis=ctx.gather_axis
+                c.reshape(-1),
+                ctx.axes,
+                bits=bits,
+                block=block,
+                seeds=seeds,
+                gather_axis=ctx.gather_axis,
             )
             shape = c.shape if ctx.gather_axis is None else mean.shape
             out.append(mean.reshape(shape).astype(jnp.result_type(xs[i])))
