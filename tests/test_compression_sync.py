@@ -149,30 +149,34 @@ def test_inter_stage_gathers_encoded_means_bit_for_bit(mesh, comp):
     assert_trees_bitwise_equal(state, state2)
 
 
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_adaptive_nearest_rung_is_the_fixed_compressor_with_error_feedback(mesh, bits):
-    # stochastic=False: the int rungs round to nearest; at a fixed rung the means and the
-    # residual are bit for bit those of int8/int4(stochastic=False, error_feedback=True)
+def test_adaptive_int_rung_is_the_fixed_compressor_with_error_feedback(mesh, bits, stochastic):
+    # at a fixed rung the means and the residual are those of int8/int4(stochastic=...,
+    # error_feedback=True): bit for bit when rounding to nearest; stochastic, the same
+    # dither seeds (adaptive hashes them once before its switch, the fixed compressor per
+    # buffer) give the same integers, and the two programs' floats differ by at most one
+    # rounding (1.2e-7 on values of ~1) where another dither would move a value by a
+    # quantization step (1e-2 to 1e-1 here)
     rung = f"int{bits}"
     comp = C.adaptive(
         dict(C.LADDER)[rung], min_compression=0.0, max_compression=1.0, adjustment_step=100,
-        block=64, stochastic=False,
+        block=64, stochastic=stochastic,
     )  # fmt: skip
-    fixed = C.quantized(bits, block=64, stochastic=False, error_feedback=True)
+    fixed = C.quantized(bits, block=64, stochastic=stochastic, error_feedback=True)
     g = _grads(5)
     runs = []
     for c in (comp, fixed):
         tx = jaxcomm.sync_gradients(compression=c, compress_stage="inter", min_size=1)
         runs.append(_call(_runner(mesh, tx, steps=3), per_device(mesh, g)))
     (outs, state), (outs2, state2) = runs
-    np.testing.assert_array_equal(outs["w"], outs2["w"])
-    np.testing.assert_array_equal(outs["b"], outs2["b"])
-    assert int(C.adaptive_states(state)[0].level) == C.DEFAULT_LADDER.index(rung)
-    res = C.adaptive_states(state)[0].residual.value
+    res = jax.tree.leaves(C.adaptive_states(state)[0].residual.value)
     res2 = jax.tree.leaves(state2.compression)
-    assert len(jax.tree.leaves(res)) == len(res2)
-    for a, b in zip(jax.tree.leaves(res), res2, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(res) == len(res2)
+    assert int(C.adaptive_states(state)[0].level) == C.DEFAULT_LADDER.index(rung)
+    atol = 0.0 if not stochastic else 4 * np.finfo(np.float32).eps * np.abs(g["w"]).max()
+    for a, b in [(outs["w"], outs2["w"]), (outs["b"], outs2["b"]), *zip(res, res2, strict=True)]:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
 
 
 def test_fp16_overflow_skips_the_whole_step_and_counts(mesh):
@@ -250,8 +254,13 @@ def test_adaptive_cheap_network_steps_down_and_dead_band_holds(mesh):
     # comm_low, and 0.2 is under comm_high: stay.
     levels, _ = _adaptive_levels(mesh, comp, 3, comm_share=0.2)
     assert list(levels) == [2, 2, 2]
-    # Communication-bound and the error low: climb (bf16 -> int8 -> int4).
-    comp = C.adaptive(0.5, min_compression=0.0, max_compression=0.9, adjustment_step=1)
+    # Communication-bound and the error low: climb (bf16 -> int8 -> int4). int4's error
+    # of the mean on this gradient reads 0.23-0.27 per step (mean 0.247, 40 steps): at
+    # the default error_high of 0.25 the error rule would step back on about half of the
+    # steps, so the band is set above it and the network rule alone decides here.
+    comp = C.adaptive(
+        0.5, min_compression=0.0, max_compression=0.9, adjustment_step=1, error_high=0.4
+    )
     levels, state = _adaptive_levels(mesh, comp, 4, comm_share=0.6)
     assert list(levels) == [1, 2, 3, 3]
     assert C.REASONS[int(state.compression.last_reason)] in ("network", "none")

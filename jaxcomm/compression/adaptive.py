@@ -32,7 +32,7 @@ all-reduce, the traffic compression avoids):
 
 1. Each device folds its ``out - c`` and its ``c`` into ``sketch_size`` buckets: element
    ``j`` goes to bucket ``j mod sketch_size`` with a random sign ``s_j = +-1`` (hashed
-   from a key shared by all devices, :func:`~jaxcomm.compression.quantize.uniform_dither`).
+   from a seed shared by all devices, :func:`~jaxcomm.compression.quantize.dither_seed`).
    A buffer of more than ``64 x sketch_size`` elements is folded on a strided sample of
    its rows of ``sketch_size`` (one in up to 8; the same rows for ``out - c`` and ``c``):
    the ratio of step 3 is then that of the sample.
@@ -122,7 +122,12 @@ from jaxcomm.compression.base import (
     sum_over,
 )
 from jaxcomm.compression.cast import bf16_mean
-from jaxcomm.compression.quantize import two_phase_mean, two_phase_seeds, uniform_dither
+from jaxcomm.compression.quantize import (
+    dither_seed,
+    seeded_uniform,
+    two_phase_mean,
+    two_phase_seeds,
+)
 from jaxcomm.compression.sparse import random_k_mean, topk_mean
 from jaxcomm.state import PerDevice
 from jaxcomm.validate import check_int
@@ -362,8 +367,9 @@ _SKETCH_STRIDE = 8
 _SKETCH_MIN_ROWS = 64
 
 
-def _sketch(x: jax.Array, key: jax.Array, size: int) -> jax.Array:
-    """``size`` signed bucket sums of a flat ``x``: bucket ``j mod size``, sign from ``key``.
+def _sketch(x: jax.Array, seed: jax.Array, size: int) -> jax.Array:
+    """``size`` signed bucket sums of a flat ``x``: bucket ``j mod size``, sign hashed from
+    ``seed`` (a :func:`~jaxcomm.compression.quantize.dither_seed`).
 
     ``x`` is viewed as rows of ``size``; a large ``x`` is sketched on every
     ``_SKETCH_STRIDE``-th row only (at least ``_SKETCH_MIN_ROWS`` rows kept). The error
@@ -375,7 +381,7 @@ def _sketch(x: jax.Array, key: jax.Array, size: int) -> jax.Array:
     rows = -(-x.shape[0] // size)
     x = jnp.pad(x, (0, rows * size - x.shape[0])).reshape(rows, size)
     x = x[:: min(_SKETCH_STRIDE, max(1, rows // _SKETCH_MIN_ROWS))]
-    signs = jnp.where(uniform_dither(key, x.shape) < 0.5, -1.0, 1.0)
+    signs = jnp.where(seeded_uniform(seed, x.shape) < 0.5, -1.0, 1.0)
     return (x * signs).sum(0)
 
 
@@ -405,16 +411,15 @@ def error_of_mean(
       >>> err = error_of_mean(cs, outs, ctx)   # inside a compressor's reduce
     """
     dec = decision_axes(ctx)
-    key = jax.random.fold_in(ctx.key, 0x5E7C)
     others = tuple(a for a in dec if a not in ctx.axes)
-    if others:  # one shard per position on the other axes: independent signs per shard
-        key = jax.random.fold_in(key, lax.axis_index(others))
+    # one shard per position on the other axes: independent signs per shard
+    salts = (0x5E7C, lax.axis_index(others)) if others else (0x5E7C,)
     num = jnp.zeros((sketch_size,), jnp.float32)
     den = jnp.zeros((sketch_size,), jnp.float32)
     for i, (c, o) in enumerate(zip(cs, outs, strict=True)):
-        k = jax.random.fold_in(key, i)
-        num = num + _sketch(o.astype(jnp.float32) - c, k, sketch_size)
-        den = den + _sketch(c, k, sketch_size)
+        seed = dither_seed(ctx.key, *salts, i)
+        num = num + _sketch(o.astype(jnp.float32) - c, seed, sketch_size)
+        den = den + _sketch(c, seed, sketch_size)
     both = lax.psum(jnp.concatenate([num, den]), dec) / axes_size(ctx.axes)
     num, den = both[:sketch_size], both[sketch_size:]
     # Divide by max |den| so that huge finite gradients do not overflow the squares.
@@ -639,12 +644,12 @@ def adaptive(
         d = decision(state, p)
         # 2. Compress g + e with the rung; one shared residual.
         cs = ef.corrected(xs, state.residual)
-        # The int rungs dither from the same seeds: drawn once, before the switch (each
-        # draw is a threefry hash of several scalar kernels per branch; issue 17).
+        # The int rungs dither from the same seeds, hashed once before the switch (as
+        # int8()/int4() hash them: a fixed rung sends the fixed compressor's bits).
         seeds = [None] * len(cs)
         if stochastic and any(r.name in ("int8", "int4") for r in levels):
-            dkey = device_key(ctx.key, ctx.axes)
-            seeds = [two_phase_seeds(jax.random.fold_in(dkey, i)) for i in range(len(cs))]
+            device = lax.axis_index(ctx.axes)
+            seeds = [two_phase_seeds(ctx.key, device, i) for i in range(len(cs))]
 
         def branch(rung):
             def run(cs):

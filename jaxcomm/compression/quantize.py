@@ -38,7 +38,6 @@ from jaxcomm.compression.base import (
     ReduceContext,
     all_to_all_rows,
     axes_size,
-    device_key,
 )
 from jaxcomm.packing import runtime_ints
 from jaxcomm.state import varying_axes
@@ -51,6 +50,7 @@ __all__ = [
     "quantize",
     "quantized",
     "dither_seed",
+    "seeded_uniform",
     "two_phase_mean",
     "two_phase_seeds",
     "uniform_dither",
@@ -69,17 +69,37 @@ def _lowbias32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def dither_seed(key: jax.Array) -> jax.Array:
-    """The uint32 seed that :func:`uniform_dither` draws from ``key`` (its step 1).
+def dither_seed(key: jax.Array, *salts: int | jax.Array) -> jax.Array:
+    """A uint32 dither seed from a PRNG key and integer salts (device, buffer, phase).
 
-    Drawing it is a threefry hash of a few scalar kernels; a program that dithers the
-    same values in several places (adaptive's int8 and int4 rungs) draws it once.
+    1. ``h = lowbias32(w0 ^ lowbias32(w1 ^ 0x9E3779B9))`` over the key's raw words
+       (``jax.random.key_data``: no generator runs);
+    2. ``h = lowbias32(h ^ s)`` for each salt ``s`` in order.
+
+    ``jax.random.fold_in``/``split``/``bits`` run threefry (20 rounds) for each derived
+    key: on XLA:CPU a few scalar kernels each, 18 of adaptive's 110 on ResNet-152 (issue
+    17). A dither only needs seeds that differ per device, buffer and phase and look
+    independent; ``lowbias32`` is a bijection on uint32, so distinct salts give distinct
+    seeds, and the per-element hash of :func:`uniform_dither` decorrelates the streams.
+
+    Args:
+      key: a PRNG key (``jax.random.key`` or a raw ``uint32`` key).
+      *salts: ints or integer scalars (e.g. ``lax.axis_index``), at most ``2**32 - 1``.
+
+    Returns:
+      uint32 scalar.
     """
-    return _lowbias32(jax.random.bits(key, (), jnp.uint32))
+    words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+    h = jnp.uint32(0x9E3779B9)  # the golden ratio's bits: a nonzero start for a zero key
+    for w in words[::-1]:
+        h = _lowbias32(w ^ h)
+    for s in salts:
+        h = _lowbias32(h ^ jnp.asarray(s).astype(jnp.uint32))
+    return h
 
 
-def _seeded_uniform(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """:func:`uniform_dither`'s steps 2-3 from a :func:`dither_seed`."""
+def seeded_uniform(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """:func:`uniform_dither`'s steps 2-3 from a :func:`dither_seed` (uint32 scalar)."""
     n = int(np.prod(shape))
     if n > 2**32:
         raise ValueError(f"uniform_dither: {n} elements; at most 2**32 have distinct indices.")
@@ -97,7 +117,7 @@ def uniform_dither(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     of the data, not a cryptographic stream, so each element hashes its index with a seed
     drawn once from ``key``; the hash fuses into the quantization kernel.
 
-    1. ``seed = lowbias32(bits(key))``, one uint32 per call (:func:`dither_seed`).
+    1. ``seed = dither_seed(key)``: the key's raw words hashed, one uint32 per call.
     2. ``h = lowbias32(lowbias32(index) ^ seed)`` for each element's flat index.
     3. The top 24 bits of ``h`` times ``2**-24``: exact f32 multiples of ``2**-24`` in
        ``[0, 1)``, so ``floor(v + u)`` is unbiased to within ``2**-24``.
@@ -112,14 +132,13 @@ def uniform_dither(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     Example:
       >>> u = uniform_dither(jax.random.key(0), (4, 256))
     """
-    return _seeded_uniform(dither_seed(key), shape)
+    return seeded_uniform(dither_seed(key), shape)
 
 
-def two_phase_seeds(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The two dither seeds of :func:`two_phase_mean` (phase 1, phase 2) from a per-device
-    ``key``: ``key`` split in two, a :func:`dither_seed` of each."""
-    k1, k2 = jax.random.split(key)
-    return dither_seed(k1), dither_seed(k2)
+def two_phase_seeds(key: jax.Array, *salts: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The dither seeds of :func:`two_phase_mean`'s two phases: ``dither_seed(key, *salts,
+    phase)`` for phase 1 and 2 (salts: the device's index and the buffer's)."""
+    return dither_seed(key, *salts, 1), dither_seed(key, *salts, 2)
 
 
 def _quantize_blocks(
@@ -142,7 +161,7 @@ def _quantize_blocks(
     if seed is None:
         v = jnp.round(v)
     else:
-        v = jnp.floor(v + _seeded_uniform(seed, v.shape))
+        v = jnp.floor(v + seeded_uniform(seed, v.shape))
     v = jnp.clip(v, -qmax, qmax)
     if bits == 8:
         return v.astype(jnp.int8), scales
@@ -266,7 +285,7 @@ def two_phase_mean(
       bits: 8 or 4.
       block: quantization block (even for 4 bits).
       seeds: the dither seeds of the two phases for stochastic rounding
-        (:func:`two_phase_seeds` of a per-device key), or None to round to nearest.
+        (:func:`two_phase_seeds`, salted with the device), or None to round to nearest.
       gather_axis: an inner mesh axis over which every device holds a different ``x`` (a
         shard of one buffer, ``compress_stage='inter'``): the quantized means are
         all-gathered over it too and dequantized after, so the inner all-gather moves
@@ -327,10 +346,10 @@ def _quantized(bits: int, block: int, stochastic: bool, error_feedback: bool) ->
 
     def reduce(xs, state, ctx: ReduceContext):
         cs = ef.corrected(xs, state if error_feedback else None)
-        key = device_key(ctx.key, ctx.axes) if stochastic else None
+        device = lax.axis_index(ctx.axes)
         out, sent = [], []
         for i, c in enumerate(cs):
-            seeds = None if key is None else two_phase_seeds(jax.random.fold_in(key, i))
+            seeds = two_phase_seeds(ctx.key, device, i) if stochastic else None
             mean, local = two_phase_mean(
                 c.reshape(-1),
                 ctx.axes,
