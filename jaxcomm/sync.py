@@ -49,7 +49,7 @@ from jaxcomm.collectives import (
     pad_to_multiple,
     reduce_scatter,
 )
-from jaxcomm.compression.base import Compressor, ReduceContext
+from jaxcomm.compression.base import Compressor, ReduceContext, step_key
 from jaxcomm.mesh import DATA_AXES, INTRA
 from jaxcomm.policy import LeafPlan
 from jaxcomm.state import PerDevice, marked_per_device, varying_axes
@@ -250,7 +250,7 @@ def sync_gradients(
         Decisions every device must share (fp16's overflow skip, adaptive's level) are
         still reduced over all ``axes``.
       seed: seed of the compressors' randomness (stochastic rounding, random-k); the key
-        of a step is ``fold_in(key(seed), count)``.
+        of a step is ``jaxcomm.compression.base.step_key(seed, count)``.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`SyncGradientsState`.
@@ -407,7 +407,7 @@ def sync_gradients(
                 axes=axes,
                 algorithm=algorithm,
                 step=state.count,
-                key=jax.random.fold_in(jax.random.key(seed), state.count),
+                key=step_key(seed, state.count),
                 data_axes=axes,
             )
 

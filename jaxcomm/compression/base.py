@@ -35,6 +35,8 @@ __all__ = [
     "check_range",
     "decision_axes",
     "device_key",
+    "lowbias32",
+    "step_key",
     "sum_over",
 ]
 
@@ -173,6 +175,40 @@ def all_to_all_rows(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 def axes_size(axes: tuple[str, ...]) -> int:
     """Number of devices over ``axes`` (inside shard_map)."""
     return int(np.prod([lax.axis_size(a) for a in axes]))
+
+
+def lowbias32(h: jax.Array) -> jax.Array:
+    """An integer hash with a low avalanche bias on uint32 (Wellons, "Prospecting for hash
+    functions", 2018: the ``lowbias32`` constants); a bijection on uint32."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def step_key(seed: int, step: jax.Array) -> jax.Array:
+    """The PRNG key of ``sync_gradients``' step ``step`` (:attr:`ReduceContext.key`).
+
+    The words of ``jax.random.key(seed)`` (no generator runs) each hashed with the step
+    and their lane: ``w_l = lowbias32(lowbias32(w_l ^ lowbias32(step ^ 0x9E3779B9)) ^ l)``,
+    wrapped as a key of the default implementation. ``jax.random.fold_in`` would run
+    threefry (20 rounds), which XLA:CPU compiles into a few scalar kernels of its own in
+    every compressed sync (issue 17); a key only needs words that differ per step and look
+    independent, and whatever draws from it (``jax.random`` or
+    :func:`~jaxcomm.compression.quantize.dither_seed`) mixes them further.
+
+    Args:
+      seed: ``sync_gradients``' seed.
+      step: int32 scalar, the number of synchronised steps before this one.
+
+    Returns:
+      A PRNG key (``jax.random.key``'s implementation), the same on every device.
+    """
+    base = jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32)
+    mix = lowbias32(jnp.asarray(step).astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))
+    lanes = lax.iota(jnp.uint32, base.size).reshape(base.shape)
+    return jax.random.wrap_key_data(lowbias32(lowbias32(base ^ mix) ^ lanes))
 
 
 def device_key(key: jax.Array, axes: tuple[str, ...]) -> jax.Array:

@@ -38,6 +38,7 @@ from jaxcomm.compression.base import (
     ReduceContext,
     all_to_all_rows,
     axes_size,
+    lowbias32,
 )
 from jaxcomm.packing import runtime_ints
 from jaxcomm.state import varying_axes
@@ -57,16 +58,6 @@ __all__ = [
 ]
 
 _QMAX = {8: 127, 4: 7}
-
-
-def _lowbias32(h: jax.Array) -> jax.Array:
-    """An integer hash with a low avalanche bias on uint32 (Wellons, "Prospecting for hash
-    functions", 2018: the ``lowbias32`` constants)."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x7FEB352D)
-    h = h ^ (h >> 15)
-    h = h * jnp.uint32(0x846CA68B)
-    return h ^ (h >> 16)
 
 
 def dither_seed(key: jax.Array, *salts: int | jax.Array) -> jax.Array:
@@ -92,9 +83,9 @@ def dither_seed(key: jax.Array, *salts: int | jax.Array) -> jax.Array:
     words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
     h = jnp.uint32(0x9E3779B9)  # the golden ratio's bits: a nonzero start for a zero key
     for w in words[::-1]:
-        h = _lowbias32(w ^ h)
+        h = lowbias32(w ^ h)
     for s in salts:
-        h = _lowbias32(h ^ jnp.asarray(s).astype(jnp.uint32))
+        h = lowbias32(h ^ jnp.asarray(s).astype(jnp.uint32))
     return h
 
 
@@ -104,7 +95,7 @@ def seeded_uniform(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     if n > 2**32:
         raise ValueError(f"uniform_dither: {n} elements; at most 2**32 have distinct indices.")
     index = lax.iota(jnp.uint32, n).reshape(shape)
-    h = _lowbias32(_lowbias32(index) ^ seed)
+    h = lowbias32(lowbias32(index) ^ seed)
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
