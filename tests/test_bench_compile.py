@@ -46,6 +46,14 @@ def test_run_table_and_json(mesh, tmp_path, capsys):
     assert ring["hlo_ops_pre"] > flat["hlo_ops_pre"]
     text = capsys.readouterr().out
     lines = text.strip().splitlines()
+    # one progress line per compile, naming the option and round it reports
+    progress = [line.split(":")[0] for line in lines if "(round " in line]
+    assert progress == [
+        "flat (round 1/2)",
+        "ring (round 1/2)",
+        "flat (round 2/2)",
+        "ring (round 2/2)",
+    ]
     assert "x flat" in lines[-3] and lines[-2].split()[0] == "flat"
     assert lines[-2].split()[5] == lines[-2].split()[7] == "1.00"  # flat's ratios to itself
     assert lines[-1].split()[0] == "ring"

@@ -313,7 +313,7 @@ def run(
     image_size: int = 32,
     batch: int = 8,
     mesh=None,
-    on_result: Callable[[dict], None] | None = None,
+    on_result: Callable[[dict, str], None] | None = None,
     repeat: int = 1,
 ) -> dict[str, Any]:
     """Compiles the sync (and with ``step`` the train step) of each option.
@@ -324,7 +324,7 @@ def run(
       step: also compile the whole data-parallel step of ``step_model``.
       step_model, image_size, batch: the ``step`` ResNet, input side, global batch.
       mesh: the 2 x 4 mesh (default ``jaxcomm.make_mesh(intra=4)``).
-      on_result: called with the results dict after each option.
+      on_result: called after each compile with the results dict and the option's name.
       repeat: rounds; every round compiles every option once, in order, so that a change
         of the machine's load meets all options alike. Each measure is the median over the
         rounds, the rounds' own values under ``"runs"``.
@@ -375,7 +375,7 @@ def run(
             } | {"runs": runs[o]}
             out["config"]["load_average_end"] = os.getloadavg()
             if on_result is not None:
-                on_result(out)
+                on_result(out, o)
     return out
 
 
@@ -422,14 +422,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_backend()
 
-    def save(out):
+    def save(out, option):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
-        last = list(out["results"])[-1]
-        r = out["results"][last]
+        runs = out["results"][option]["runs"]
+        r = runs[-1]  # this round's compile, not the median so far
         print(
-            f"{last}: sync {r['sync']['total_s']:.1f} s"
+            f"{option} (round {len(runs)}/{args.repeat}): sync {r['sync']['total_s']:.1f} s"
             + (f", step {r['step']['total_s']:.1f} s" if "step" in r else ""),
             flush=True,
         )
