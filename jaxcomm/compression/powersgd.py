@@ -297,11 +297,14 @@ def powersgd(
         def mean_all(parts):  # one all-reduce for all batches of this phase
             flat = jnp.concatenate([x.reshape(-1) for x in parts])
             flat = sum_over(flat, axes, ctx.algorithm) / n_dev
-            out, off = [], 0
-            for x in parts:
-                out.append(flat[off : off + x.size].reshape(x.shape))
-                off += x.size
-            return out
+            # cut at runtime offsets: parts of one size share one kernel (runtime_ints)
+            offsets = np.cumsum([0] + [x.size for x in parts[:-1]])
+            starts = runtime_ints([int(o) for o in offsets])
+            return [
+                jax.lax.dynamic_slice(flat, (o,), (x.size,), allow_negative_indices=False)
+                .reshape(x.shape)
+                for x, o in zip(parts, starts, strict=True)
+            ]
 
         ps = _orthogonalize_batches(mean_all([mt @ q for mt, q in zip(mats, qs, strict=True)]))
         q_local = [jnp.einsum("gnm,gnr->gmr", mt, p) for mt, p in zip(mats, ps, strict=True)]
