@@ -301,8 +301,9 @@ def powersgd(
             offsets = np.cumsum([0] + [x.size for x in parts[:-1]])
             starts = runtime_ints([int(o) for o in offsets])
             return [
-                jax.lax.dynamic_slice(flat, (o,), (x.size,), allow_negative_indices=False)
-                .reshape(x.shape)
+                jax.lax.dynamic_slice(flat, (o,), (x.size,), allow_negative_indices=False).reshape(
+                    x.shape
+                )
                 for x, o in zip(parts, starts, strict=True)
             ]
 
