@@ -39,7 +39,7 @@ from jaxcomm.compression.base import (
     decision_axes,
     sum_over,
 )
-from jaxcomm.packing import runtime_ints
+from jaxcomm.packing import plan_groups, runtime_ints
 from jaxcomm.validate import check_int
 
 __all__ = ["PowerSGDState", "matrix_shape", "orthogonalize", "powersgd", "shape_groups"]
@@ -295,17 +295,9 @@ def powersgd(
         n_dev = int(np.prod([jax.lax.axis_size(a) for a in axes]))
 
         def mean_all(parts):  # one all-reduce for all batches of this phase
-            flat = jnp.concatenate([x.reshape(-1) for x in parts])
-            flat = sum_over(flat, axes, ctx.algorithm) / n_dev
-            # cut at runtime offsets: parts of one size share one kernel (runtime_ints)
-            offsets = np.cumsum([0] + [x.size for x in parts[:-1]])
-            starts = runtime_ints([int(o) for o in offsets])
-            return [
-                jax.lax.dynamic_slice(flat, (o,), (x.size,), allow_negative_indices=False).reshape(
-                    x.shape
-                )
-                for x, o in zip(parts, starts, strict=True)
-            ]
+            plan = plan_groups(parts, [range(len(parts))])  # cut back at runtime offsets
+            (flat,) = plan.pack(parts)
+            return plan.unpack([sum_over(flat, axes, ctx.algorithm) / n_dev])
 
         ps = _orthogonalize_batches(mean_all([mt @ q for mt, q in zip(mats, qs, strict=True)]))
         q_local = [jnp.einsum("gnm,gnr->gmr", mt, p) for mt, p in zip(mats, ps, strict=True)]
