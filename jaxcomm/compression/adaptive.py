@@ -129,6 +129,7 @@ from jaxcomm.compression.quantize import (
     two_phase_seeds,
 )
 from jaxcomm.compression.sparse import random_k_mean, topk_mean
+from jaxcomm.packing import runtime_ints
 from jaxcomm.state import PerDevice
 from jaxcomm.validate import check_int
 
@@ -617,17 +618,35 @@ def adaptive(
     def advance(state: AdaptiveState, d, residual: PerDevice, err: jax.Array) -> AdaptiveState:
         """The state after a step that took decision ``d`` and measured ``err``."""
         decide, level, hold, strikes, reason, mean_err = d
-        zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+        f32, i32 = jnp.float32, jnp.int32
+        zero_f, zero_i = jnp.zeros((), f32), jnp.zeros((), i32)
+        as_i32 = lambda x: lax.bitcast_convert_type(x.astype(f32), i32)  # noqa: E731
+        # The new scalar fields as one int32 vector (the f32 ones bit-cast, exactly), read
+        # back at runtime indices: XLA:CPU compiles every scalar output as a kernel of its
+        # own (~25 ms each), the vector as one, and its reads share one (issue 17).
+        fields = jnp.stack([
+            level.astype(i32),
+            as_i32(jnp.where(decide, zero_f, state.error_sum) + err),
+            jnp.where(decide, zero_i, state.window_steps) + 1,
+            jnp.where(decide, hold, state.hold),
+            jnp.where(decide, strikes, state.strikes),
+            as_i32(jnp.where(decide, mean_err, state.last_error)),
+            jnp.where(decide, reason, state.last_reason),
+        ]).astype(i32)  # fmt: skip
+        (lvl, err_sum, steps, hold, strikes, last_err, last_reason) = (
+            lax.dynamic_index_in_dim(fields, k, keepdims=False) for k in runtime_ints(range(7))
+        )
+        as_f32 = lambda x: lax.bitcast_convert_type(x, f32)  # noqa: E731
         return AdaptiveState(
-            level=level,
+            level=lvl,
             residual=residual,
-            error_sum=jnp.where(decide, zero_f, state.error_sum) + err,
-            window_steps=(jnp.where(decide, zero_i, state.window_steps) + 1).astype(jnp.int32),
-            hold=jnp.where(decide, hold, state.hold),
-            strikes=jnp.where(decide, strikes, state.strikes),
+            error_sum=as_f32(err_sum),
+            window_steps=steps,
+            hold=hold,
+            strikes=strikes,
             comm_share=state.comm_share,
-            last_error=jnp.where(decide, mean_err, state.last_error),
-            last_reason=jnp.where(decide, reason, state.last_reason),
+            last_error=as_f32(last_err),
+            last_reason=last_reason,
             window=state.window,
         )
 

@@ -225,16 +225,22 @@ def _from_bytes(buf: jax.Array, shape: tuple[int, int], bits: int) -> tuple[jax.
 
 
 def _sum_rows(x: jax.Array) -> jax.Array:
-    """Sum over the first axis as ``len(x) - 1`` elementwise adds, in index order.
+    """Sum over the first axis as ``len(x) - 1`` elementwise adds, in index order, the axis
+    kept (of size 1).
 
     ``jnp.sum(x, axis=0)`` over a few long rows is a reduction kernel on XLA:CPU (a
     YNNPACK fusion) that does not fuse its producer: it was the largest kernel of an int8
     step (2 rows of 2.9M dequantized values: 24-36 ms against 3.9 ms for the adds, which
     fuse with the dequantization and the re-quantization after it).
+
+    The rows are added as ``(1, ...)`` slices, never squeezed: with ``x[r]`` every add
+    met a reshape, which XLA's reshape-mover moves past one add per round of its
+    simplification pipeline, so the pipeline ran once more per row (7 more rounds of
+    every simplification pass per int8/int4 mean on 8 devices, issue 17).
     """
-    acc = x[0]
+    acc = x[:1]
     for r in range(1, x.shape[0]):
-        acc = acc + x[r]
+        acc = acc + x[r : r + 1]
     return acc
 
 
@@ -314,16 +320,19 @@ def two_phase_mean(
     # Phase 1: chunk i of every device goes to device i; values and scales travel as one
     # byte buffer, so each phase is a single collective.
     recv = all_to_all_rows(_to_bytes(q, s), axes)
+    # (1, blocks, block) from here on: a reshape (x[0], x[None]) in an elementwise chain
+    # costs XLA a round of its simplification pipeline per operation it is moved past
     shard = _sum_rows(_dequantize_blocks(*_from_bytes(recv, chunk, bits), bits)) / p
     # Phase 2: re-quantize the mean chunk, gather all chunks.
-    q2, s2 = _quantize_blocks(shard[None], bits, seed2)
+    q2, s2 = _quantize_blocks(shard, bits, seed2)
     # This device owns chunk i; its re-quantization error enters its own "sent" record
     # (times p, since the result is a mean), so that mean_devices(sent) == result exactly
     # and error feedback conserves the gradient through both phases (1-bit Adam's
     # worker + server error, folded into one residual).
-    err2 = _dequantize_blocks(q2, s2, bits)[0] - shard
+    err2 = _dequantize_blocks(q2, s2, bits) - shard
     i = lax.axis_index(axes)
-    local = lax.dynamic_update_slice(local, (local[i] + p * err2)[None], (i, 0, 0))
+    own = lax.dynamic_slice_in_dim(local, i, 1)
+    local = lax.dynamic_update_slice(local, own + p * err2, (i, 0, 0))
     gathered = all_gather_invariant(_to_bytes(q2, s2), axes)  # (p, bytes), typed invariant
     rows = 1
     if gather_axis is not None:
