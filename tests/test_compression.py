@@ -195,6 +195,24 @@ def test_random_k_without_error_feedback_is_unbiased(run):
     assert rel < 0.2, rel
 
 
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.3, 1.0])
+@pytest.mark.parametrize("k", [1, 37, 4096])
+def test_first_true_is_nonzero_with_fill(density, k):
+    """The sampled top-k's index selection equals numpy's first ``k`` true indices, padded
+    with ``len(mask)``: fewer true entries than ``k`` (the fill), more (the cut), none and
+    all."""
+    from jaxcomm.compression.sparse import first_true
+
+    n = 4096
+    mask = np.random.default_rng(int(density * 100) + k).random(n) < density
+    ref = np.full(k, n, np.int32)
+    hits = np.nonzero(mask)[0][:k]
+    ref[: len(hits)] = hits
+    got = np.asarray(jax.jit(first_true, static_argnums=1)(jnp.asarray(mask), k))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, ref)
+
+
 @pytest.mark.parametrize(
     "make, match",
     [

@@ -93,7 +93,7 @@ def _time(fn, *args, repeats: int = 5) -> float:
 def kernel_ms_per_mb(name: str, n: int = 1 << 22) -> float | None:
     """Local compress + decompress time (ms per MB of f32) for the compressor ``name``."""
     from jaxcomm.compression.powersgd import orthogonalize
-    from jaxcomm.compression.quantize import dequantize, quantize
+    from jaxcomm.compression.quantize import dequantize, dither_seed, quantize
     from jaxcomm.compression.sparse import select_topk
 
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
@@ -117,7 +117,8 @@ def kernel_ms_per_mb(name: str, n: int = 1 << 22) -> float | None:
         k = n // 100
 
         def fn(x, key):
-            idx, vals = select_topk(x, k, method="sampled", sample=n // 100, key=key)
+            seed = dither_seed(key)
+            idx, vals = select_topk(x, k, method="sampled", sample=n // 100, seed=seed)
             return jnp.zeros((n + 1,), jnp.float32).at[idx].add(vals)[:n]
 
         fn = jax.jit(fn)

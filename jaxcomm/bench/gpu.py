@@ -197,7 +197,7 @@ def _kernels(args: argparse.Namespace, emit: _Emit) -> None:
     import jax.numpy as jnp
 
     from jaxcomm.compression.powersgd import matrix_shape, orthogonalize, powersgd, shape_groups
-    from jaxcomm.compression.quantize import dequantize, quantize, uniform_dither
+    from jaxcomm.compression.quantize import dequantize, dither_seed, quantize, uniform_dither
     from jaxcomm.compression.sparse import select_topk
     from jaxcomm.models import gradient_shapes
 
@@ -310,7 +310,7 @@ def _kernels(args: argparse.Namespace, emit: _Emit) -> None:
         record(
             f"top-k {ratio:g} selection, {method}",
             lambda c, key, method=method: select_topk(
-                c, k, method=method, sample=max(1, n // 100), key=key
+                c, k, method=method, sample=max(1, n // 100), seed=dither_seed(key)
             ),
             (flat[:n], key),
             4 * n + 8 * k,

@@ -118,7 +118,6 @@ from jaxcomm.compression.base import (
     axes_size,
     check_range,
     decision_axes,
-    device_key,
     sum_over,
 )
 from jaxcomm.compression.cast import bf16_mean
@@ -344,8 +343,8 @@ def _rung(name: str, block: int, method: str, switched: bool = True) -> _Rung:
         r = _parse_ratio(name, kind)
 
         def top(c, ctx, key, i, seeds):
-            k = jax.random.fold_in(device_key(key, ctx.axes), i)
-            return topk_mean(c, ctx.axes, ratio=r, method=method, sample_ratio=0.01, key=k)
+            seed = dither_seed(key, lax.axis_index(ctx.axes), i)  # as topk() seeds it
+            return topk_mean(c, ctx.axes, ratio=r, method=method, sample_ratio=0.01, seed=seed)
 
         return _Rung(f"topk:{r:g}", max(0.0, 1.0 - 2 * r), lambda p: p * r, top)
     if kind == "random_k":

@@ -33,11 +33,11 @@ from jaxcomm.compression.base import (
     ReduceContext,
     axes_size,
     check_range,
-    device_key,
     sum_over,
 )
+from jaxcomm.compression.quantize import dither_seed
 
-__all__ = ["random_k", "random_k_mean", "select_topk", "topk", "topk_mean"]
+__all__ = ["first_true", "random_k", "random_k_mean", "select_topk", "topk", "topk_mean"]
 
 METHODS = ("auto", "exact", "sampled")
 # 'auto' uses exact top-k below this many elements (fast enough, exact), sampled above.
@@ -48,8 +48,37 @@ def _k(n: int, ratio: float) -> int:
     return max(1, min(n, math.ceil(ratio * n)))
 
 
+def first_true(mask: jax.Array, k: int) -> jax.Array:
+    """Indices of the first ``k`` true entries of a 1-D ``mask``, in increasing order;
+    ``len(mask)`` in the slots past the last one.
+
+    ``jnp.nonzero(mask, size=k, fill_value=len(mask))``, computed with one prefix sum and
+    one scatter: ``nonzero`` runs two prefix sums and a full-length sum for its fill, which
+    XLA:CPU compiles as trees of reduce-window kernels (a level per factor of 16 or 32 of
+    the length): 24 of top-k's 100 kernels on ResNet-152 (issue 17).
+
+    1. ``rank = cumsum(mask) - 1``: the slot of each true entry.
+    2. Scatter each true entry's index into its slot; those of rank ``k`` and more, and
+       the false entries, fall outside the ``k`` slots and are dropped.
+
+    Args:
+      mask: 1-D bool array of length ``N < 2**31``.
+      k: slots (>= 1).
+
+    Returns:
+      int32 ``(k,)``.
+
+    Example:
+      >>> first_true(jnp.array([False, True, True, False, True]), 2)   # [1, 2]
+    """
+    n = mask.shape[0]
+    rank = jnp.cumsum(mask, dtype=jnp.int32) - 1
+    slot = jnp.where(mask, rank, k)  # k: out of range, dropped
+    return jnp.full((k,), n, jnp.int32).at[slot].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+
+
 def select_topk(
-    c: jax.Array, k: int, *, method: str, sample: int, key: jax.Array
+    c: jax.Array, k: int, *, method: str, sample: int, seed: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Indices and values of (about) the ``k`` largest ``|c|`` of a 1-D f32 ``c``.
 
@@ -58,7 +87,8 @@ def select_topk(
       k: entries to select.
       method: 'exact' (``lax.top_k``) or 'sampled' (DGC threshold from a sample).
       sample: sample size for 'sampled'.
-      key: per-device key (random offset of the strided sample).
+      seed: uint32 scalar that differs per device and step (a
+        :func:`~jaxcomm.compression.quantize.dither_seed`): the strided sample's offset.
 
     Returns:
       ``(idx, vals)`` of length ``k``; unused slots (sampled, fewer than ``k`` above the
@@ -72,13 +102,11 @@ def select_topk(
     # DGC: 1. strided sample with a random offset; 2. its top ratio-quantile is the
     # threshold; 3. mask; 4. the first k indices of the mask (fixed size for the gather).
     stride = n // sample
-    off = jax.random.randint(key, (), 0, stride)
+    off = (seed % jnp.uint32(stride)).astype(jnp.int32)  # a hash: no threefry kernels
     s = lax.dynamic_slice(a, (off,), (stride * (sample - 1) + 1,))[::stride]
     ks = max(1, math.ceil(k * sample / n))
     thr = lax.top_k(s, ks)[0][-1]
-    mask = (a >= thr) & (a > 0)
-    (idx,) = jnp.nonzero(mask, size=k, fill_value=n)
-    idx = idx.astype(jnp.int32)
+    idx = first_true((a >= thr) & (a > 0), k)
     vals = jnp.where(idx < n, jnp.take(c, jnp.minimum(idx, n - 1)), 0.0)
     return idx, vals
 
@@ -90,7 +118,7 @@ def topk_mean(
     ratio: float,
     method: str,
     sample_ratio: float,
-    key: jax.Array,
+    seed: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """Mean over ``axes`` of the top-k entries of each device's ``c`` (all-gather of pairs).
 
@@ -103,7 +131,8 @@ def topk_mean(
       ratio: fraction of entries sent, in (0, 1].
       method: 'exact', 'sampled' or 'auto' (see :func:`topk`).
       sample_ratio: sample fraction for 'sampled'.
-      key: per-device key (the sample's random offset).
+      seed: uint32 scalar, different per device and step (the sample's offset; see
+        :func:`select_topk`).
 
     Returns:
       ``(mean, sent)``, both shaped like ``c``: ``mean`` the same on every device,
@@ -115,7 +144,7 @@ def topk_mean(
     if method == "auto":
         method = "exact" if n <= EXACT_MAX_ELEMENTS else "sampled"
     sample = max(k, math.ceil(sample_ratio * n), min(n, 1024))
-    idx, vals = select_topk(flat, k, method=method, sample=sample, key=key)
+    idx, vals = select_topk(flat, k, method=method, sample=sample, seed=seed)
     # The wire: p x k indices and values.
     all_idx = all_gather_invariant(idx, axes)
     all_vals = all_gather_invariant(vals, axes)
@@ -209,12 +238,12 @@ def topk(
 
     def reduce(xs, state, ctx: ReduceContext):
         cs = ef.corrected(xs, state if error_feedback else None)
-        key = device_key(ctx.key, ctx.axes)
+        device = lax.axis_index(ctx.axes)
         out, sent = [], []
         for i, c in enumerate(cs):
             mean, mine = topk_mean(
                 c, ctx.axes, ratio=ratio, method=method, sample_ratio=sample_ratio,
-                key=jax.random.fold_in(key, i),
+                seed=dither_seed(ctx.key, device, i),
             )  # fmt: skip
             out.append(mean.astype(jnp.result_type(xs[i])))
             sent.append(mine)
