@@ -134,11 +134,12 @@ def two_phase_seeds(key: jax.Array, *salts: int | jax.Array) -> tuple[jax.Array,
 
 
 def _quantize_blocks(
-    xb: jax.Array, bits: int, seed: jax.Array | None
+    xb: jax.Array, bits: int, seed: jax.Array | None, inv_qmax: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`quantize` on blocks: ``xb`` f32 ``(rows, blocks, block)`` -> ``q`` int8
     ``(rows, blocks, block)`` (uint8 ``(rows, blocks, block // 2)`` for 4 bits) and the
-    scales ``(rows, blocks)``.
+    scales ``(rows, blocks)``; ``inv_qmax``: ``1 / qmax`` as a runtime f32 scalar
+    (:func:`_runtime_inv_qmax`), or None for the constant.
 
     Every kernel of the two-phase mean runs on this 3-D block layout. XLA:CPU indexes a
     fused kernel through each reshape and slice inside it (a division per element), and a
@@ -147,7 +148,10 @@ def _quantize_blocks(
     """
     qmax = _QMAX[bits]
     absmax = jnp.max(jnp.abs(xb), axis=-1)
-    scales = jnp.where(absmax > 0, absmax / qmax, 1.0)
+    # absmax * (1 / qmax): what XLA makes of absmax / qmax (the f32 reciprocal), written
+    # out so that it may come in as a runtime value
+    inv = _inv_qmax(bits) if inv_qmax is None else inv_qmax
+    scales = jnp.where(absmax > 0, absmax * inv, 1.0)
     # Divide by a finite positive scale: zeros stay 0, huge finite values stay finite.
     v = xb / scales[..., None]
     if seed is None:
@@ -159,6 +163,20 @@ def _quantize_blocks(
         return v.astype(jnp.int8), scales
     u = (v + 8).astype(jnp.uint8)  # [1, 15]; a block is even, so pairs never straddle one
     return u[..., 0::2] | (u[..., 1::2] << 4), scales
+
+
+def _inv_qmax(bits: int) -> np.float32:
+    """``1 / qmax`` rounded to f32 (as XLA folds ``x / qmax``)."""
+    return np.float32(1) / np.float32(_QMAX[bits])
+
+
+def _runtime_inv_qmax(bits: int) -> jax.Array:
+    """:func:`_inv_qmax` as a runtime f32 scalar (its bits through
+    ``jaxcomm.packing.runtime_ints``). The scale kernels of int8 and int4 differ only in
+    this constant: as a value XLA cannot fold, adaptive's two int rungs share those four
+    kernels (issue 17)."""
+    (word,) = runtime_ints([int(_inv_qmax(bits).view(np.uint32))])
+    return lax.bitcast_convert_type(word, jnp.float32)
 
 
 def _dequantize_blocks(q: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
@@ -315,7 +333,8 @@ def two_phase_mean(
     chunk = (blocks, block if bits == 8 else block // 2)  # value bytes of one chunk
     xb = jnp.pad(x, (0, p * blocks * block - n)).reshape(p, blocks, block)
     seed1, seed2 = (None, None) if seeds is None else seeds
-    q, s = _quantize_blocks(xb, bits, seed1)
+    inv_qmax = _runtime_inv_qmax(bits)
+    q, s = _quantize_blocks(xb, bits, seed1, inv_qmax)
     local = _dequantize_blocks(q, s, bits)  # (p, blocks, block): what this device sends
     # Phase 1: chunk i of every device goes to device i; values and scales travel as one
     # byte buffer, so each phase is a single collective.
@@ -324,7 +343,7 @@ def two_phase_mean(
     # costs XLA a round of its simplification pipeline per operation it is moved past
     shard = _sum_rows(_dequantize_blocks(*_from_bytes(recv, chunk, bits), bits)) / p
     # Phase 2: re-quantize the mean chunk, gather all chunks.
-    q2, s2 = _quantize_blocks(shard, bits, seed2)
+    q2, s2 = _quantize_blocks(shard, bits, seed2, inv_qmax)
     # This device owns chunk i; its re-quantization error enters its own "sent" record
     # (times p, since the result is a mean), so that mean_devices(sent) == result exactly
     # and error feedback conserves the gradient through both phases (1-bit Adam's
