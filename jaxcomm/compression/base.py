@@ -38,6 +38,7 @@ __all__ = [
     "lowbias32",
     "step_key",
     "sum_over",
+    "sum_rows",
 ]
 
 
@@ -223,3 +224,25 @@ def sum_over(x: jax.Array, axes: tuple[str, ...], algorithm: str) -> jax.Array:
 
 def as_f32(x: jax.Array) -> jax.Array:
     return jnp.asarray(x).astype(jnp.float32)
+
+
+def sum_rows(x: jax.Array) -> jax.Array:
+    """Sum over the first axis as ``len(x) - 1`` elementwise adds, in index order, the axis
+    kept (of size 1).
+
+    ``jnp.sum(x, axis=0)`` over a few long rows is a reduction kernel on XLA:CPU (a
+    YNNPACK fusion) that does not fuse its producer: it was the largest kernel of an int8
+    step (2 rows of 2.9M dequantized values: 24-36 ms against 3.9 ms for the adds, which
+    fuse with the dequantization and the re-quantization after it), and on rows received
+    by an all-to-all it needs them concatenated first (a copy of the payload), where the
+    adds read each received row where it lies.
+
+    The rows are added as ``(1, ...)`` slices, never squeezed: with ``x[r]`` every add
+    met a reshape, which XLA's reshape-mover moves past one add per round of its
+    simplification pipeline, so the pipeline ran once more per row (7 more rounds of
+    every simplification pass per int8/int4 mean on 8 devices, issue 17).
+    """
+    acc = x[:1]
+    for r in range(1, x.shape[0]):
+        acc = acc + x[r : r + 1]
+    return acc

@@ -46,6 +46,7 @@ from jaxcomm.compression.base import (
     axes_size,
     decision_axes,
     sum_over,
+    sum_rows,
 )
 
 __all__ = ["VIAS", "Fp16State", "bf16", "bf16_exchange_mean", "bf16_mean", "fp16"]
@@ -67,14 +68,21 @@ def bf16_exchange_mean(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, 
     p = axes_size(axes)
     n = x.shape[0]
     m = -(-n // p)
-    lo = jnp.pad(as_f32(x), (0, p * m - n)).astype(jnp.bfloat16).reshape(p, m)
+    xf = as_f32(x)
+    if p * m > n:
+        xf = jnp.pad(xf, (0, p * m - n))
+    lo = xf.reshape(p, m).astype(jnp.bfloat16)
     words = all_to_all_rows(lax.bitcast_convert_type(lo, jnp.uint16), axes)
-    chunk = as_f32(lax.bitcast_convert_type(words, jnp.bfloat16)).sum(0) / p
+    # (1, m) from here on; the rows summed by adds (sum_rows), which fuse with their
+    # decoding straight from the received rows (a sum(0) reduction needs them
+    # concatenated first: a copy of the payload and a kernel more, issue 17)
+    chunk = sum_rows(as_f32(lax.bitcast_convert_type(words, jnp.bfloat16))) / p
     chunk_lo = chunk.astype(jnp.bfloat16)
-    full = all_gather_invariant(lax.bitcast_convert_type(chunk_lo, jnp.uint16), axes)
+    full = all_gather_invariant(lax.bitcast_convert_type(chunk_lo[0], jnp.uint16), axes)
     i = lax.axis_index(axes)
     sent = as_f32(lo)
-    sent = lax.dynamic_update_slice(sent, (sent[i] + p * (as_f32(chunk_lo) - chunk))[None], (i, 0))
+    own = lax.dynamic_slice_in_dim(sent, i, 1)
+    sent = lax.dynamic_update_slice(sent, own + p * (as_f32(chunk_lo) - chunk), (i, 0))
     return as_f32(lax.bitcast_convert_type(full, jnp.bfloat16))[:n], sent.reshape(-1)[:n]
 
 

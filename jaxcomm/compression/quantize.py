@@ -40,6 +40,7 @@ from jaxcomm.compression.base import (
     all_to_all_rows,
     axes_size,
     lowbias32,
+    sum_rows,
 )
 from jaxcomm.packing import runtime_ints
 from jaxcomm.state import varying_axes
@@ -242,26 +243,6 @@ def _from_bytes(buf: jax.Array, shape: tuple[int, int], bits: int) -> tuple[jax.
     return q, lax.bitcast_convert_type(sb, jnp.float32)
 
 
-def _sum_rows(x: jax.Array) -> jax.Array:
-    """Sum over the first axis as ``len(x) - 1`` elementwise adds, in index order, the axis
-    kept (of size 1).
-
-    ``jnp.sum(x, axis=0)`` over a few long rows is a reduction kernel on XLA:CPU (a
-    YNNPACK fusion) that does not fuse its producer: it was the largest kernel of an int8
-    step (2 rows of 2.9M dequantized values: 24-36 ms against 3.9 ms for the adds, which
-    fuse with the dequantization and the re-quantization after it).
-
-    The rows are added as ``(1, ...)`` slices, never squeezed: with ``x[r]`` every add
-    met a reshape, which XLA's reshape-mover moves past one add per round of its
-    simplification pipeline, so the pipeline ran once more per row (7 more rounds of
-    every simplification pass per int8/int4 mean on 8 devices, issue 17).
-    """
-    acc = x[:1]
-    for r in range(1, x.shape[0]):
-        acc = acc + x[r : r + 1]
-    return acc
-
-
 def _materialized(f: Callable[..., Any], *args: jax.Array) -> Any:
     """``f(*args)`` (an array or a tuple of arrays), each computed into a buffer of its own.
 
@@ -341,7 +322,7 @@ def two_phase_mean(
     recv = all_to_all_rows(_to_bytes(q, s), axes)
     # (1, blocks, block) from here on: a reshape (x[0], x[None]) in an elementwise chain
     # costs XLA a round of its simplification pipeline per operation it is moved past
-    shard = _sum_rows(_dequantize_blocks(*_from_bytes(recv, chunk, bits), bits)) / p
+    shard = sum_rows(_dequantize_blocks(*_from_bytes(recv, chunk, bits), bits)) / p
     # Phase 2: re-quantize the mean chunk, gather all chunks.
     q2, s2 = _quantize_blocks(shard, bits, seed2, inv_qmax)
     # This device owns chunk i; its re-quantization error enters its own "sent" record
