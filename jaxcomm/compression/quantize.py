@@ -212,7 +212,7 @@ def quantize(
       nibbles per byte) for 4 bits; ``scales`` f32 ``(rows, m // block)``.
     """
     rows, m = x.shape
-    seed = None if key is None else dither_seed(key)
+    seed = None if key is None else _materialized(lambda s: s, dither_seed(key))  # see there
     q, scales = _quantize_blocks(x.reshape(rows, m // block, block), bits, seed)
     return q.reshape(rows, -1), scales
 
@@ -255,6 +255,12 @@ def _materialized(f: Callable[..., Any], *args: jax.Array) -> Any:
     decoded operand would copy it once more); the predicate is a runtime value (never
     folded) that is always true. Only on CPU: a GPU conditional reads its predicate on the
     host, and GPU kernels index cheaply.
+
+    The dither seeds go through it too: XLA fuses a scalar's producers into its consumer,
+    so a seed's ``lowbias32`` chain (the key's words, device, buffer, phase) sat inside the
+    encoding kernel of every element, where LLVM did not hoist it out of int4's loop: that
+    kernel took 688 ms per device-call, 145 ms with the seeds in buffers (ResNet-18, 8
+    devices; the int4 sync 2.6x faster, docs/benchmarks.md, issue 17).
     """
     if jax.default_backend() != "cpu":
         return f(*args)
@@ -357,15 +363,19 @@ def _quantized(bits: int, block: int, stochastic: bool, error_feedback: bool) ->
     def reduce(xs, state, ctx: ReduceContext):
         cs = ef.corrected(xs, state if error_feedback else None)
         device = lax.axis_index(ctx.axes)
+        seeds = [None] * len(cs)
+        if stochastic:  # into buffers: see _materialized
+            flat = [s for i in range(len(cs)) for s in two_phase_seeds(ctx.key, device, i)]
+            flat = _materialized(lambda *s: s, *flat)
+            seeds = list(zip(flat[0::2], flat[1::2], strict=True))
         out, sent = [], []
         for i, c in enumerate(cs):
-            seeds = two_phase_seeds(ctx.key, device, i) if stochastic else None
             mean, local = two_phase_mean(
                 c.reshape(-1),
                 ctx.axes,
                 bits=bits,
                 block=block,
-                seeds=seeds,
+                seeds=seeds[i],
                 gather_axis=ctx.gather_axis,
             )
             shape = c.shape if ctx.gather_axis is None else mean.shape
