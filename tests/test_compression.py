@@ -214,6 +214,21 @@ def test_first_true_is_nonzero_with_fill(density, k):
 
 
 @pytest.mark.parametrize(
+    "mask, k, match",
+    [
+        (np.array([0, 2, 0, 3]), 2, "1-D bool"),  # counts are not a mask
+        (np.ones((2, 3), bool), 2, "1-D bool"),
+        (np.ones(4, bool), 0, "k=0"),
+    ],
+)
+def test_first_true_rejects_bad_input(mask, k, match):
+    from jaxcomm.compression.sparse import first_true
+
+    with pytest.raises(ValueError, match=match):
+        first_true(jnp.asarray(mask), k)
+
+
+@pytest.mark.parametrize(
     "make, match",
     [
         (lambda: C.topk(0.0), r"ratio=0.0 is out of range; allowed \(0.0, 1.0\]"),

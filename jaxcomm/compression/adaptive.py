@@ -631,7 +631,10 @@ def adaptive(
             jnp.where(decide, strikes, state.strikes),
             as_i32(jnp.where(decide, mean_err, state.last_error)),
             jnp.where(decide, reason, state.last_reason),
-        ]).astype(i32)  # fmt: skip
+        ])  # fmt: skip
+        # every entry is int32 (a float among them would promote the vector and round the
+        # bit-cast floats)
+        assert fields.dtype == i32, fields.dtype
         (lvl, err_sum, steps, hold, strikes, last_err, last_reason) = (
             lax.dynamic_index_in_dim(fields, k, keepdims=False) for k in runtime_ints(range(7))
         )

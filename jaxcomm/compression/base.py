@@ -34,7 +34,6 @@ __all__ = [
     "axes_size",
     "check_range",
     "decision_axes",
-    "device_key",
     "lowbias32",
     "step_key",
     "sum_over",
@@ -50,7 +49,8 @@ class ReduceContext(NamedTuple):
       algorithm: the all-reduce algorithm name for all-reduce-compatible payloads.
       step: int32 scalar, the number of synchronised steps before this one.
       key: a PRNG key that is the **same on every device** (derived from the sync seed and
-        ``step``); fold in :func:`device_key` for per-device randomness.
+        ``step``); hash it with the device's index for per-device randomness
+        (``quantize.dither_seed(key, lax.axis_index(axes), ...)``: no threefry).
       data_axes: every data-parallel axis of the step (``()``: the same as ``axes``). With
         ``compress_stage='inter'``, ``axes`` are the outer axes only and each device of a
         node holds a different shard, so a decision that must be the same on every
@@ -212,11 +212,6 @@ def step_key(seed: int, step: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(lowbias32(lowbias32(base ^ mix) ^ lanes))
 
 
-def device_key(key: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """A key that differs per device: ``key`` folded with the device's position on ``axes``."""
-    return jax.random.fold_in(key, lax.axis_index(axes))
-
-
 def sum_over(x: jax.Array, axes: tuple[str, ...], algorithm: str) -> jax.Array:
     """Sums a 1-D ``x`` over ``axes`` with the registered all-reduce ``algorithm``."""
     return ALGORITHMS[algorithm](x, axes)
@@ -241,7 +236,21 @@ def sum_rows(x: jax.Array) -> jax.Array:
     met a reshape, which XLA's reshape-mover moves past one add per round of its
     simplification pipeline, so the pipeline ran once more per row (7 more rounds of
     every simplification pass per int8/int4 mean on 8 devices, issue 17).
+
+    Args:
+      x: array ``(p, ...)`` with ``p >= 1``.
+
+    Returns:
+      ``x[0] + x[1] + ... + x[p - 1]`` (in that order), shaped ``(1, ...)``.
+
+    Raises:
+      ValueError: ``x`` has no rows.
+
+    Example:
+      >>> shard = sum_rows(decoded) / p   # the mean of the p received chunks
     """
+    if jnp.ndim(x) < 1 or x.shape[0] < 1:
+        raise ValueError(f"sum_rows: x needs at least one row, got shape {jnp.shape(x)}.")
     acc = x[:1]
     for r in range(1, x.shape[0]):
         acc = acc + x[r : r + 1]

@@ -53,7 +53,8 @@ class PowerSGDState(NamedTuple):
     largest ``(N, M)``; the state holds one entry per group, its ``g`` matrices stacked in
     leaf order, so that a step reads and writes one array per group rather than one per
     leaf. Checkpoints of an earlier layout (one entry per leaf, or per exact shape before
-    ``max_padding``) do not restore into this one.
+    ``max_padding``) do not restore into this one, nor those of another ``max_padding``:
+    before 2026-12-02 the default was 0.05 (``powersgd(max_padding=0.05)`` restores them).
 
     Attributes:
       q: tuple of f32 ``(g, M, r)`` stacks, one per group, rows past a matrix's own ``m``

@@ -65,6 +65,10 @@ _QMAX = {8: 127, 4: 7}
 def dither_seed(key: jax.Array, *salts: int | jax.Array) -> jax.Array:
     """A uint32 dither seed from a PRNG key and integer salts (device, buffer, phase).
 
+    Also top-k's sample offset (``sparse.select_topk``) and the error sketch's signs
+    (``adaptive.error_of_mean``): any per-device, per-step scalar that only has to look
+    random.
+
     1. ``h = lowbias32(w0 ^ lowbias32(w1 ^ 0x9E3779B9))`` over the key's raw words
        (``jax.random.key_data``: no generator runs);
     2. ``h = lowbias32(h ^ s)`` for each salt ``s`` in order.

@@ -36,6 +36,7 @@ from jaxcomm.compression.base import (
     sum_over,
 )
 from jaxcomm.compression.quantize import dither_seed
+from jaxcomm.validate import check_int
 
 __all__ = ["first_true", "random_k", "random_k_mean", "select_topk", "topk", "topk_mean"]
 
@@ -68,9 +69,18 @@ def first_true(mask: jax.Array, k: int) -> jax.Array:
     Returns:
       int32 ``(k,)``.
 
+    Raises:
+      ValueError: ``mask`` not 1-D bool, ``N >= 2**31`` or ``k < 1``.
+
     Example:
       >>> first_true(jnp.array([False, True, True, False, True]), 2)   # [1, 2]
     """
+    if jnp.ndim(mask) != 1 or jnp.result_type(mask) != jnp.bool_ or mask.shape[0] >= 2**31:
+        raise ValueError(
+            f"first_true: mask must be a 1-D bool array shorter than 2**31, got "
+            f"{jnp.result_type(mask)}{tuple(jnp.shape(mask))}; pass e.g. x != 0."
+        )
+    k = check_int("k", k, minimum=1)
     n = mask.shape[0]
     rank = jnp.cumsum(mask, dtype=jnp.int32) - 1
     slot = jnp.where(mask, rank, k)  # k: out of range, dropped
