@@ -307,9 +307,10 @@ def two_phase_mean(
         ``bits/32`` of the f32 bytes. The result is then the concatenation of the means
         of every device of ``gather_axis`` (in its index order), bit for bit what an f32
         all-gather of each device's mean would give.
-      materialize: decode the mean into a buffer of its own (on CPU, see
-        ``_materialized``); False where the caller's result is a buffer already (a
-        ``lax.switch`` branch's output), which would copy it once more.
+      materialize: decode the mean into a buffer of its own, and compute the seeds into
+        buffers before the encoding (on CPU, see ``_materialized``); False where the
+        caller's result is a buffer already (a ``lax.switch`` branch's output, whose
+        seeds come in as operands), which would copy it once more.
 
     Returns:
       ``(mean, sent)``: the mean (same on all devices; shape of ``x``, or ``g`` times its
@@ -323,6 +324,8 @@ def two_phase_mean(
     blocks = -(-n // (p * block))  # per chunk; every kernel below runs on (rows, blocks, block)
     chunk = (blocks, block if bits == 8 else block // 2)  # value bytes of one chunk
     xb = jnp.pad(x, (0, p * blocks * block - n)).reshape(p, blocks, block)
+    if seeds is not None and materialize:  # into buffers: see _materialized (a switch
+        seeds = _materialized(lambda *s: s, *seeds)  # branch gets them as operands)
     seed1, seed2 = (None, None) if seeds is None else seeds
     inv_qmax = _runtime_inv_qmax(bits)
     q, s = _quantize_blocks(xb, bits, seed1, inv_qmax)
@@ -367,19 +370,15 @@ def _quantized(bits: int, block: int, stochastic: bool, error_feedback: bool) ->
     def reduce(xs, state, ctx: ReduceContext):
         cs = ef.corrected(xs, state if error_feedback else None)
         device = lax.axis_index(ctx.axes)
-        seeds = [None] * len(cs)
-        if stochastic:  # into buffers: see _materialized
-            flat = [s for i in range(len(cs)) for s in two_phase_seeds(ctx.key, device, i)]
-            flat = _materialized(lambda *s: s, *flat)
-            seeds = list(zip(flat[0::2], flat[1::2], strict=True))
         out, sent = [], []
         for i, c in enumerate(cs):
+            seeds = two_phase_seeds(ctx.key, device, i) if stochastic else None
             mean, local = two_phase_mean(
                 c.reshape(-1),
                 ctx.axes,
                 bits=bits,
                 block=block,
-                seeds=seeds[i],
+                seeds=seeds,
                 gather_axis=ctx.gather_axis,
             )
             shape = c.shape if ctx.gather_axis is None else mean.shape
