@@ -27,6 +27,17 @@ Compressed traffic passes ``compression_ratio`` (> 1): bandwidth and reduction t
 with the wire bytes ``n / ratio`` (all-reduce compatible codecs: bf16/fp16 casts, same-seed
 random-k). Codecs that gather instead use :func:`predict_allgather` with their wire bytes.
 
+A named compressor (:func:`parse_compression`: ``'int4(block=64, stochastic=False)'``,
+``'adaptive(int4)'``, ``'topk(0.01)'``, ...) is priced by :func:`compressed_time` as
+``jaxcomm.sync_gradients`` runs it: the collectives of its pattern (all-reduce of the cast or
+sampled values; all-to-all + all-gather of quantized chunks; all-gather of (index, value)
+pairs) with its wire bytes, on the inter-node stage only (full-precision reduce-scatter and
+all-gather inside the node) or on the whole reduction; its codec (:class:`Codec`: encode
+and decode seconds per f32 byte, measured by ``python -m jaxcomm.bench compression
+--calibration``; :data:`H200_CODEC` for an H200 from the GPU check's kernel figures); the
+packing of the leaves into one buffer and back; adaptive's error sketch and its all-reduce;
+and a fixed cost per collective call by kind (``call_s``).
+
 References:
   Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in
   MPICH" (IJHPCA 2005); Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for
@@ -43,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -51,14 +63,26 @@ from jaxcomm.topology.model import Topology
 
 __all__ = [
     "ALGORITHMS",
+    "CALL_KINDS",
     "CANDIDATES",
+    "CODEC_KERNELS",
+    "COMPRESSORS",
+    "H200_CODEC",
+    "Codec",
+    "Compression",
     "busbw",
+    "call_kinds",
     "choose",
+    "codec_counts",
+    "codec_seconds",
+    "compressed_time",
     "halving_doubling_time",
     "hierarchical_time",
     "lower_bound",
+    "parse_compression",
     "predict",
     "predict_allgather",
+    "reduction_time",
     "ring_time",
     "tree_time",
 ]
@@ -243,24 +267,74 @@ def _plan_halving_doubling(topo, p):
 
 def _plan_hierarchical(topo, p):
     g, m = topo.devices_per_node, topo.num_nodes
+    intra, inter = _plan("intra", topo).steps, _plan("inter", topo).steps
+    reduce_fraction = (g - 1) / g + ((m - 1) / m / g if m > 1 else 0.0)
+    return _Plan((*intra, *inter, *intra), reduce_fraction)
+
+
+def _plan_intra(topo, p):
+    """Ring reduce-scatter (or all-gather) inside every node: ``g - 1`` steps of ``n/g``."""
+    g = topo.devices_per_node
     r = np.arange(p)
     node, local = r // g, r % g
     intra = _ring_steps(topo, r, node * g + (local + 1) % g, 1.0 / g, g - 1) if g > 1 else ()
-    steps = list(intra)
-    reduce_fraction = (g - 1) / g
-    if m > 1:  # the inter psum on n/g: NCCL's faster of ring and double binary tree
-        ring = _ring_steps(topo, r, ((node + 1) % m) * g + local, 1.0 / (g * m), 2 * (m - 1))
-        lat = []
-        for sd, dd in _binomial_pairs(m):
-            src = (sd[:, None] * g + np.arange(g)).ravel()
-            dst = (dd[:, None] * g + np.arange(g)).ravel()
-            lat.append(_step(topo, src, dst, 0.0))
-        inv_rate = max(st.inv_rates.max() for st in lat)
-        tree = (*lat, *lat, _Step(2.0 / g, np.zeros(1), np.array([inv_rate])))
-        steps.append(("min", ring, tree))
-        reduce_fraction += (m - 1) / m / g
-    steps += list(intra)
-    return _Plan(tuple(steps), reduce_fraction)
+    return _Plan(intra, (g - 1) / g)
+
+
+def _plan_inter(topo, p):
+    """The inter psum on ``n/g`` per device (``g`` in parallel, one per local rank):
+    NCCL's faster of ring and double binary tree."""
+    g, m = topo.devices_per_node, topo.num_nodes
+    if m == 1:
+        return _Plan((), 0.0)
+    r = np.arange(p)
+    node, local = r // g, r % g
+    ring = _ring_steps(topo, r, ((node + 1) % m) * g + local, 1.0 / (g * m), 2 * (m - 1))
+    lat = []
+    for sd, dd in _binomial_pairs(m):
+        src = (sd[:, None] * g + np.arange(g)).ravel()
+        dst = (dd[:, None] * g + np.arange(g)).ravel()
+        lat.append(_step(topo, src, dst, 0.0))
+    inv_rate = max(st.inv_rates.max() for st in lat)
+    tree = (*lat, *lat, _Step(2.0 / g, np.zeros(1), np.array([inv_rate])))
+    return _Plan((("min", ring, tree),), (m - 1) / m / g)
+
+
+def _plan_exchange_inter(topo, p):
+    """All-to-all over the nodes (``g`` in parallel, one per local rank), then a ring
+    all-gather: the two phases of a quantized mean on ``n/g`` per device. The all-to-all
+    is ``m - 1`` shifts (rank ``i`` to ``i + k``), each ``n / (g m)``."""
+    g, m = topo.devices_per_node, topo.num_nodes
+    if m == 1:
+        return _Plan((), 0.0)
+    r = np.arange(p)
+    node, local = r // g, r % g
+    shifts = tuple(_step(topo, r, ((node + k) % m) * g + local, 1.0 / (g * m)) for k in range(1, m))
+    gather = _ring_steps(topo, r, ((node + 1) % m) * g + local, 1.0 / (g * m), m - 1)
+    return _Plan((*shifts, *gather), (m - 1) / m / g)
+
+
+def _plan_exchange_all(topo, p):
+    """All-to-all over every device (``p - 1`` shifts of ``n/p``), then a ring all-gather."""
+    r = np.arange(p)
+    shifts = tuple(_step(topo, r, (r + k) % p, 1.0 / p) for k in range(1, p))
+    gather = _ring_steps(topo, r, (r + 1) % p, 1.0 / p, p - 1) if p > 1 else ()
+    return _Plan((*shifts, *gather), (p - 1) / p)
+
+
+def _plan_gather_inter(topo, p):
+    """Ring all-gather over the nodes where every device contributes ``n`` bytes."""
+    g, m = topo.devices_per_node, topo.num_nodes
+    r = np.arange(p)
+    node, local = r // g, r % g
+    steps = _ring_steps(topo, r, ((node + 1) % m) * g + local, 1.0, m - 1) if m > 1 else ()
+    return _Plan(steps, 0.0)
+
+
+def _plan_gather_all(topo, p):
+    """Ring all-gather over every device, each contributing ``n`` bytes."""
+    r = np.arange(p)
+    return _Plan(_ring_steps(topo, r, (r + 1) % p, 1.0, p - 1) if p > 1 else (), 0.0)
 
 
 _PLANNERS = {
@@ -269,6 +343,12 @@ _PLANNERS = {
     "halving_doubling": _plan_halving_doubling,
     "hierarchical": _plan_hierarchical,
     "dbtree": _plan_dbtree,
+    "intra": _plan_intra,
+    "inter": _plan_inter,
+    "exchange_inter": _plan_exchange_inter,
+    "exchange_all": _plan_exchange_all,
+    "gather_inter": _plan_gather_inter,
+    "gather_all": _plan_gather_all,
 }
 
 
@@ -350,6 +430,7 @@ def choose(
     *,
     candidates: tuple[str, ...] | None = None,
     compression_ratio: float = 1.0,
+    call_s=None,
 ) -> str:
     """The algorithm with the smallest predicted time (ties: the earlier candidate).
 
@@ -358,6 +439,9 @@ def choose(
       topology: the cluster.
       candidates: names to choose from; default :data:`CANDIDATES`.
       compression_ratio: as in :func:`predict`.
+      call_s: fixed seconds per collective call (a number, or a dict by
+        :data:`CALL_KINDS`) added to each candidate's time for its calls
+        (:func:`call_kinds`); None: none.
 
     Returns:
       An algorithm name.
@@ -371,5 +455,497 @@ def choose(
     bad = [c for c in cands if c not in ALGORITHMS]
     if not cands or bad:
         raise ValueError(f"candidates={cands!r}: choose from {list(ALGORITHMS)}.")
-    times = [predict(c, nbytes, topology, compression_ratio=compression_ratio) for c in cands]
+    times = [
+        predict(c, nbytes, topology, compression_ratio=compression_ratio)
+        + _call_seconds(call_kinds(c, topology), call_s)
+        for c in cands
+    ]
     return cands[int(np.argmin(times))]
+
+
+# --- named compressors: wire bytes, collectives, codec, calls ------------------------------
+#: Kinds of collective call; ``call_s`` (a number, or one per kind) is charged per call.
+CALL_KINDS: tuple[str, ...] = (
+    "all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute",
+)  # fmt: skip
+#: Names accepted by :func:`parse_compression`.
+COMPRESSORS: tuple[str, ...] = (
+    "none", "bf16", "fp16", "int8", "int4", "topk", "random_k", "powersgd", "adaptive",
+)  # fmt: skip
+#: Kernels of a codec table (:class:`Codec` each): the compressors' encode/decode, the
+#: packing copy (``'copy'``: leaves into one buffer and back) and adaptive's error sketch.
+CODEC_KERNELS: tuple[str, ...] = (
+    "bf16", "fp16", "int8", "int8-nearest", "int4", "int4-nearest", "topk", "random_k",
+    "powersgd", "sketch", "copy",
+)  # fmt: skip
+_RUNGS = ("f32", "bf16", "int8", "int4", "topk:R", "random_k:R")
+# Adaptive's error of the mean: one all-reduce of 2 x 1021 f32 over every data axis.
+_SKETCH_BYTES = 2 * 1021 * 4
+
+
+class Codec(NamedTuple):
+    """Encode and decode cost of one compressor's kernels on one device.
+
+    Attributes:
+      encode_s_per_byte: seconds per f32 byte encoded (error-feedback add, quantize or
+        cast or select, pack to bytes, and the local decode that error feedback needs).
+      decode_s_per_byte: seconds per f32 byte decoded (unpack, dequantize or cast back or
+        scatter, the sum of received rows).
+      source: where the figures come from (a command and machine, or a note).
+    """
+
+    encode_s_per_byte: float
+    decode_s_per_byte: float
+    source: str = ""
+
+
+class Compression(NamedTuple):
+    """A compressor as the cost model sees it (build with :func:`parse_compression`).
+
+    Attributes:
+      spec: the canonical text, e.g. ``'int4(block=64, stochastic=False)'``.
+      kind: 'f32', 'bf16', 'fp16', 'int8', 'int4', 'topk', 'random_k' or 'powersgd'.
+      pattern: its collectives: 'allreduce' (casts, random-k, PowerSGD's factors),
+        'two_phase' (quantized all-to-all + all-gather) or 'allgather' (top-k pairs).
+      param: top-k / random-k fraction sent, PowerSGD's rank; 0 otherwise.
+      block: elements per scale of int8/int4.
+      stochastic: stochastic rounding (int8/int4).
+      gathers: the encoded means travel the intra-node all-gather (int8/int4).
+      sketch: adaptive's error-of-mean sketch and its all-reduce run every step.
+    """
+
+    spec: str
+    kind: str
+    pattern: str
+    param: float = 0.0
+    block: int = 256
+    stochastic: bool = True
+    gathers: bool = False
+    sketch: bool = False
+
+    @property
+    def elementwise(self) -> bool:
+        """Whether it takes the packed buffer (everything but PowerSGD's matrices)."""
+        return self.kind != "powersgd"
+
+    @property
+    def codec_kernel(self) -> str | None:
+        """Its :data:`CODEC_KERNELS` entry (None for the exact f32 rung)."""
+        if self.kind == "f32":
+            return None
+        if self.kind in ("int8", "int4") and not self.stochastic:
+            return f"{self.kind}-nearest"
+        return self.kind
+
+    def wire_fraction(self, matrices: tuple[tuple[int, int], ...] | None = None) -> float:
+        """Bytes one device sends per f32 byte it holds (its contribution, per phase).
+
+        Args:
+          matrices: ``(rows, cols)`` of every compressed matrix; PowerSGD only.
+
+        Returns:
+          1 for f32, 0.5 for the casts, ``(bits/8 + 4/block)/4`` for int8/int4, ``2 R``
+          for top-k (an int32 index and an f32 value per entry), ``R`` for random-k, and
+          ``r (rows + cols) / (rows cols)`` over PowerSGD's matrices.
+
+        Raises:
+          ValueError: PowerSGD without ``matrices``.
+        """
+        if self.kind == "f32":
+            return 1.0
+        if self.kind in ("bf16", "fp16"):
+            return 0.5
+        if self.kind in ("int8", "int4"):
+            return (int(self.kind[3:]) / 8 + 4 / self.block) / 4
+        if self.kind == "topk":
+            return 2.0 * self.param
+        if self.kind == "random_k":
+            return self.param
+        if not matrices:
+            raise ValueError(
+                f"{self.spec}: PowerSGD's wire bytes depend on the matrix shapes; give a "
+                "model with shapes (e.g. --model resnet152), not a byte count."
+            )
+        r = int(self.param)
+        num = sum(min(r, a, b) * (a + b) for a, b in matrices)
+        return num / sum(a * b for a, b in matrices)
+
+
+_COMPRESSION_FORMS = (
+    "none | bf16 | fp16 | int8(block=256, stochastic=True) | int4(...) | topk(0.01) | "
+    "random_k(0.01) | powersgd(4) | adaptive(RUNG, block=256, stochastic=True) with RUNG one "
+    f"of {list(_RUNGS)}"
+)
+
+
+def _bad(text: str, why: str) -> ValueError:
+    return ValueError(
+        f"compression {text!r}: {why}. Write one of: {_COMPRESSION_FORMS}; e.g. "
+        "'int4(block=64, stochastic=False)' or 'adaptive(int4)'."
+    )
+
+
+def _value(text: str, raw: str, kind: type):
+    v = raw.strip()
+    if kind is bool:
+        low = v.lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise _bad(text, f"{v!r} is not a bool (True/False)")
+    try:
+        return kind(v)
+    except ValueError:
+        raise _bad(text, f"{v!r} is not a {kind.__name__}") from None
+
+
+def parse_compression(text: str | None) -> Compression | None:
+    """A compressor named like its ``jaxcomm.compression`` factory call.
+
+    Args:
+      text: ``'none'``, ``'bf16'``, ``'fp16'``, ``'int8'`` / ``'int4'`` (optional
+        ``block``, ``stochastic``), ``'topk(R)'``, ``'random_k(R)'`` (``R`` the fraction
+        sent), ``'powersgd(r)'`` (rank, default 4), or ``'adaptive(RUNG)'`` (adaptive held
+        at one rung: ``f32``, ``bf16``, ``int8``, ``int4``, ``topk:R``, ``random_k:R``;
+        optional ``block``, ``stochastic`` as the factory's). Arguments are positional
+        in the factory's order or ``key=value``.
+
+    Returns:
+      A :class:`Compression`, or None for ``'none'`` / None.
+
+    Raises:
+      ValueError: an unknown name, argument or value; the message lists the forms.
+
+    Example:
+      >>> parse_compression('adaptive(int4, block=64, stochastic=False)').wire_fraction()
+      0.140625
+    """
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([A-Za-z_0-9]+)\s*(?:\((.*)\))?\s*", str(text))
+    if not m:
+        raise _bad(text, "not of the form NAME or NAME(ARGS)")
+    name, inner = m.group(1), (m.group(2) or "").strip()
+    if name not in COMPRESSORS:
+        raise _bad(text, f"unknown compressor {name!r}; allowed: {list(COMPRESSORS)}")
+    params = {
+        "none": (), "bf16": (), "fp16": (), "int8": (("block", int), ("stochastic", bool)),
+        "int4": (("block", int), ("stochastic", bool)), "topk": (("ratio", float),),
+        "random_k": (("ratio", float),), "powersgd": (("rank", int),),
+        "adaptive": (("rung", str), ("block", int), ("stochastic", bool)),
+    }[name]  # fmt: skip
+    kinds = dict(params)
+    got: dict = {}
+    keyword = False
+    for i, arg in enumerate(a for a in (x.strip() for x in inner.split(",")) if a):
+        key, eq, raw = arg.partition("=")
+        keyword = keyword or bool(eq)
+        if not eq:
+            if i >= len(params) or keyword:
+                raise _bad(
+                    text,
+                    f"unexpected argument {arg!r} (positional after the "
+                    f"{len(params)} of {name}, or after a key=value)",
+                )
+            key, raw = params[i][0], arg
+        key = key.strip()
+        if key not in kinds:
+            allowed = [k for k, _ in params] or "no arguments"
+            raise _bad(text, f"{name} takes {allowed}, not {key!r}")
+        got[key] = _value(text, raw, kinds[key])
+    if name == "none":
+        return None
+    block = got.get("block", 256)
+    stochastic = got.get("stochastic", True)
+    if name == "int8" and block < 1:
+        raise _bad(text, f"block={block} must be an int >= 1")
+    if name != "int8" and (block < 2 or block % 2):
+        raise _bad(text, f"block={block} must be an even int >= 2 (int8: any int >= 1)")
+    if name in ("bf16", "fp16"):
+        return Compression(name, name, "allreduce")
+    if name in ("int8", "int4"):
+        spec = f"{name}(block={block}, stochastic={stochastic})"
+        return Compression(spec, name, "two_phase", 0.0, block, stochastic, gathers=True)
+    if name in ("topk", "random_k"):
+        if "ratio" not in got or not 0 < got["ratio"] <= 1:
+            raise _bad(text, f"{name} needs a fraction sent in (0, 1], e.g. {name}(0.01)")
+        pattern = "allgather" if name == "topk" else "allreduce"
+        return Compression(f"{name}({got['ratio']:g})", name, pattern, got["ratio"])
+    if name == "powersgd":
+        rank = got.get("rank", 4)
+        if rank < 1:
+            raise _bad(text, f"rank={rank} must be >= 1")
+        return Compression(f"powersgd({rank})", "powersgd", "allreduce", float(rank))
+    rung = got.get("rung")
+    if rung is None:
+        raise _bad(text, "adaptive needs the rung it is held at, e.g. adaptive(int4)")
+    rk, _, rr = rung.partition(":")
+    if rk in ("f32", "bf16", "int8", "int4") and not rr:
+        base = (Compression("f32", "f32", "allreduce") if rk == "f32" else
+                parse_compression(rk if rk == "bf16" else
+                                  f"{rk}(block={block}, stochastic={stochastic})"))  # fmt: skip
+    elif rk in ("topk", "random_k") and rr:
+        base = parse_compression(f"{rk}({rr})")
+    else:
+        raise _bad(text, f"unknown rung {rung!r}; allowed: {list(_RUNGS)} (R a fraction)")
+    extra = f", block={block}, stochastic={stochastic}" if rk in ("int8", "int4") else ""
+    return base._replace(spec=f"adaptive({rung}{extra})", sketch=rk != "f32")
+
+
+def _pb(seconds: float, nbytes: float) -> float:
+    return seconds / nbytes
+
+
+# The one GPU check (docs/results/gpu_check_2026-11-30_run1.json, part 'kernels'): best of
+# 7 rounds x 10 jitted calls on one H200, the ResNet-152 gradient as 60,192,808 f32 (8
+# rows, block 256); PowerSGD rank 4 on its 156 compressed matrices (60,040,384 f32).
+_H200_B = 60_192_808 * 4
+_H200_M = 60_040_384 * 4
+_H200_COPY = 0.00012601989999936337
+_H200_DEQ8, _H200_DEQ4 = 9.500299999984919e-05, 0.00016431919999959632
+_GPU = "gpu_check 2026-11-30 (H200): "
+#: Codec of an H200 from the GPU check's kernel figures. ``source`` names each figure;
+#: a kernel the check did not time has a stand-in, named as such (an upper bound where it
+#: reads or writes more bytes than the kernel it stands for).
+H200_CODEC: dict[str, Codec] = {
+    "int8": Codec(_pb(0.0003345682999999156 + _H200_DEQ8, _H200_B), _pb(_H200_DEQ8, _H200_B),
+                  _GPU + "int8 quantize (stochastic) + dequantize; dequantize"),
+    "int8-nearest": Codec(_pb(0.00015797739999996453 + _H200_DEQ8, _H200_B),
+                          _pb(_H200_DEQ8, _H200_B),
+                          _GPU + "int8 quantize (nearest) + dequantize; dequantize"),
+    "int4": Codec(_pb(0.0003199059000003501 + _H200_DEQ4, _H200_B), _pb(_H200_DEQ4, _H200_B),
+                  _GPU + "int4 quantize (stochastic) + dequantize; dequantize"),
+    "int4-nearest": Codec(_pb(0.0003199059000003501 + _H200_DEQ4, _H200_B),
+                          _pb(_H200_DEQ4, _H200_B),
+                          "not measured (no int4 nearest kernel in the GPU check): stand-in "
+                          "int4 stochastic, an upper bound"),
+    "bf16": Codec(_pb(_H200_COPY, _H200_B), _pb(_H200_COPY, _H200_B),
+                  "not measured (no cast kernel): stand-in the f32 copy (x * 2), an upper "
+                  "bound"),
+    "fp16": Codec(_pb(_H200_COPY, _H200_B), _pb(_H200_COPY, _H200_B),
+                  "not measured (no cast kernel): stand-in the f32 copy, an upper bound"),
+    "topk": Codec(_pb(0.002193175700000438, _H200_B), _pb(_H200_COPY, _H200_B),
+                  _GPU + "top-k 1% sampled selection; decode not measured: stand-in the copy"),
+    "random_k": Codec(_pb(_H200_COPY, _H200_B), _pb(_H200_COPY, _H200_B),
+                      "not measured: stand-in the f32 copy both ways"),
+    "powersgd": Codec(
+        _pb(0.0018145652000001178 + 0.015205242100000049 + 0.00209320290000079, _H200_M),
+        _pb(0.0018145652000001178, _H200_M),
+        _GPU + "PowerSGD r=4 P = M Q + orthogonalize + Q = M^T P (before QR batching); "
+        "decode P Q^T not measured: stand-in P = M Q"),
+    "sketch": Codec(_pb(_H200_COPY, _H200_B), 0.0,
+                    "not measured (no sketch kernel): stand-in the f32 copy"),
+    "copy": Codec(_pb(_H200_COPY, _H200_B), _pb(_H200_COPY, _H200_B), _GPU + "copy (x * 2)"),
+}  # fmt: skip
+
+
+def call_kinds(algorithm: str, topology: Topology) -> tuple[str, ...]:
+    """The collective calls one all-reduce of ``algorithm`` issues (kinds of
+    :data:`CALL_KINDS`): flat one all-reduce; hierarchical a reduce-scatter, an all-reduce
+    and an all-gather; ring / tree / halving-doubling their ``ppermute`` steps and one
+    all-gather (``jaxcomm.collectives``)."""
+    p, g, m = topology.num_devices, topology.devices_per_node, topology.num_nodes
+    if p == 1:
+        return ()
+    if algorithm == "flat":
+        return ("all-reduce",)
+    if algorithm == "hierarchical":
+        return (("reduce-scatter",) if g > 1 else ()) + (("all-reduce",) if m > 1 else ()) + (
+            ("all-gather",) if g > 1 else ())  # fmt: skip
+    steps = {"ring": p - 1, "tree": 2 * math.ceil(math.log2(p))}.get(algorithm)
+    if steps is None:  # halving_doubling
+        q = 1 << (p.bit_length() - 1)
+        steps = int(math.log2(q)) + (2 if q != p else 0)
+    return ("collective-permute",) * steps + ("all-gather",)
+
+
+def _call_seconds(kinds, call_s) -> float:
+    if not call_s:
+        return 0.0
+    if isinstance(call_s, (int, float)):
+        return len(kinds) * float(call_s)
+    return float(sum(call_s.get(k, 0.0) for k in kinds))
+
+
+def reduction_time(
+    algorithm: str, nbytes: float, topology: Topology, *, call_s=None
+) -> dict[str, float]:
+    """One uncompressed all-reduce with its calls: ``{'total_s', 'comm_s', 'call_s',
+    'calls'}`` (``call_s``: seconds per call, a number or a dict by kind)."""
+    alg = choose(nbytes, topology, call_s=call_s) if algorithm == "auto" else algorithm
+    comm = predict(alg, nbytes, topology)
+    kinds = call_kinds(alg, topology) if nbytes > 0 else ()
+    calls = _call_seconds(kinds, call_s)
+    return {"total_s": comm + calls, "comm_s": comm, "codec_s": 0.0, "call_s": calls,
+            "calls": len(kinds), "algorithm": alg}  # fmt: skip
+
+
+def codec_counts(
+    compression: Compression, nbytes: float, ranks: int, *, gather: int = 1
+) -> tuple[float, float]:
+    """f32 bytes one device encodes and decodes in one compressed reduction.
+
+    ``nbytes`` f32 bytes enter the compressor on each device and ``ranks`` devices reduce
+    them. 'two_phase' encodes ``n (1 + 1/ranks)`` (the buffer, then the mean chunk it
+    owns) and decodes ``n`` (the received chunks, summed) plus ``n * gather`` (the
+    gathered means; ``gather`` = devices per node when they travel the intra-node
+    all-gather encoded); 'allreduce' and 'allgather' encode and decode ``n`` once.
+
+    Args:
+      compression: the compressor.
+      nbytes: f32 bytes per device entering it.
+      ranks: devices in its reduction.
+      gather: see above.
+
+    Returns:
+      ``(encoded bytes, decoded bytes)``.
+    """
+    n = float(nbytes)
+    if compression.pattern == "two_phase":
+        return n * (1 + 1 / max(ranks, 1)), n * (1 + gather)
+    return n, n
+
+
+def codec_seconds(
+    compression: Compression,
+    nbytes: float,
+    ranks: int,
+    codec: dict[str, Codec] | None,
+    *,
+    gather: int = 1,
+) -> float:
+    """Encode + decode time of one compressed reduction on one device: the bytes of
+    :func:`codec_counts` times the kernel's :class:`Codec` rates.
+
+    Args:
+      compression: the compressor.
+      nbytes: f32 bytes per device entering it.
+      ranks: devices in its reduction.
+      codec: kernel name -> :class:`Codec`; None or a missing kernel costs 0.
+      gather: as in :func:`codec_counts`.
+
+    Returns:
+      Seconds.
+    """
+    kernel = compression.codec_kernel
+    if not codec or kernel is None or kernel not in codec:
+        return 0.0
+    c = codec[kernel]
+    enc, dec = codec_counts(compression, nbytes, ranks, gather=gather)
+    return c.encode_s_per_byte * enc + c.decode_s_per_byte * dec
+
+
+def compressed_time(
+    nbytes: float,
+    topology: Topology,
+    compression: Compression,
+    *,
+    stage: str = "inter",
+    algorithm: str = "hierarchical",
+    codec: dict[str, Codec] | None = None,
+    call_s=None,
+    wire: float | None = None,
+) -> dict[str, float]:
+    """One compressed reduction of ``nbytes`` f32 bytes per device, as ``sync_gradients``
+    runs it.
+
+    ``stage='inter'`` (``compress_stage='inter'``): a full-precision reduce-scatter inside
+    the node, the compressor over the nodes on ``n/g`` per device (``g`` in parallel), and
+    an all-gather inside the node of its means (encoded when ``gathers``, else f32);
+    PowerSGD instead averages the whole buffer inside the node (an all-reduce) and
+    compresses all of it over the nodes. ``stage='all'``: the compressor over every
+    device. Patterns: 'allreduce' is ``algorithm``'s all-reduce of the wire bytes (over
+    the nodes: NCCL's faster of ring and tree); 'two_phase' an all-to-all then a ring
+    all-gather; 'allgather' a ring all-gather of every device's pairs (two calls:
+    indices, values). Elementwise compressors also pay the packing (one copy into the
+    buffer, one out: :data:`CODEC_KERNELS` 'copy'); adaptive the error sketch (kernel
+    'sketch' on ``n/g``) and a 8 KiB all-reduce over every device.
+
+    Args:
+      nbytes: f32 bytes per device.
+      topology: the cluster.
+      compression: from :func:`parse_compression`.
+      stage: 'inter' or 'all'.
+      algorithm: the all-reduce algorithm of 'allreduce' patterns with ``stage='all'``
+        ('auto': :func:`choose`).
+      codec: kernel name -> :class:`Codec` (None: no codec time).
+      call_s: seconds per collective call: a number, or a dict by :data:`CALL_KINDS`.
+      wire: wire fraction; default ``compression.wire_fraction()`` (PowerSGD: required).
+
+    Returns:
+      ``{'total_s', 'comm_s', 'codec_s', 'call_s', 'calls'}`` (seconds; calls a count).
+
+    Raises:
+      ValueError: unknown ``stage``.
+
+    Example:
+      >>> c = parse_compression('int4(block=64)')
+      >>> compressed_time(46.8e6, topo, c, codec=H200_CODEC)['total_s']
+    """
+    if stage not in ("inter", "all"):
+        raise ValueError(f"stage={stage!r} is not known; choose 'inter' or 'all'.")
+    n = float(nbytes)
+    w = compression.wire_fraction() if wire is None else float(wire)
+    g, m, p = topology.devices_per_node, topology.num_nodes, topology.num_devices
+    gamma = topology.gamma
+    kinds: list[str] = []
+    comm = codec_s = 0.0
+    if p == 1 or n == 0:
+        return {"total_s": 0.0, "comm_s": 0.0, "codec_s": 0.0, "call_s": 0.0, "calls": 0}
+    if stage == "inter" and g > 1 and not compression.elementwise:
+        intra = _plan("intra", topology)
+        comm += 2 * _steps_time(intra.steps, n) + intra.reduce_fraction * n * gamma
+        kinds.append("all-reduce")
+        if m > 1:
+            inter = _plan("inter", topology)
+            comm += _steps_time(inter.steps, g * n * w) + inter.reduce_fraction * g * n * w * gamma
+            kinds += ["all-reduce", "all-reduce"]
+        codec_s += codec_seconds(compression, n, m, codec)
+    elif stage == "inter" and g > 1:
+        intra = _plan("intra", topology)
+        comm += _steps_time(intra.steps, n) + intra.reduce_fraction * n * gamma
+        kinds.append("reduce-scatter")
+        if m > 1:
+            if compression.pattern == "two_phase":
+                ex = _plan("exchange_inter", topology)
+                comm += _steps_time(ex.steps, n * w) + ex.reduce_fraction * n * gamma
+                kinds += ["all-to-all", "all-gather"]
+            elif compression.pattern == "allgather":
+                comm += _steps_time(_plan("gather_inter", topology).steps, n / g * w)
+                comm += (m - 1) * n / g * w * gamma
+                kinds += ["all-gather", "all-gather"]
+            else:
+                inter = _plan("inter", topology)
+                comm += _steps_time(inter.steps, n * w) + inter.reduce_fraction * n * w * gamma
+                kinds.append("all-reduce")
+        comm += _steps_time(intra.steps, n * (w if compression.gathers else 1.0))
+        kinds.append("all-gather")
+        codec_s += codec_seconds(compression, n / g, m, codec,
+                                 gather=g if compression.gathers else 1)  # fmt: skip
+    else:
+        if compression.pattern == "two_phase":
+            ex = _plan("exchange_all", topology)
+            comm += _steps_time(ex.steps, n * w) + ex.reduce_fraction * n * gamma
+            kinds += ["all-to-all", "all-gather"]
+        elif compression.pattern == "allgather":
+            comm += _steps_time(_plan("gather_all", topology).steps, n * w)
+            comm += (p - 1) * n * w * gamma
+            kinds += ["all-gather", "all-gather"]
+        else:
+            alg = choose(n * w, topology, call_s=call_s) if algorithm == "auto" else algorithm
+            comm += predict(alg, n * w, topology)
+            kinds += list(call_kinds(alg, topology))
+            if compression.kind == "powersgd":
+                kinds += list(call_kinds(alg, topology))  # P and Q
+        codec_s += codec_seconds(compression, n, p, codec)
+    if compression.elementwise and codec and "copy" in codec:
+        codec_s += (codec["copy"].encode_s_per_byte + codec["copy"].decode_s_per_byte) * n
+    if compression.sketch:
+        if codec and "sketch" in codec:
+            codec_s += codec["sketch"].encode_s_per_byte * (n / g if stage == "inter" else n)
+        comm += predict("flat", _SKETCH_BYTES, topology)
+        kinds.append("all-reduce")
+    calls = _call_seconds(kinds, call_s)
+    return {"total_s": comm + codec_s + calls, "comm_s": comm, "codec_s": codec_s,
+            "call_s": calls, "calls": len(kinds)}  # fmt: skip

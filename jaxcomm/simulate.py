@@ -9,14 +9,23 @@ baseline              flat ``psum`` (NCCL's ring/tree), one collective per gradi
                       after the backward pass, f32, nodes in scheduler (random) order
 +hierarchical         intra-node reduce-scatter / inter-node all-reduce / all-gather
 +overlap              each collective starts when its gradients are ready in the backward pass
-+compression          bf16 on the wire (``--compression-ratio``, default 2)
++compression          the compressor ``--compression`` (default bf16) on ``--compress-stage``
+                      (default the inter-node stage): its wire bytes, collectives, codec
+                      (``--codec``), packing and calls
 +topology             ranks placed leaf/pod-contiguously and the algorithm per collective
                       chosen by ``jaxcomm.cost.choose``
 +batching             gradients fused into ``--bucket-mb`` buckets (default 25 MiB, DDP)
 ====================  =====================================================================
 
-Every collective costs ``--launch-us`` plus ``jaxcomm.cost.predict``. See
-``docs/simulator.md`` for the assumptions and the comparison with public figures.
+Every collective call costs ``--launch-us`` (or the calibration's ``call_s`` by kind) plus
+``jaxcomm.cost``'s time. Each row also states its bound: the speedup if its communication
+stream (codec included) were hidden behind compute, beside the baseline's own ceiling
+(everything hidden: ``1 / (1 - comm share)``).
+
+``--check RESULTS.json`` instead simulates a measured testbed table (``python -m
+experiments.resnet152 --preset testbed-resnet18``) row by row from a calibration of that
+testbed and of this machine's codec, and prints each prediction beside the measurement.
+See ``docs/simulator.md`` for the assumptions and the comparison with public figures.
 """
 
 from __future__ import annotations
@@ -24,29 +33,41 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxcomm import calibration as cal
 from jaxcomm import cost
 from jaxcomm.step_model import DEFAULT_COMPUTE_S, Workload, step_time, workload
-from jaxcomm.topology import Topology, aware_order, dgx_h100, fat_tree, load, ring_hops
+from jaxcomm.topology import Level, Topology, aware_order, dgx_h100, fat_tree, load, ring_hops
 from jaxcomm.topology.placement import random_order
 
 __all__ = [
+    "CHECK_TOLERANCE",
+    "CODECS",
     "DEFAULT_COMPUTE_S",
     "ROWS",
     "Workload",
     "busbw_table",
+    "check_testbed",
+    "codec_table",
+    "format_check",
     "format_tables",
     "main",
     "simulate",
     "step_time",
+    "testbed_row_config",
+    "testbed_topology",
     "workload",
 ]
 
 DEFAULT_NODES = (16, 32, 64, 128, 256, 512, 1024)
+#: ``--codec`` names: an H200's kernels (``jaxcomm.cost.H200_CODEC``) or no codec time.
+CODECS = ("h200", "none")
+#: The check passes when every row's prediction is within this fraction of the measurement.
+CHECK_TOLERANCE = 0.15
 
 ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("baseline", dict(algorithm="flat", overlap=False, compress=False, aware=False, batch=False)),
@@ -61,14 +82,53 @@ ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
 )  # fmt: skip
 
 
+def codec_table(name: str | None) -> tuple[dict[str, cost.Codec], str]:
+    """A codec table by ``--codec`` value.
+
+    Args:
+      name: 'h200', 'none', or a calibration file with a ``codec`` section.
+
+    Returns:
+      ``(kernel -> Codec, description)``.
+
+    Raises:
+      ValueError: a file without a codec section (or unreadable / malformed).
+
+    Example:
+      >>> table, what = codec_table('h200')
+    """
+    if name in (None, "none"):
+        return {}, "none (codec time not counted)"
+    if name == "h200":
+        return dict(cost.H200_CODEC), "h200 (gpu_check 2026-11-30 kernel figures)"
+    c = cal.load(name)
+    if not c.codec:
+        raise ValueError(
+            f"--codec {name}: the file has no 'codec' section; write one with `python -m "
+            f"jaxcomm.bench compression --calibration {name}`, or use one of {list(CODECS)}."
+        )
+    return dict(c.codec), f"{name} ({c.meta.get('machine', 'machine not recorded')})"
+
+
+def _call_costs(launch_s: float, calibration: cal.Calibration | None) -> dict[str, float]:
+    out = {k: float(launch_s) for k in cost.CALL_KINDS}
+    if calibration is not None:
+        out.update(calibration.call_s)
+    return out
+
+
 def simulate(
     wl: Workload,
     topology_for: Callable[[int], Topology],
     nodes: Sequence[int] = DEFAULT_NODES,
     *,
-    compression_ratio: float = 2.0,
+    compression_ratio: float | None = None,
+    compression: cost.Compression | None = None,
+    compress_stage: str = "inter",
+    codec: dict[str, cost.Codec] | None = None,
     bucket_bytes: int = 25 * 2**20,
     launch_s: float = 10e-6,
+    call_s: Mapping[str, float] | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Runs every row of :data:`ROWS` and every algorithm for each node count.
@@ -78,19 +138,36 @@ def simulate(
       topology_for: node count -> topology (aware placement; rows without '+topology' use
         a random placement drawn with ``seed``).
       nodes: node counts.
-      compression_ratio: wire ratio of '+compression'.
+      compression_ratio: the old model of '+compression': wire bytes divided by this, no
+        codec, no change of collective; used only when ``compression`` is None.
+      compression: the compressor of '+compression' and the rows after it.
+      compress_stage: 'inter' (only the node-spanning stage) or 'all'.
+      codec: kernel -> :class:`jaxcomm.cost.Codec`; None: no codec time.
       bucket_bytes: bucket size of '+batching'.
-      launch_s: fixed cost per collective call.
+      launch_s: fixed cost per collective call (every kind not in ``call_s``).
+      call_s: fixed cost per call by kind (:data:`jaxcomm.cost.CALL_KINDS`).
       seed: placement seed.
 
     Returns:
       A JSON-ready dict (see ``--json``).
+
+    Example:
+      >>> res = simulate(workload('resnet152'), lambda n: fat_tree(n, 16, 8, oversubscription=2),
+      ...                [64], compression=cost.parse_compression('adaptive(int4)'),
+      ...                codec=cost.H200_CODEC)
     """
-    out: dict[str, Any] = {"workload": {"name": wl.name, "bytes": wl.total_bytes,
-                                        "tensors": len(wl.leaf_bytes),
-                                        "compute_s": wl.compute_s},
-                           "compression_ratio": compression_ratio, "bucket_bytes": bucket_bytes,
-                           "launch_s": launch_s, "nodes": {}}  # fmt: skip
+    if compression is None and compression_ratio is None:
+        compression_ratio = 1.0
+    calls = {k: float(launch_s) for k in cost.CALL_KINDS}
+    calls.update(call_s or {})
+    out: dict[str, Any] = {
+        "workload": {"name": wl.name, "bytes": wl.total_bytes, "tensors": len(wl.leaf_bytes),
+                     "compute_s": wl.compute_s},
+        "compression": None if compression is None else compression.spec,
+        "compression_ratio": compression_ratio if compression is None else None,
+        "compress_stage": compress_stage, "bucket_bytes": bucket_bytes, "launch_s": launch_s,
+        "call_s": calls, "nodes": {},
+    }  # fmt: skip
     for n in nodes:
         aware = topology_for(n)
         rand = aware.with_placement(random_order(aware, seed))
@@ -102,13 +179,17 @@ def simulate(
                 aware if cfg["aware"] else rand,
                 algorithm=cfg["algorithm"],
                 overlap=cfg["overlap"],
-                compression_ratio=compression_ratio if cfg["compress"] else 1.0,
+                compression_ratio=(compression_ratio or 1.0) if cfg["compress"] else 1.0,
+                compression=compression if cfg["compress"] else None,
+                compress_stage=compress_stage,
                 bucket_bytes=bucket_bytes if cfg["batch"] else None,
-                launch_s=launch_s,
+                call_s=calls,
+                codec=codec,
             )
             base = base or r["step_s"]
             rows.append({"row": name, **r, "speedup": base / r["step_s"],
-                         "efficiency": wl.compute_s / r["step_s"]})  # fmt: skip
+                         "efficiency": wl.compute_s / r["step_s"],
+                         "bound_speedup": base / max(wl.compute_s, r["comm_s"])})  # fmt: skip
         out["nodes"][str(n)] = {
             "topology": aware.describe(),
             "devices": aware.num_devices,
@@ -118,6 +199,7 @@ def simulate(
             },  # fmt: skip
             "allreduce_s": ar,
             "rows": rows,
+            "ceiling_speedup": base / wl.compute_s,
         }
     return out
 
@@ -146,9 +228,12 @@ def format_busbw(name: str, table: dict[str, Any]) -> str:
 def format_tables(result: dict[str, Any]) -> str:
     """The two tables (all-reduce per algorithm; stacked rows) as text."""
     wl = result["workload"]
+    comp = result.get("compression") or (f"wire ratio {result.get('compression_ratio')} (no codec)")
     lines = [
         f"workload {wl['name']}: {wl['bytes'] / 1e6:.1f} MB of gradients in {wl['tensors']} "
         f"tensors, compute {wl['compute_s'] * 1e3:.0f} ms/step",
+        f"+compression: {comp}, stage {result.get('compress_stage')}; codec "
+        f"{result.get('codec', 'none')}",
         "",
         "all-reduce of the whole gradient (ms), aware placement",
         f"{'nodes':>6} {'devices':>7} " + " ".join(f"{a:>16}" for a in cost.ALGORITHMS)
@@ -161,17 +246,25 @@ def format_tables(result: dict[str, Any]) -> str:
             + " ".join(f"{r['allreduce_s'][a] * 1e3:16.2f}" for a in cost.ALGORITHMS)
             + f" {hops:>16}"
         )
-    lines += ["", "step time with optimisations stacked"]
-    lines.append(f"{'nodes':>6} {'row':<14} {'step ms':>9} {'speedup':>8} {'comm %':>7} "
-                 f"{'eff %':>6} {'calls':>6}  algorithms")  # fmt: skip
+    lines += ["", "step time with optimisations stacked (bound: the speedup with the row's "
+              "communication stream, codec included, hidden behind compute)"]  # fmt: skip
+    lines.append(
+        f"{'nodes':>6} {'row':<14} {'step ms':>9} {'speedup':>8} {'bound':>7} "
+        f"{'comm %':>7} {'eff %':>6} {'codec ms':>9} {'calls':>6}  algorithms"
+    )
     for n, r in result["nodes"].items():
         for row in r["rows"]:
             algs = ",".join(f"{k}:{v}" for k, v in sorted(row["algorithms"].items()))
             lines.append(
                 f"{n:>6} {row['row']:<14} {row['step_s'] * 1e3:9.1f} {row['speedup']:7.2f}x "
-                f"{row['comm_fraction'] * 100:6.1f}% {row['efficiency'] * 100:5.1f}% "
-                f"{row['collectives']:>6}  {algs}"
+                f"{row['bound_speedup']:6.2f}x {row['comm_fraction'] * 100:6.1f}% "
+                f"{row['efficiency'] * 100:5.1f}% {row['codec_s'] * 1e3:9.2f} "
+                f"{row['calls']:>6}  {algs}"
             )
+        lines.append(
+            f"{n:>6} {'(ceiling)':<14} {'':>9} {r['ceiling_speedup']:7.2f}x  all communication "
+            f"hidden: 1 / (1 - {r['rows'][0]['comm_fraction']:.3f}) of the baseline"
+        )
     if "calibration" in result:
         lines += ["", "calibration: prediction error per message size"]
         lines.append(f"{'axis':<8} {'collective':<18} {'p':>3} {'bytes':>11} {'measured ms':>12} "
@@ -214,6 +307,191 @@ def plot(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+# --- the testbed check ----------------------------------------------------------------------
+def testbed_topology(inter: int, intra: int, link_bps: float) -> Topology:
+    """The emulated cluster of ``python -m jaxcomm.testbed`` before calibration: ``inter``
+    nodes of ``intra`` devices, each node's one link of ``link_bps`` bit/s shared by its
+    devices (level-1 oversubscription ``intra``, as ``fat_tree`` writes a NIC shared by
+    ``devices_per_node / nics_per_node``). Latencies and the intra-node bandwidth are
+    placeholders for :func:`jaxcomm.calibration.apply`.
+
+    Args:
+      inter: nodes.
+      intra: devices per node.
+      link_bps: link rate, bit/s per direction.
+
+    Returns:
+      A two-level :class:`~jaxcomm.topology.Topology`.
+
+    Example:
+      >>> testbed_topology(2, 2, 250e6).levels[1].bandwidth
+      31250000.0
+    """
+    return Topology(
+        (
+            Level("node", intra, 0.3e9, 50e-6),
+            Level("switch", inter, link_bps / 8, 100e-6, oversubscription=float(intra)),
+        ),
+        name=f"testbed {inter}x{intra} at {link_bps / 1e6:g} Mbit/s",
+    )
+
+
+_COMPRESSOR = re.compile(r"jaxcomm\.compression\.(\w+)(?:\[(.*)\])?$")
+
+
+def testbed_row_config(row: Mapping[str, Any], technique: str | None = None) -> dict[str, Any]:
+    """The simulator's settings for one row of an ablation results JSON.
+
+    The row's ``settings.sync_gradients`` give the algorithm, compressor, stage and
+    buckets. An adaptive compressor is priced at the rung its timed windows ran
+    (``adaptive.level``), with the block and rounding that the ``technique`` text of the
+    row that added it names ("nearest", "blocks of N"; else the factory's 256,
+    stochastic). XLA:CPU runs its collectives synchronously, so no row overlaps
+    communication with compute; uncompressed leaves are packed as ``jaxcomm.allreduce``
+    packs them.
+
+    Args:
+      row: one entry of the results list.
+      technique: the text describing the row's compressor (default the row's own
+        ``technique``; rows after the one that added it describe something else).
+
+    Returns:
+      ``{algorithm, compression, compress_stage, bucket_bytes, overlap, packing}``.
+
+    Raises:
+      ValueError: a compressor the simulator does not price.
+    """
+    sync = row.get("settings", {}).get("sync_gradients", {})
+    text = sync.get("compression")
+    comp = None
+    if text:
+        m = _COMPRESSOR.match(str(text))
+        if not m:
+            raise ValueError(f"row {row.get('config')!r}: compressor {text!r} is not known.")
+        name = m.group(1)
+        tech = str(row.get("technique", "") if technique is None else technique)
+        blk = re.search(r"blocks? of (\d+)", tech)
+        block = int(blk.group(1)) if blk else 256
+        stochastic = "nearest" not in tech
+        if name == "adaptive":
+            rung = (row.get("adaptive") or {}).get("level")
+            if not rung:
+                raise ValueError(f"row {row.get('config')!r}: adaptive without 'adaptive.level'.")
+            comp = f"adaptive({rung}, block={block}, stochastic={stochastic})"
+        elif name in ("int8", "int4"):
+            comp = f"{name}(block={block}, stochastic={stochastic})"
+        else:
+            comp = name
+    bucket = sync.get("bucket_bytes")
+    return {
+        "algorithm": sync.get("algorithm", "hierarchical"),
+        "compression": comp,
+        "compress_stage": sync.get("compress_stage", "all"),
+        "bucket_bytes": tuple(bucket) if isinstance(bucket, list) else bucket,
+        "overlap": False,
+        "packing": "allreduce",
+    }
+
+
+def check_testbed(
+    rows: Sequence[Mapping[str, Any]],
+    calibration: cal.Calibration,
+    wl: Workload,
+    *,
+    codec: dict[str, cost.Codec] | None,
+    statistic: str = "best",
+    tolerance: float = CHECK_TOLERANCE,
+) -> dict[str, Any]:
+    """Simulates every measured row of a testbed ablation and compares.
+
+    Each row runs with its own compute-only twin as compute (the simulator's input, the
+    same statistic as the step time) on :func:`testbed_topology` of its mesh and link,
+    calibrated (network alpha/beta, ``call_s``), with ``codec``.
+
+    Args:
+      rows: the results JSON's rows.
+      calibration: a calibration measured on that testbed.
+      wl: the model's workload (its compute is replaced per row).
+      codec: kernel -> :class:`jaxcomm.cost.Codec` (this machine's).
+      statistic: 'best' or 'median' (the JSON's ``step_time_s`` / ``step_time_median_s``
+        and their twins). 'best' matches the calibrations, which keep the best of their
+        runs, and the ablation table, which reports the best round.
+      tolerance: the largest ``|predicted / measured - 1|`` that passes.
+
+    Returns:
+      ``{'rows': [...], 'passed': bool, ...}``; each row has its config, measured and
+      predicted seconds, the error and the predicted parts (exposed communication, codec,
+      calls).
+
+    Raises:
+      ValueError: unknown ``statistic``, a row without mesh or link, or a compressor the
+        simulator does not price.
+    """
+    if statistic not in ("median", "best"):
+        raise ValueError(f"statistic={statistic!r}: choose 'median' or 'best'.")
+    sfx = "_median_s" if statistic == "median" else "_s"
+    calls = _call_costs(0.0, calibration)
+    out = []
+    described: dict[str, str] = {}  # compressor text -> technique of the row that added it
+    for row in rows:
+        text = str(row.get("settings", {}).get("sync_gradients", {}).get("compression"))
+        described.setdefault(text, str(row.get("technique", "")))
+        if row.get("status", "ok") != "ok":
+            continue
+        mesh, link = row.get("mesh"), row.get("link_bps")
+        if not mesh or not link:
+            raise ValueError(f"row {row.get('config')!r}: needs 'mesh' and 'link_bps'.")
+        topo = cal.apply(testbed_topology(mesh["inter"], mesh["intra"], float(link)), calibration)
+        cfg = testbed_row_config(row, described[text])
+        compute = float(row[f"compute_only_step_time{sfx}"])
+        measured = float(row[f"step_time{sfx}"])
+        r = step_time(
+            dataclasses.replace(wl, compute_s=compute),
+            topo,
+            algorithm=cfg["algorithm"],
+            overlap=cfg["overlap"],
+            compression=cost.parse_compression(cfg["compression"]),
+            compress_stage=cfg["compress_stage"],
+            bucket_bytes=cfg["bucket_bytes"],
+            call_s=calls,
+            codec=codec,
+            packing=cfg["packing"],
+        )
+        err = r["step_s"] / measured - 1.0
+        out.append({"config": row.get("config"), "compression": cfg["compression"],
+                    "measured_s": measured, "compute_s": compute, "predicted_s": r["step_s"],
+                    "error": err, "ok": abs(err) <= tolerance, "comm_s": r["comm_s"],
+                    "codec_s": r["codec_s"], "call_s": r["call_s"], "calls": r["calls"],
+                    "link_bytes_measured": row.get("link_bytes")})  # fmt: skip
+    return {"statistic": statistic, "tolerance": tolerance, "workload": wl.name,
+            "workload_bytes": wl.total_bytes, "rows": out,
+            "passed": bool(out) and all(r["ok"] for r in out)}  # fmt: skip
+
+
+def format_check(result: Mapping[str, Any]) -> str:
+    """The check as a table, one line per row, and the verdict."""
+    lines = [
+        f"testbed check ({result['statistic']} step times; workload {result['workload']}, "
+        f"{result['workload_bytes'] / 1e6:.2f} MB): each row within "
+        f"{result['tolerance'] * 100:.0f}%",
+        f"{'row':<15} {'measured ms':>11} {'compute ms':>10} {'predicted ms':>12} {'error':>7} "
+        f"{'comm ms':>8} {'codec ms':>8} {'calls ms':>8}  compressor",
+    ]  # fmt: skip
+    for r in result["rows"]:
+        lines.append(
+            f"{r['config']:<15} {r['measured_s'] * 1e3:11.0f} {r['compute_s'] * 1e3:10.0f} "
+            f"{r['predicted_s'] * 1e3:12.0f} {r['error'] * 100:+6.1f}% "
+            f"{r['comm_s'] * 1e3:8.0f} {r['codec_s'] * 1e3:8.0f} {r['call_s'] * 1e3:8.1f}  "
+            f"{r['compression'] or '-'}" + ("" if r["ok"] else "  OUT OF BOUNDS")
+        )
+    worst = max((abs(r["error"]) for r in result["rows"]), default=float("nan"))
+    lines.append(
+        ("PASS" if result["passed"] else "FAIL") + f": largest error {worst * 100:.1f}% "
+        f"(bound {result['tolerance'] * 100:.0f}%)"
+    )
+    return "\n".join(lines)
+
+
 def _topology_for(args) -> Callable[[int], Topology]:
     if args.topology == "fat_tree":
 
@@ -234,19 +512,22 @@ def _topology_for(args) -> Callable[[int], Topology]:
 
     if args.calibration:
         calib = cal.load(args.calibration)
-        return lambda n: cal.apply(make(n), calib)
+        if calib.axes:
+            return lambda n: cal.apply(make(n), calib)
     return make
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxcomm.simulate", description=__doc__.split("\n")[0]
     )
+    p.add_argument("--model", default=None,
+                   help="resnet18 ... resnet152, or a gradient size in bytes (default resnet152; "
+                   "with --check resnet18)")  # fmt: skip
     p.add_argument(
-        "--model",
-        default="resnet152",
-        help="resnet50 | resnet101 | resnet152, or a gradient size in bytes",
-    )
+        "--num-classes", type=int, default=None,
+        help="classifier outputs of a ResNet (default 1000; with --check 10)",
+    )  # fmt: skip
     p.add_argument(
         "--topology", default="fat_tree", help="fat_tree | dgx_h100 | path to a topology JSON file"
     )
@@ -269,34 +550,107 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="compute per step; default per model (see DEFAULT_COMPUTE_S)",
     )
-    p.add_argument("--compression-ratio", type=float, default=2.0)
+    p.add_argument("--compression", default=None,
+                   help="compressor of +compression, e.g. bf16, int8, 'int4(block=64)', "
+                   "'topk(0.01)', 'powersgd(4)', 'adaptive(int4)' (default bf16)")  # fmt: skip
+    p.add_argument("--compress-stage", default="inter", choices=("inter", "all"),
+                   help="compress only the node-spanning stage (default) or all of it")  # fmt: skip
+    p.add_argument("--compression-ratio", type=float, default=None,
+                   help="the old model: wire bytes divided by this, no codec (instead of "
+                   "--compression)")  # fmt: skip
+    p.add_argument("--codec", default=None,
+                   help="h200 | none | a calibration file with a codec section (default: "
+                   "--calibration's codec if it has one, else h200)")  # fmt: skip
     p.add_argument("--bucket-mb", type=float, default=25.0, help="MiB per bucket (+batching)")
-    p.add_argument("--launch-us", type=float, default=10.0, help="fixed cost per collective")
+    p.add_argument("--launch-us", type=float, default=10.0,
+                   help="fixed cost per collective call (kinds the calibration lacks)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="random placement seed")
     p.add_argument(
         "--calibration",
         default=None,
-        help="JSON of measured alpha/beta per mesh axis and/or raw points",
+        help="JSON of measured alpha/beta per mesh axis, points, call costs and/or codec",
     )
     p.add_argument(
         "--busbw",
         action="store_true",
         help="also print predicted nccl-tests bus bandwidth per message size",
     )
+    p.add_argument(
+        "--check", default=None,
+        help="a testbed ablation results JSON: simulate each row from --calibration and "
+        "--codec and compare (exit 1 if a row is off by more than 15%%)",
+    )  # fmt: skip
+    p.add_argument("--statistic", default="best", choices=("median", "best"),
+                   help="--check: compare the best (default: as the ablation table reports "
+                   "its rows, and as the calibrations keep their runs) or the median step "
+                   "times")  # fmt: skip
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG here")
-    args = p.parse_args(argv)  # fmt: skip
+    return p
+
+
+def _check_main(args, argv) -> int:
+    if not args.calibration:
+        print("error: --check needs --calibration (a calibration of the testbed)", file=sys.stderr)
+        return 2
+    try:
+        with open(args.check) as f:
+            rows = json.load(f)
+        if isinstance(rows, Mapping):
+            rows = rows.get("rows", [])
+        calib = cal.load(args.calibration)
+        codec, what = codec_table(args.codec or (args.calibration if calib.codec else "none"))
+        model = args.model or "resnet18"
+        model = int(model) if model.isdigit() else model
+        wl = workload(model, 1.0, num_classes=args.num_classes or 10)
+        result = check_testbed(rows, calib, wl, codec=codec, statistic=args.statistic)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result.update(results=args.check, calibration=args.calibration, codec=what,
+                  command="python -m jaxcomm.simulate " + " ".join(argv))  # fmt: skip
+    print(f"measured: {args.check}\ncalibration: {args.calibration}\ncodec: {what}")
+    print(format_check(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if result["passed"] else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    if args.check:
+        return _check_main(args, argv)
     try:
         nodes = [int(v) for v in args.nodes.split(",") if v]
-        model = int(args.model) if args.model.isdigit() else args.model
+        model = args.model or "resnet152"
+        model = int(model) if model.isdigit() else model
         compute = None if args.compute_ms is None else args.compute_ms / 1e3
-        wl = workload(model, compute)
+        wl = workload(model, compute, num_classes=args.num_classes or 1000)
+        if args.compression is not None and args.compression_ratio is not None:
+            raise ValueError(
+                "give --compression (a compressor) or --compression-ratio (the wire ratio "
+                "alone, no codec), not both."
+            )
+        if args.compression_ratio is not None and not args.compression_ratio >= 1:
+            raise ValueError(f"--compression-ratio {args.compression_ratio}: must be >= 1.")
+        compression = (
+            None if args.compression_ratio is not None
+            else cost.parse_compression(args.compression or "bf16")
+        )  # fmt: skip
+        calib = cal.load(args.calibration) if args.calibration else None
+        codec_name = args.codec or (args.calibration if calib and calib.codec else "h200")
+        codec, what = codec_table(codec_name)
         result = simulate(wl, _topology_for(args), nodes,
-                          compression_ratio=args.compression_ratio,
+                          compression_ratio=args.compression_ratio, compression=compression,
+                          compress_stage=args.compress_stage, codec=codec,
                           bucket_bytes=int(args.bucket_mb * 2**20),
-                          launch_s=args.launch_us * 1e-6, seed=args.seed)  # fmt: skip
-        if args.calibration:
-            calib = cal.load(args.calibration)
+                          launch_s=args.launch_us * 1e-6,
+                          call_s=dict(calib.call_s) if calib else None,
+                          seed=args.seed)  # fmt: skip
+        result["codec"] = what
+        if calib is not None and calib.axes:
             result["calibration"] = {
                 "axes": {k: dataclasses.asdict(v) for k, v in calib.axes.items()},
                 "errors": cal.prediction_errors(calib),
@@ -304,7 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result["command"] = "python -m jaxcomm.simulate " + " ".join(argv or sys.argv[1:])
+    result["command"] = "python -m jaxcomm.simulate " + " ".join(argv)
     print(format_tables(result))
     if args.busbw:
         make = _topology_for(args)

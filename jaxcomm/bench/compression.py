@@ -15,6 +15,14 @@ For every compressor (and the uncompressed baseline) it reports:
 * the digits test accuracy (``jaxcomm.bench.digits.digits_accuracy``, 300 steps).
 
 Writes a JSON file (``--json``) and prints a Markdown table.
+
+With ``--calibration FILE`` it instead measures the codec of every compressor for the cost
+model (:func:`codec_calibration`): encode and decode seconds per f32 byte of each kernel
+in ``jaxcomm.cost.CODEC_KERNELS``, with ``--codec-devices`` devices running it at once (the
+devices of a node share its cores, as on the testbed), written as the ``codec`` section of
+a ``jaxcomm.calibration`` file that ``python -m jaxcomm.simulate --codec FILE`` reads::
+
+    python -m jaxcomm.bench compression --calibration codec_cpu.json --codec-devices 4
 """
 
 from __future__ import annotations
@@ -23,13 +31,26 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["configs", "kernel_ms_per_mb", "main", "wire_ratio"]
+__all__ = [
+    "CODEC_DEVICES",
+    "codec_calibration",
+    "configs",
+    "kernel_ms_per_mb",
+    "main",
+    "wire_ratio",
+]
+
+#: Devices that run the codec at once by default: the testbed's 2 nodes x 2 devices on this
+#: machine's 2 cores.
+CODEC_DEVICES = 4
 
 
 def configs() -> dict[str, dict]:
@@ -149,6 +170,302 @@ def kernel_ms_per_mb(name: str, n: int = 1 << 22) -> float | None:
     return 1e3 * _time(fn, x) / mb
 
 
+# Codec kernels that run as a compressor's mean over the nodes (timed round trip, their
+# own decode timed apart): kernel -> the cost model's compressor of that kernel.
+_ROUND_TRIP = {
+    "int8": "int8(block={b}, stochastic=True)",
+    "int8-nearest": "int8(block={b}, stochastic=False)",
+    "int4": "int4(block={b}, stochastic=True)",
+    "int4-nearest": "int4(block={b}, stochastic=False)",
+    "bf16": "bf16",
+    "fp16": "fp16",
+    "topk": "topk(0.01)",
+    "random_k": "random_k(0.01)",
+}
+
+
+def _round_trip(kernel: str, n: int, block: int, m: int, g: int):
+    """(mean over 'inter' of one device's ``n`` f32, as the compressor computes it at
+    ``compress_stage='inter'``, with error feedback; its decode kernel and inputs, on one
+    device)."""
+    from jax import lax
+
+    from jaxcomm.compression.base import as_f32
+    from jaxcomm.compression.cast import bf16_mean
+    from jaxcomm.compression.quantize import (
+        _quantize_blocks,
+        _to_bytes,
+        dither_seed,
+        two_phase_mean,
+        two_phase_seeds,
+    )
+    from jaxcomm.compression.sparse import random_k_mean, topk_mean
+
+    key = jax.random.key(1)
+    axes = ("inter",)
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    if kernel.startswith("int"):
+        bits, stochastic = int(kernel[3]), not kernel.endswith("nearest")
+
+        def mean(c):
+            seeds = two_phase_seeds(key, lax.axis_index(axes), 0) if stochastic else None
+            return two_phase_mean(c, axes, bits=bits, block=block, seeds=seeds, gather_axis="intra")
+
+        blocks = -(-n // (m * block))
+        chunk = (blocks, block if bits == 8 else block // 2)
+        xs = jnp.pad(jnp.concatenate([x] * g), (0, g * m * blocks * block - g * n))
+        buf = _to_bytes(*_quantize_blocks(xs.reshape(g * m, blocks, block), bits, None))
+        return mean, _decoder(chunk, bits), (buf.reshape(g * m, -1),), g * n
+    if kernel in ("bf16", "fp16"):
+        dt = jnp.bfloat16 if kernel == "bf16" else jnp.float16
+
+        def mean(c):
+            if dt == jnp.bfloat16:
+                return bf16_mean(c, axes, "flat", "auto")
+            lo = (c / m).astype(dt)  # fp16(): pre-divided, summed in 16 bits
+            return as_f32(lax.psum(lo, axes)), as_f32(lo) * m
+
+        words = x.astype(dt)
+        return mean, lambda w: as_f32(w), (words,), n
+    ratio = 0.01
+    k = -(-n // 100)
+    if kernel == "topk":
+
+        def mean(c):
+            seed = dither_seed(key, lax.axis_index(axes), 0)
+            return topk_mean(c, axes, ratio=ratio, method="sampled", sample_ratio=0.01, seed=seed)
+
+        idx = jnp.tile(jnp.arange(k, dtype=jnp.int32) * 97 % n, m)
+        vals = jnp.ones((m * k,), jnp.float32)
+
+        def decode(i, v):
+            return jnp.zeros((n + 1,), jnp.float32).at[i].add(v)[:n] / m
+
+        return mean, decode, (idx, vals), n
+
+    def mean(c):
+        return random_k_mean(c, axes, "flat", ratio=ratio, key=key)
+
+    idx = jnp.arange(k, dtype=jnp.int32) * (n // k)
+    vals = jnp.ones((k,), jnp.float32)
+    return mean, lambda i, v: jnp.zeros((n + 1,), jnp.float32).at[i].set(v)[:n], (idx, vals), n
+
+
+def _decoder(chunk: tuple[int, int], bits: int):
+    """The int8/int4 decode of gathered means (``two_phase_mean``'s last kernel)."""
+    from jaxcomm.compression.quantize import _dequantize_blocks, _from_bytes
+
+    def decode(buf):
+        return _dequantize_blocks(*_from_bytes(buf, chunk, bits), bits).reshape(-1)
+
+    return decode
+
+
+def _time_round_trip(mean, n: int, devices, repeats: int) -> float:
+    """Best time of ``mean`` with error feedback (``c = x + r``; ``r' = c - sent``) on a
+    ``(len(devices) // 2, 2)`` ('inter', 'intra') mesh, each device its own ``n`` f32."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.asarray(devices).reshape(-1, 2), ("inter", "intra"))
+    spec = P(("inter", "intra"))
+    d = len(devices)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (d, n)), NamedSharding(mesh, spec))
+    r = jax.device_put(
+        0.01 * jax.random.normal(jax.random.key(2), (d, n)), NamedSharding(mesh, spec)
+    )
+
+    def local(x, r):
+        c = x[0] + r[0]
+        out, sent = mean(c)
+        return out[None], (c - sent)[None]
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
+                              check_vma=False))  # fmt: skip
+    jax.block_until_ready(f(x, r))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, r))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _powersgd_kernels(n: int, rank: int = 4, rows: int = 2048):
+    """PowerSGD's encode (``P = M Q``, orthogonalize, ``Q = M^T P``, with the residual
+    added) and decode (``M - P Q^T``, the new residual) on one ``(rows, n / rows)``
+    matrix."""
+    from jaxcomm.compression.powersgd import orthogonalize
+
+    key = jax.random.key(1)
+    m = jax.random.normal(jax.random.key(0), (rows, n // rows), jnp.float32)
+    rm = 0.01 * m
+    q0 = jax.random.normal(key, (n // rows, rank), jnp.float32)
+
+    def enc(m, rm, q):
+        c = m + rm
+        pm = orthogonalize(c @ q)
+        return pm, c.T @ pm
+
+    pm, qn = jax.jit(enc)(m, rm, q0)
+    return enc, (m, rm, q0), (lambda c, a, b: c - a @ b.T), (m, pm, qn)
+
+
+def _best_time(fn, args, devices, repeats: int) -> float:
+    """Best wall time (s) of ``fn`` run on every one of ``devices`` at once (shard_map over
+    a 1-D mesh, each device its own copy of ``args``), after one warm-up run."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("d",))
+    spec = P("d")
+    stacked = [
+        jax.device_put(jnp.stack([a] * len(devices)), NamedSharding(mesh, spec)) for a in args
+    ]
+
+    def local(*xs):
+        res = fn(*(x[0] for x in xs))
+        return jax.tree.map(lambda y: y[None], res)
+
+    outs = jax.eval_shape(fn, *args)
+    f = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(args),
+                      out_specs=jax.tree.map(lambda _: spec, outs), check_vma=False)
+    )  # fmt: skip
+    jax.block_until_ready(f(*stacked))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*stacked))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def codec_calibration(
+    *,
+    devices: int = CODEC_DEVICES,
+    nbytes: int = 16 << 20,
+    block: int = 256,
+    repeats: int = 7,
+    kernels: tuple[str, ...] | None = None,
+) -> dict[str, Any]:
+    """Encode/decode seconds per f32 byte of every codec kernel on this machine.
+
+    Every kernel runs on ``devices`` devices at once, each on its own ``nbytes`` of f32
+    (the devices share the cores, as on the testbed); a time is the best of ``repeats``
+    runs after one warm-up (as little of the machine's other load as the runs caught).
+
+    * The compressors of ``jaxcomm.compression`` (int8/int4 stochastic and nearest, bf16,
+      fp16, top-k 1 %, random-k 1 %) run as they do at ``compress_stage='inter'``: their
+      mean over the 'inter' axis of a ``(devices/2, 2)`` ('inter', 'intra') mesh (int8/int4
+      gather their encoded means over 'intra' and decode them), with error feedback (the
+      residual added before, ``c - sent`` after). Their decode kernel is timed apart; the
+      decode rate is its time per f32 byte out, and the encode rate the rest of the round
+      trip per byte encoded (``jaxcomm.cost.codec_counts`` of the cost model). The
+      in-process collectives' own time (a copy) stays in the encode rate.
+    * PowerSGD rank 4 on one 2048-row matrix: encode ``P = M Q``, orthogonalize,
+      ``Q = M^T P``; decode ``M - P Q^T``.
+    * adaptive's error sketch (two sketches of ``n``, encode only) and the packing copy
+      (``x * 2``).
+
+    Args:
+      devices: devices running each kernel at once (even, >= 4, <= ``jax.device_count()``).
+      nbytes: f32 bytes per device (a power of two such as 16 MiB).
+      block: int8/int4 block.
+      repeats: timed runs per kernel.
+      kernels: the ``jaxcomm.cost.CODEC_KERNELS`` to time (default all).
+
+    Returns:
+      ``{'codec': {kernel: {encode_s_per_byte, decode_s_per_byte, source}}, 'meta': {...}}``,
+      a ``jaxcomm.calibration`` file.
+
+    Raises:
+      ValueError: a device count or size that does not fit.
+
+    Example:
+      >>> doc = codec_calibration(devices=4, nbytes=1 << 20, repeats=3)
+    """
+    from jaxcomm import cost
+    from jaxcomm.validate import check_int
+
+    devices = check_int(
+        "devices", devices, minimum=4, maximum=jax.device_count(),
+        fix=f"an even count from 4 to the {jax.device_count()} devices present",
+    )  # fmt: skip
+    if devices % 2:
+        raise ValueError(f"devices={devices}: must be even (nodes of 2 devices); e.g. 4.")
+    n = check_int("nbytes", nbytes, minimum=8 * block * devices) // 4
+    if n % (devices * block) or n % 2048:
+        raise ValueError(
+            f"nbytes={nbytes}: the f32 count {n} must divide by devices x block "
+            f"({devices * block}) and by 2048 (PowerSGD's rows); use e.g. 16 MiB."
+        )
+    want = cost.CODEC_KERNELS if kernels is None else tuple(kernels)
+    bad = [k for k in want if k not in cost.CODEC_KERNELS]
+    if bad or not want:
+        raise ValueError(
+            f"kernels={kernels!r}: {bad or 'none given'}; choose from {list(cost.CODEC_KERNELS)}."
+        )
+    devs = jax.devices()[:devices]
+    m, g = devices // 2, 2
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    src = (
+        f"python -m jaxcomm.bench compression --calibration: best of {repeats}, {devices} "
+        f"devices at once, {4 * n} bytes each"
+    )
+    codec: dict[str, Any] = {}
+
+    def record(name, enc, dec, te, td):
+        codec[name] = {"encode_s_per_byte": enc, "decode_s_per_byte": dec, "source": src}
+        print(f"{name:>13}: encode {te * 1e3:8.2f} ms, decode {td * 1e3:8.2f} ms per call "
+              f"({4 * n / 2**20:.0f} MiB per device, {devices} at once)", flush=True)  # fmt: skip
+
+    for name, spec in _ROUND_TRIP.items():
+        if name not in want:
+            continue
+        comp = cost.parse_compression(spec.format(b=block))
+        mean, decode, dargs, out_n = _round_trip(name, n, block, m, g)
+        t_rt = _time_round_trip(mean, n, devs, repeats)
+        t_dec = _best_time(decode, dargs, devs, repeats)
+        dec_rate = t_dec / (4 * out_n)
+        enc_b, dec_b = cost.codec_counts(comp, 4 * n, m, gather=g if comp.gathers else 1)
+        enc_rate = max(t_rt - dec_rate * dec_b, 0.0) / enc_b
+        record(name, enc_rate, dec_rate, t_rt - dec_rate * dec_b, dec_rate * dec_b)
+    if "powersgd" in want:
+        enc, eargs, dec, dargs = _powersgd_kernels(n)
+        te, td = _best_time(enc, eargs, devs, repeats), _best_time(dec, dargs, devs, repeats)
+        record("powersgd", te / (4 * n), td / (4 * n), te, td)
+    from jaxcomm.compression.adaptive import _sketch
+
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+
+    def sketch(c, o):
+        seed = jnp.uint32(11)
+        return _sketch(o - c, seed, 1021), _sketch(c, seed, 1021)
+
+    if "sketch" in want:
+        te = _best_time(sketch, (x, 0.5 * x), devs, repeats)
+        record("sketch", te / (4 * n), 0.0, te, 0.0)
+    if "copy" in want:
+        te = _best_time(lambda x: x * 2.0, (x,), devs, repeats)
+        record("copy", te / (4 * n), te / (4 * n), te, te)
+    meta = {
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpus": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "devices_at_once": devices,
+        "mesh": {"inter": m, "intra": g},
+        "bytes_per_device": 4 * n,
+        "block": block,
+        "repeats": repeats,
+        "statistic": "best",
+        "load_average_before": list(load) if load else None,
+        "load_average_after": list(os.getloadavg()) if load else None,
+    }
+    return {"codec": codec, "meta": meta}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxcomm.bench compression",
@@ -159,11 +476,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--digits-steps", type=int, default=300, help="0 skips the digits runs")
     p.add_argument("--only", default="", help="row names separated by ';' (default: all)")
     p.add_argument("--json", default="runs/compression_bench.json", help="output JSON path")
+    p.add_argument(
+        "--calibration", default=None,
+        help="measure the codec kernels for the cost model and write them here (only that)",
+    )  # fmt: skip
+    p.add_argument("--codec-devices", type=int, default=CODEC_DEVICES,
+                   help="devices running each codec kernel at once")  # fmt: skip
+    p.add_argument("--codec-mib", type=int, default=16, help="MiB of f32 per device")
+    p.add_argument("--codec-block", type=int, default=256, help="int8/int4 block")
+    p.add_argument("--codec-repeats", type=int, default=7, help="timed runs (best is kept)")
     args = p.parse_args(argv)
+    if args.calibration:
+        from jaxcomm.host_memory import keep_freed_memory
+
+        keep_freed_memory()  # as the testbed's processes run (before any JAX computation)
     if jax.device_count() < 8:
         from jaxcomm.bench.digits import reexec_with_fake_devices
 
         return reexec_with_fake_devices("compression", argv)
+
+    if args.calibration:
+        try:
+            doc = codec_calibration(
+                devices=args.codec_devices, nbytes=args.codec_mib << 20, block=args.codec_block,
+                repeats=args.codec_repeats,
+            )  # fmt: skip
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        doc["meta"]["command"] = "python -m jaxcomm.bench compression " + " ".join(argv or [])
+        os.makedirs(os.path.dirname(os.path.abspath(args.calibration)), exist_ok=True)
+        with open(args.calibration, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {args.calibration}")
+        return 0
 
     import jaxcomm
     from jaxcomm.bench.digits import digits_accuracy
