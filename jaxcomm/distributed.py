@@ -14,6 +14,7 @@ them) fail there.
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 from typing import Any
@@ -29,7 +30,14 @@ ENV_VARS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DEVICE
 # XLA:CPU's own flag (present in jaxlib 0.10.2: it is in libjax_common's DebugOptions).
 TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
 
-__all__ = ["ENV_VARS", "init_distributed", "launcher_env", "set_collective_timeout"]
+__all__ = [
+    "ENV_VARS",
+    "agree",
+    "barrier",
+    "init_distributed",
+    "launcher_env",
+    "set_collective_timeout",
+]
 
 
 def set_collective_timeout(seconds: int) -> None:
@@ -84,7 +92,7 @@ def launcher_env() -> dict[str, str] | None:
 
 def init_distributed(
     *,
-    collective_timeout_s: int = 30,
+    collective_timeout_s: int = 45,
     heartbeat_timeout_s: int = 20,
     initialization_timeout_s: int = 120,
     **initialize_kwargs: Any,
@@ -141,3 +149,89 @@ def init_distributed(
         "num_processes": jax.process_count(),
         "local_devices": jax.local_device_count(),
     }
+
+
+_USES: collections.Counter = collections.Counter()
+
+
+def _unique(name: str) -> str:
+    """``name`` with the number of its earlier uses in this process: the coordination
+    service's barriers and keys are single-use, and processes that do the same work in the
+    same order number them alike."""
+    _USES[name] += 1
+    return f"jaxcomm/{name}/{_USES[name]}"
+
+
+def _client() -> Any:
+    """The ``jax.distributed`` coordination client, or ``None`` in a one-process job.
+
+    JAX keeps it in ``jax._src.distributed.global_state`` (its own checkpointing reaches
+    it the same way); jaxcomm reads it here only.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def barrier(name: str, *, timeout_s: int = 1800) -> None:
+    """Waits until every process reached ``barrier(name)``; a no-op in one process.
+
+    The wait goes through the coordination service of ``jax.distributed``, not through a
+    collective: a peer that is still compiling is alive (its heartbeats go on) and is
+    waited for up to ``timeout_s``, while a dead one is reported by the heartbeat. Call it
+    after compiling a program and before its first run, so that the collectives inside
+    never wait for a slower compile.
+
+    Args:
+      name: the barrier's name; every process passes the same one, once.
+      timeout_s: how long to wait for the slowest process.
+
+    Raises:
+      RuntimeError: (from JAX) a process did not arrive within ``timeout_s``.
+
+    Example:
+      >>> compiled = step.lower(state, batch).compile()
+      >>> jaxcomm.distributed.barrier("step compiled")
+    """
+    client = _client()
+    if client is not None:
+        client.wait_at_barrier(_unique(f"barrier/{name}"), timeout_in_ms=int(timeout_s * 1000))
+
+
+def agree(name: str, error: str | None, *, timeout_s: int = 1800) -> list[str | None]:
+    """Every process's outcome of one piece of work, exchanged without a collective.
+
+    Work that can fail on one process only (a compilation out of memory, a bad file) must
+    be followed by the same decision everywhere: a process that went on alone would wait
+    in the next collective for a peer that gave up. Each process posts its outcome to the
+    coordination service of ``jax.distributed``; all wait at a barrier and read them all.
+
+    Args:
+      name: names the work; every process passes the same one, once.
+      error: this process's error message, or ``None`` when it succeeded.
+      timeout_s: how long to wait for the slowest process.
+
+    Returns:
+      One entry per process, in process order: its error message, or ``None``.
+
+    Example:
+      >>> errors = jaxcomm.distributed.agree("build row 3", None if ok else str(e))
+      >>> failed = [i for i, e in enumerate(errors) if e is not None]
+    """
+    import jax
+
+    client = _client()
+    if client is None:
+        return [error]
+    key = _unique(f"agree/{name}")
+    client.key_value_set(f"{key}/{jax.process_index()}", "" if error is None else "E" + error)
+    client.wait_at_barrier(f"{key}/posted", timeout_in_ms=int(timeout_s * 1000))
+    out: list[str | None] = []
+    for i in range(jax.process_count()):
+        value = client.blocking_key_value_get(f"{key}/{i}", int(timeout_s * 1000))
+        out.append(value[1:] if value else None)
+    return out

@@ -22,7 +22,9 @@ __all__ = [
     "HloModule",
     "collectives",
     "compiled_text",
+    "OrderingHazard",
     "instructions",
+    "ordering_hazards",
     "parse_collectives",
     "parse_replica_groups",
 ]
@@ -311,6 +313,115 @@ def instructions(text: str) -> dict[str, list[tuple[str, str, str]]]:
             name, _, opcode, rest = im.groups()
             comps.setdefault(current, []).append((name, opcode, rest))
     return comps
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderingHazard:
+    """A collective that may start while an earlier control-flow op still runs collectives.
+
+    Attributes:
+      computation: the HLO computation holding both instructions.
+      control_flow: the ``conditional`` or ``while`` instruction whose nested computations
+        hold collectives.
+      collective: the later instruction that issues collectives (a collective, or another
+        control-flow op holding some) without depending on ``control_flow``'s result.
+    """
+
+    computation: str
+    control_flow: str
+    collective: str
+
+
+_OPERAND_RE = re.compile(r"%([\w.\-]+)")
+_CONTROL_FLOW = ("conditional", "while", "call")
+
+
+def _called(rest: str) -> list[str]:
+    names = [c for _, c in _CALLS_RE.findall(rest)]
+    bm = _BRANCHES_RE.search(rest)
+    if bm:
+        names += [b.strip().lstrip("%") for b in bm.group(1).split(",") if b.strip()]
+    return names
+
+
+def ordering_hazards(text: str) -> list[OrderingHazard]:
+    """Collectives a scheduled module may issue in a different order on different devices.
+
+    XLA:CPU runs a computation's instructions as a dataflow graph. Collectives are chained
+    one after the other only by *scheduling* edges: the next may start once the previous
+    one's ``Execute`` returned. A ``conditional`` (``lax.cond`` / ``lax.switch``) or
+    ``while`` (``lax.scan``) runs its body on a nested executor that can return before the
+    collectives inside it finish, so a later collective that does not depend on its result
+    can run concurrently with them. Gloo pairs the operations of one communicator in the
+    order they are issued (one tag for all), so two devices that interleave them
+    differently exchange the wrong buffers or wait for each other forever. A module is safe
+    when every collective-bearing instruction after a collective-bearing control-flow op
+    in the same computation depends on that op's result (an execution edge).
+
+    Steps:
+      1. Split the scheduled text into computations and instructions (execution order).
+      2. Mark the computations that issue collectives, directly or through the
+         computations they call.
+      3. In every computation, for each control-flow op that issues collectives, report the
+         later collective-bearing instructions that do not depend on it transitively.
+
+    Args:
+      text: optimized, scheduled HLO text (``compiled.as_text()``).
+
+    Returns:
+      The hazards, in text order (empty: the order of collectives is fixed by data).
+
+    Example:
+      >>> hazards = jaxcomm.hlo.ordering_hazards(dp.lower(state, batch).compile().as_text())
+      >>> assert not hazards, hazards
+    """
+    comps: dict[str, list[tuple[str, str, list[str], list[str]]]] = {}
+    current = ""
+    for line in text.splitlines():
+        m = _COMP_RE.match(line)
+        if m:
+            current = m.group(2)
+            comps.setdefault(current, [])
+            continue
+        im = _INSTR_RE.match(line)
+        if im:
+            name, _, opcode, rest = im.groups()
+            operands = _OPERAND_RE.findall(rest.split(", metadata=")[0].split(")")[0])
+            comps.setdefault(current, []).append((name, opcode, operands, _called(rest)))
+
+    issues: dict[str, bool] = {}
+
+    def issues_collectives(comp: str) -> bool:
+        if comp not in issues:
+            issues[comp] = False  # a cycle never issues more than its members
+            issues[comp] = any(
+                opcode.removesuffix("-start") in COLLECTIVE_KINDS
+                or any(issues_collectives(c) for c in called)
+                for _, opcode, _, called in comps.get(comp, [])
+            )
+        return issues[comp]
+
+    hazards: list[OrderingHazard] = []
+    for comp, instrs in comps.items():
+        depends: dict[str, set[str]] = {}
+        bearing: list[tuple[str, bool]] = []  # (name, control flow with collectives)
+        for name, opcode, operands, called in instrs:
+            deps: set[str] = set()
+            for o in operands:
+                if o in depends:
+                    deps |= depends[o] | {o}
+            depends[name] = deps
+            nested = any(issues_collectives(c) for c in called)
+            if opcode.removesuffix("-start") in COLLECTIVE_KINDS or nested:
+                bearing.append((name, nested and opcode in _CONTROL_FLOW))
+        for i, (name, is_control_flow) in enumerate(bearing):
+            if is_control_flow:
+                hazards += [
+                    OrderingHazard(comp, name, later)
+                    for later, _ in bearing[i + 1 :]
+                    if name not in depends[later]
+                ]
+    return hazards
 
 
 def _permute_axes(pairs: Sequence[tuple[int, int]], mesh: Mesh) -> tuple[str, ...] | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,7 +32,7 @@ from jaxcomm.distributed import (
 from jaxcomm.host_memory import reuse_env
 from jaxcomm.validate import check_int
 
-__all__ = ["free_port", "main", "rank_env", "run_group"]
+__all__ = ["free_port", "main", "quiet", "rank_env", "run_group"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -51,9 +52,43 @@ def rank_env(coordinator: str, nprocs: int, rank: int, local_devices: int) -> di
     }
 
 
+# gloo's connection report ("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of
+# connected peer ranks is : 3"), written once per communicator from C++ threads at once: the
+# reports of several threads arrive split and interleaved character runs apart.
+_GLOO_REPORT = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+    r"Expected number of connected peer ranks is : \d+"
+)
+_GLOO_WORDS = re.compile(
+    r"\[Gloo\]|(?<![A-Za-z])(?:Rank|is|connected|to|peer|ranks|Expected|number|of)(?![A-Za-z])"
+    r"|[\d\s.:]"
+)
+_GLOO_MARKS = ("[Gloo]", "peer ranks", "is connected to", "Expected number of connected")
+
+
+def quiet(line: str) -> str | None:
+    """``line`` without gloo's connection reports; ``None`` when nothing else was in it.
+
+    A line holding only pieces of reports (interleaved by gloo's threads) is dropped; a
+    line with other text keeps that text with the whole reports cut out.
+    """
+    if not any(m in line for m in _GLOO_MARKS):
+        return line
+    kept = _GLOO_REPORT.sub("", line)
+    if not _GLOO_WORDS.sub("", kept):
+        return None
+    return kept
+
+
 def _forward(stream, prefix: str, out, lock: threading.Lock) -> None:
+    dropped = False  # the last line was a gloo report; its trailing digits may follow alone
     for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
+        text = raw.decode(errors="replace").rstrip("\n")
+        line = quiet(text)
+        if line is None or (dropped and text.strip().isdigit()):
+            dropped = True
+            continue
+        dropped = False
         with lock:
             out.write(f"{prefix}{line}\n")
             out.flush()

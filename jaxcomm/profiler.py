@@ -67,9 +67,8 @@ def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
     Returns:
       A callable ``twin(state, batch)`` running the step without gradient collectives.
     """
-    batch = dp.shard_batch(batch)
     with pre_reduced():
-        return dp.step_fn(state).lower(state, batch).compile()
+        return dp.compile(state, batch)
 
 
 def median_time(fn: Callable, args: tuple, reps: int) -> float:

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm import cost
+from jaxcomm import cost, ordering
 from jaxcomm.buckets import AutoBuckets, check_bucket_bytes, plan_buckets
 from jaxcomm.collectives import (
     all_gather_invariant,
@@ -394,12 +394,7 @@ def sync_gradients(
         plan = plan_for(grads)
         leaves = [jnp.asarray(x) for x in jax.tree.leaves(grads)]
         out: list = [None] * len(leaves)
-        # 2. plain leaves: full precision.
-        if plan.plain:
-            plain = reduce_plain([leaves[i] for i in plan.plain])
-            for i, r in zip(plan.plain, plain, strict=True):
-                out[i] = r
-        # 3. compressed leaves.
+        # 2. compressed leaves (warm-up, exact steps and adaptive rungs are conditionals).
         ok = jnp.ones((), jnp.bool_)
         cstate = state.compression
         if plan.compressed:
@@ -461,6 +456,14 @@ def sync_gradients(
             for i, r in zip(plan.compressed, reduced, strict=True):
                 out[i] = r
             _check_shared_state(compression.name, cstate, axes)
+        # 3. plain leaves, full precision, after everything the compressed path computed
+        # (means, compressor state, the finiteness flag) is complete: its conditionals
+        # could still be running their collectives otherwise (jaxcomm.ordering).
+        if plan.plain:
+            done = ([out[i] for i in plan.compressed], cstate, ok)
+            plain = reduce_plain(ordering.after([leaves[i] for i in plan.plain], *done))
+            for i, r in zip(plan.plain, plain, strict=True):
+                out[i] = r
         if compression.finite is not None:
             # fp16 overflow: skip the whole step (all leaves), counted in the state.
             out = [jnp.where(ok, o, jnp.zeros_like(o)) for o in out]

@@ -14,9 +14,12 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm import ordering
 from jaxcomm.collectives import allreduce_floats, check_axes
 from jaxcomm.compression.adaptive import ladder_probe, with_comm_share
 from jaxcomm.diloco import gradient_params
+from jaxcomm.distributed import agree
+from jaxcomm.hlo import ordering_hazards
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
 from jaxcomm.nnx import check_optimizer, check_params
@@ -75,6 +78,20 @@ def _accumulators(opt_state: Any) -> list[bool]:
 
     flags = jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
     return jax.tree.leaves(flags)
+
+
+def _refuse_ordering_hazards(text: str) -> None:
+    hazards = ordering_hazards(text)
+    if hazards:
+        h = hazards[0]
+        raise RuntimeError(
+            f"the compiled step issues collectives in an order XLA:CPU does not fix: "
+            f"{h.collective!r} may start while {h.control_flow!r} (a lax.cond / lax.switch "
+            f"/ lax.scan holding collectives) is still running them ({len(hazards)} such "
+            "pairs). On several processes gloo would pair them differently and hang. Make "
+            "the later collective's input depend on the conditional's result "
+            "(jaxcomm.ordering.after), e.g. use one sync_gradients for all leaves."
+        )
 
 
 class DataParallel:
@@ -397,6 +414,9 @@ class DataParallel:
         # The model state the loss returned (batch statistics) is averaged in the same
         # all-reduce as the metrics (allreduce_floats: one buffer, not one per leaf).
         synced = model_state if self._with_model_state else None
+        # After the update: the sync's conditionals may hold collectives still running
+        # when an independent all-reduce starts (jaxcomm.ordering).
+        synced, metrics = ordering.after((synced, metrics), updates)
         if local is None:
             metrics = jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
             synced, metrics = allreduce_floats((synced, metrics), self.axes, "mean")
@@ -478,20 +498,66 @@ class DataParallel:
           ``(compiled step, ladders)``: the ``jax.stages.Compiled`` step and the rung names
           of each adaptive compressor traced in it (in trace order).
         """
-        share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self._stacked)
         with ladder_probe() as ladders:
-            lowered = self.step_fn(state, feedback=True).lower(
-                state, self.shard_batch(batch), share
-            )
-        self._compiled_step = lowered.compile()
+            self._compiled_step = self.compile(state, batch, feedback=True)
         self._feedback = feedback
         return self._compiled_step, list(ladders)
+
+    def compile(self, state: TrainState, batch: Any, *, feedback: bool = False) -> Any:
+        """The step compiled for these inputs, ready to run on every process.
+
+        In a job of several processes, each compiles on its own, and a collective of the
+        first run would wait for the slowest compile (gloo gives up after its timeout). So
+        after compiling, every process waits for the others through the coordination
+        service (``jaxcomm.distributed.agree``: a compiling peer is alive, a dead one is
+        caught by the heartbeat), and a process that failed to compile (out of memory)
+        makes every process raise, so that none runs the step alone. On the CPU the
+        compiled module is also checked for collectives whose order XLA:CPU does not fix
+        (``jaxcomm.hlo.ordering_hazards``), which gloo would pair differently on
+        different processes.
+
+        Args:
+          state, batch: example inputs (the step is compiled for their shapes).
+          feedback: compile the step that takes the measured communication share as a
+            third input (:meth:`set_feedback`).
+
+        Returns:
+          A ``jax.stages.Compiled`` step: ``compiled(state, batch[, share])``.
+
+        Raises:
+          RuntimeError: on several CPU processes, the module holds an ordering hazard; or
+            another process could not compile the step.
+        """
+        args: tuple = (state, self.shard_batch(batch))
+        if feedback:
+            share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self._stacked)
+            args += (share,)
+        if jax.process_count() == 1:
+            return self.step_fn(state, feedback=feedback).lower(*args).compile()
+        compiled, error = None, None
+        try:
+            compiled = self.step_fn(state, feedback=feedback).lower(*args).compile()
+            if self.mesh.devices.flat[0].platform == "cpu":
+                _refuse_ordering_hazards(compiled.as_text())
+        except Exception as e:  # every process learns of it: none runs the step alone
+            error = e
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        outcomes = agree("compiled a data-parallel step", message)
+        if error is not None:
+            raise error
+        failed = [(i, m) for i, m in enumerate(outcomes) if m is not None]
+        if failed:
+            i, message = failed[0]
+            raise RuntimeError(f"process {i} could not compile the data-parallel step: {message}")
+        return compiled
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """Runs one step; returns ``(new_state, metrics)``: metrics averaged over devices, or
         with ``jaxcomm.local_sgd`` one value per device (shape ``(devices,)``)."""
         if self._compiled_step is None:
-            self._compiled_step = self.step_fn(state)
+            # Several processes: compiled ahead and met at a barrier (see compile()).
+            many = jax.process_count() > 1
+            self._compiled_step = self.compile(state, batch) if many else self.step_fn(state)
         extra = () if self._feedback is None else (self._feedback.before_step(),)
         out = self._compiled_step(state, self.shard_batch(batch), *extra)
         if jax.default_backend() == "cpu":

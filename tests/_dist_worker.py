@@ -14,6 +14,7 @@ jaxcomm.init_distributed(collective_timeout_s=10, heartbeat_timeout_s=10)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -73,6 +74,24 @@ try:
 except jaxcomm.ReplicaDivergenceError as e:
     assert e.paths == ["['bad']"], e.paths
     assert f"inter={nproc - 1}" in str(e) or nproc == 1, str(e)
+# Outcomes are exchanged without a collective; a step that one process cannot compile
+# fails on every process (none runs it alone and waits in its collectives).
+assert jaxcomm.distributed.agree("worker", None if me == 0 else "bad") == [None, "bad"]
+
+
+def loss(p, b):
+    if jax.process_index() == 1:
+        raise ValueError("no model on process 1")
+    return jax.numpy.mean((b["x"] @ p) ** 2)
+
+
+dp = jaxcomm.data_parallel(loss, optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1)), mesh)
+try:
+    dp(dp.init(np.ones(3, np.float32)), {"x": np.ones((2 * ldev, 3), np.float32)})
+    raise SystemExit("a step that process 1 cannot compile ran")
+except (ValueError, RuntimeError) as e:
+    want = "no model on process 1" if me == 1 else "process 1 could not compile"
+    assert want in str(e), str(e)
 print(f"CHECK_OK process={me} mesh={dict(mesh.shape)}", flush=True)
 
 sig = os.environ.get("JC_TEST_PEER_SIGNAL")

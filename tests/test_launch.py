@@ -1,5 +1,6 @@
 """jaxcomm.launch and init_distributed: 2 processes x 2 CPU devices over gloo on loopback."""
 
+import io
 import os
 import signal
 import subprocess
@@ -88,3 +89,38 @@ def test_launch_usage_errors():
         launch.main(["--nprocs", "2"])
     with pytest.raises(SystemExit):
         launch.main(["--nprocs", "0", "--", "true"])
+
+
+REPORT = (
+    "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+)
+
+
+@pytest.mark.parametrize(
+    "line, kept",
+    [
+        (REPORT, None),
+        ("1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1", None),
+        # two threads' reports interleaved, as gloo writes them
+        (
+            " is connected to  is connected to  peer ranks. 1Expected number of connected peer "
+            "ranks is :  peer ranks. 1Expected number of connected peer ranks is : ",
+            None,
+        ),
+        ("ablation: 17% " + REPORT, "ablation: 17% "),
+        ("Rank 3 of the table is connected", "Rank 3 of the table is connected"),
+        ("plain output", "plain output"),
+    ],
+)
+def test_gloo_reports_are_dropped(line, kept):
+    assert launch.quiet(line) == kept
+
+
+def test_forwarded_output_has_no_gloo_reports():
+    out = io.StringIO()
+    script = (
+        f"print({REPORT!r}); print(' is connected to 3 peer ranks. [Gloo] Rank Expected'); "
+        "print('1'); print('result 1'); print('2')"
+    )
+    assert launch.run_group([[sys.executable, "-c", script]], [{}], out=out) == 0
+    assert out.getvalue().splitlines() == ["[0] result 1", "[0] 2"]
