@@ -45,6 +45,7 @@ the same seeds.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -53,16 +54,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
 
 import jaxcomm
 from experiments import step as steplib
 from experiments.data import SyntheticImages
 from experiments.presets import Preset
 from experiments.rows import Resolved
+from jaxcomm.bench.digits import LEARNING_RATE as DIGITS_LEARNING_RATE
 from jaxcomm.bench.digits import digits_accuracy
 from jaxcomm.testbed import spine_bytes
 
-__all__ = ["run_accuracy", "run_speed"]
+__all__ = ["ProcessesBroken", "run_accuracy", "run_speed", "sync_period"]
 
 
 def _timed(fn: Callable, state: Any, batch: Any, n: int) -> tuple[Any, float, Any]:
@@ -112,7 +117,10 @@ class _Step:
     time the row reports (:meth:`adaptive_wire`).
     """
 
-    def __init__(self, dp: Any, state: Any, batch: Any, *, adapt_windows: int = 0):
+    def __init__(
+        self, dp: Any, state: Any, batch: Any, *, adapt_windows: int = 0, period: int | None = None
+    ):
+        self.period = period
         self.batch = dp.shard_batch(batch)
         self.mesh = dp.mesh
         self.state = state
@@ -130,12 +138,16 @@ class _Step:
             self.settled = len(self.profiler.windows)
             self.rounds: list[tuple[list[str], int]] = []  # per timed round: rungs, last index
         else:
-            self.fn = dp.lower(state, batch).compile()
+            self.fn = dp.compile(state, batch)  # on several processes: met after compiling
             self.wire = jaxcomm.wire_bytes(self.fn, mesh=dp.mesh)
+            if period is not None:  # local steps: a sync every `period` steps, amortized
+                self.wire["crossing"] = {"inter": _local_link_bytes(self.fn, dp.mesh, period)}
 
     def run(self, steps: int) -> float:
         if self.profiler is not None:  # whole windows: a window never spans two rounds
             steps = -(-steps // self.window) * self.window
+        if self.period is not None:  # whole periods of local steps: one sync per period
+            steps = -(-steps // self.period) * self.period
         before = len(self.profiler.windows) if self.profiler is not None else 0
         self.state, t, self.metrics = _timed(self.fn, self.state, self.batch, steps)
         if self.profiler is not None:
@@ -175,12 +187,64 @@ class _Step:
         }
 
 
+def sync_period(sync_s: float, compute_s: float, *, share: float = 0.1, most: int = 64) -> int:
+    """H for local steps on a link: the fewest steps over which one outer sync's link time
+    is at most ``share`` of their compute.
+
+    Args:
+      sync_s: the link time of one sync (its bytes across a node's link at line rate).
+      compute_s: the compute of one step (the compute-only twin's step time).
+      share: the most of the compute that the amortized sync may add.
+      most: the largest H (the quality guard has been checked up to H = 50).
+
+    Returns:
+      ``clip(ceil(sync_s / (share * compute_s)), 1, most)``.
+
+    Example:
+      >>> sync_period(0.08, 0.065)   # 80 ms of link per sync, 65 ms of compute per step
+      13
+    """
+    if not (sync_s >= 0 and compute_s > 0 and 0 < share <= 1):
+        raise ValueError(
+            f"sync_period: need sync_s >= 0, compute_s > 0 and 0 < share <= 1; got "
+            f"sync_s={sync_s}, compute_s={compute_s}, share={share}."
+        )
+    return int(min(max(math.ceil(sync_s / (share * compute_s)), 1), most))
+
+
+def _local_link_bytes(compiled: Any, mesh: Any, period: int) -> float:
+    """Bytes per step across a node's link of a ``jaxcomm.local_sgd`` step that syncs once
+    every ``period`` steps: the step without a sync, plus the sync step's extra bytes
+    spread over the period (read from the compiled HLO, priced at each branch of
+    local_sgd's ``lax.switch``: the last branch syncs nothing)."""
+    mod = jaxcomm.hlo.parse_collectives(compiled.as_text(), mesh=mesh)
+    tops = {c["branch"][0][0] for c in jaxcomm.wire.summarize(mod)["collectives"] if c["branch"]}
+    if len(tops) != 1:
+        raise RuntimeError(f"expected local_sgd's one lax.switch in the step, found {sorted(tops)}")
+    (switch,) = tops
+    last = max(i for c, i in mod.branches.values() if c == switch)
+
+    def crossing(branch: int) -> float:
+        summary = jaxcomm.wire.summarize(mod, mesh, taken={switch: branch})
+        return summary["crossing"].get("inter", 0.0)
+
+    local, synced = crossing(last), crossing(0)
+    return local + (synced - local) / period
+
+
 class _Bench:
     """One row's step and its compute-only twin. Rows with the same mesh and compiler
     options share one twin (the twin has no sync, so the sync settings do not change it)."""
 
     def __init__(
-        self, r: Resolved, preset: Preset, *, intra: int | None, seed: int, twins: dict | None
+        self,
+        r: Resolved,
+        preset: Preset,
+        *,
+        intra: int | None,
+        seed: int,
+        twins: dict | None,
+        link_bps: float | None = None,
     ):
         sync, options, mesh_kwargs = r.build()
         mesh = jaxcomm.make_mesh(intra=intra, **mesh_kwargs)
@@ -194,13 +258,9 @@ class _Bench:
             warmup=preset.lr_warmup,
             total_steps=preset.steps,
         )
-        driven = steplib.drives_adaptive(sync, preset.adapt_windows)
-        dp, state = steplib.build_step(
-            parts, steplib.make_optimizer(sync, schedule), mesh, compiler_options=options,
-            donate=not driven,
-        )  # fmt: skip
+        driven = r.local is None and steplib.drives_adaptive(sync, preset.adapt_windows)
         data = SyntheticImages(
-            dp.batch_sharding,
+            jax.sharding.NamedSharding(mesh, jax.P(tuple(mesh.axis_names))),
             global_batch=self.global_batch,
             image_size=preset.image_size,
             num_classes=preset.num_classes,
@@ -210,9 +270,6 @@ class _Bench:
         batch = data.batch(0)
         warmup = max(1, preset.warmup_steps)
         t0 = time.perf_counter()
-        self.full = _Step(dp, state, batch, adapt_windows=preset.adapt_windows if driven else 0)
-        if not driven:  # a driven step compiled and ran its windows already
-            self.full.run(warmup)  # compiles
         settings = r.describe()
         key = repr((settings["topology"], settings["compiler_options"]))
         if twins is not None and key not in twins:
@@ -225,6 +282,42 @@ class _Bench:
             )
             twins[key] = _Step(twin_dp, twin_state, batch)
             twins[key].run(warmup)
+        self.twin = None if twins is None else twins[key]
+
+        def build(period: int | None):
+            local = None if r.local is None else {**r.local, "sync_every": period}
+            return steplib.build_step(
+                parts, steplib.make_optimizer(sync, schedule, local=local), mesh,
+                compiler_options=options, donate=not driven,
+            )  # fmt: skip
+
+        self.period = None
+        if r.local is None:
+            dp, state = build(None)
+        else:
+            # Local steps: H from the link time of one sync (read from the compiled step
+            # at the preset's H) against the compute of a step (the twin's).
+            self.period = preset.local_sync_every
+            dp, state = build(self.period)
+            if r.local.get("sync_every") == "link" and link_bps and self.twin is not None:
+                probe = dp.compile(state, batch)
+                sync_bytes = _local_link_bytes(probe, dp.mesh, period=1)
+                # One H on every process: from the mean of their measured compute times
+                # (each process's own clock would pick its own H, and its own program).
+                compute = multihost_utils.process_allgather(np.float64(self.twin.run(3)))
+                period = sync_period(sync_bytes * 8 / link_bps, float(np.mean(compute)))
+                if period != self.period:
+                    self.period = period
+                    dp, state = build(period)
+            elif r.local.get("sync_every") != "link":
+                self.period = int(r.local["sync_every"])
+                dp, state = build(self.period)
+        self.full = _Step(
+            dp, state, batch, adapt_windows=preset.adapt_windows if driven else 0,
+            period=self.period,
+        )  # fmt: skip
+        if not driven:  # a driven step compiled and ran its windows already
+            self.full.run(warmup)
         self.twin = None if twins is None else twins[key]
         self.compile_s = time.perf_counter() - t0
         self.t_full: list[float] = []
@@ -264,7 +357,7 @@ class _Bench:
             "global_batch": self.global_batch,
             "devices": self.devices,
             "mesh": self.mesh_shape,
-            "loss": float(self.full.metrics["loss"]),
+            "loss": steplib.host_mean(self.full.metrics["loss"]),
             "wire_bytes": self.full.wire["total"],
             "link_bytes": crossing,
             "link_bps": link_bps,
@@ -274,12 +367,46 @@ class _Bench:
             "spine_bytes_measured": statistics.median(self.spine) if self.spine else None,
             # driven adaptive rows: the rungs of the best round (the bytes above), and the log
             "adaptive": adaptive,
+            # local steps: H (link_bytes above are per step, the sync's spread over H)
+            "sync_every": self.period,
         }
 
 
 def _error(res: dict, e: Exception) -> None:
     res.update(status="error", error=f"{type(e).__name__}: {e}")
     res["traceback"] = traceback.format_exc(limit=8)
+
+
+class ProcessesBroken(RuntimeError):
+    """A collective failed, or a peer died: the processes cannot run another row together.
+
+    Attributes:
+      row: the ablation row that was running.
+      operation: what it was doing (``'building'``, ``'timing round 2'``, ...).
+      process: the process that saw the failure.
+    """
+
+    def __init__(self, row: str, operation: str, cause: BaseException):
+        self.row, self.operation, self.process = row, operation, jax.process_index()
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        super().__init__(
+            f"row {row!r} failed while {operation} on process {self.process}: "
+            f"{type(cause).__name__}: {first}"
+        )
+
+
+# What a failed collective or a lost peer says (gloo, XLA:CPU's collectives, the
+# coordination service of jax.distributed); other errors (out of memory while compiling,
+# a bad setting) leave the processes able to go on.
+_BROKEN = ("gloo", "collective", "connection", "timed out", "deadline_exceeded", "heartbeat",
+           "barrier", "coordination service")  # fmt: skip
+
+
+def _breaks_processes(e: BaseException) -> bool:
+    if jax.process_count() == 1:
+        return False
+    text = f"{type(e).__name__}: {e}".lower()
+    return isinstance(e, jax.errors.JaxRuntimeError) and any(k in text for k in _BROKEN)
 
 
 def run_speed(
@@ -319,14 +446,21 @@ def run_speed(
     twin_steps: dict[str, _Step] | None = {} if twins else None
     for i, r in enumerate(progress(resolved)):
         try:
-            benches[i] = _Bench(r, preset, intra=intra, seed=seed, twins=twin_steps)
+            benches[i] = _Bench(
+                r, preset, intra=intra, seed=seed, twins=twin_steps, link_bps=link_bps
+            )
         except Exception as e:  # report the row, keep the other rows going
+            if _breaks_processes(e):
+                raise ProcessesBroken(r.row.config, "building and compiling", e) from e
             _error(results[i], e)
-    for _ in range(preset.repeats):
+    for k in range(preset.repeats):
         for i, bench in list(benches.items()):
             try:
                 bench.run(preset.timing_steps)
             except Exception as e:
+                if _breaks_processes(e):
+                    row = resolved[i].row.config
+                    raise ProcessesBroken(row, f"timing round {k + 1}", e) from e
                 _error(results[i], e)
                 del benches[i]
     for i, bench in benches.items():
@@ -346,6 +480,8 @@ def run_accuracy(
     seed: int = 0,
     seeds: int = 1,
     progress: Callable[[Sequence], Any] = iter,
+    periods: dict[str, int | None] | None = None,
+    local_sync_every: int = 8,
 ) -> list[dict]:
     """The digits quality guard under every available row.
 
@@ -356,6 +492,9 @@ def run_accuracy(
       seed: the first seed; the runs use ``seed, seed + 1, ..., seed + seeds - 1``.
       seeds: runs per row (>= 1); ``accuracy`` and ``final_loss`` are their means.
       progress: wraps the rows (a progress bar).
+      periods: row config -> the H its speed run chose (local-steps rows; the guard
+        trains with the same H); a row missing here uses ``local_sync_every``.
+      local_sync_every: H of a local-steps row without a speed run.
 
     Returns:
       One dict per row: ``config``, ``accuracy_status`` (``'ok'`` or ``'error'``),
@@ -367,10 +506,24 @@ def run_accuracy(
         try:
             sync, options, mesh_kwargs = r.build()
             mesh = jaxcomm.make_mesh(intra=intra, **mesh_kwargs)
+            guard: tuple[Any, dict[str, Any]] = (sync, {})
+            if r.local is not None:  # the same local SGD, H of the speed run, on the guard
+                period = (periods or {}).get(r.row.config) or local_sync_every
+                carried = {k: sync[k] for k in ("algorithm", "topology") if k in sync}
+                transform = jaxcomm.local_sgd(
+                    optax.adam(DIGITS_LEARNING_RATE), **{**carried, **r.local, "sync_every": period}
+                )
+                guard = (None, {"transform": transform, "time_from": period})
+                res["sync_every"] = period
             runs = [
                 digits_accuracy(
-                    sync, steps=steps, seed=seed + k, mesh=mesh, compiler_options=options or None
-                )
+                    guard[0],
+                    **guard[1],
+                    steps=steps,
+                    seed=seed + k,
+                    mesh=mesh,
+                    compiler_options=options or None,
+                )  # fmt: skip
                 for k in range(seeds)
             ]
             per_seed = [float(g["accuracy"]) for g in runs]
@@ -382,6 +535,8 @@ def run_accuracy(
                 accuracy_note=None,
             )
         except Exception as e:
+            if _breaks_processes(e):
+                raise ProcessesBroken(r.row.config, "training the digits guard", e) from e
             res.update(accuracy_status="error", accuracy_note=f"{type(e).__name__}: {e}")
         out.append(res)
     return out

@@ -50,6 +50,8 @@ class Preset:
         network first, and with ``> 0`` the ``train`` mode drives its step too (log:
         ``adapt.jsonl`` in the output folder); ``0``: no driving (the controller then
         follows the error alone).
+      local_sync_every: H of a local-steps row (``jaxcomm.local_sgd``) where no link rate
+        is known to choose it from (off the testbed), and the H its choice starts from.
     """
 
     name: str
@@ -71,6 +73,7 @@ class Preset:
     link: str | None = None
     adapt_windows: int = 0
     accuracy_seeds: int = 1
+    local_sync_every: int = 8
 
 
 PRESETS: dict[str, Preset] = {

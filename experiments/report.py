@@ -95,8 +95,8 @@ def format_table(rows: Sequence[dict]) -> str:
     images/s, on a network the link columns (MB per step across a node's link, their
     line-rate time, efficiency = that time / exposed communication), on a leaf-spine
     fabric the MB per step the spine carried (measured), and (when measured) digits
-    accuracy; errors, and the rungs a driven adaptive row ran, are listed under the
-    table."""
+    accuracy; errors, the rungs a driven adaptive row ran and the period of local steps
+    are listed under the table."""
     with_acc = any("accuracy_status" in r for r in rows)
     with_link = any(r.get("link_bound_s") is not None for r in rows)
     head = ["config", "status", "step ms", "compute ms", "speedup", "comm %", "img/s"]
@@ -143,6 +143,11 @@ def format_table(rows: Sequence[dict]) -> str:
                 f"  {r['config']}: adaptive timed at {'/'.join(dict.fromkeys(ad['timed_levels']))}"
                 f", best round at {'/'.join(dict.fromkeys(ad['best_round_levels']))}"
                 f" (changes: {moves or 'none'})"
+            )
+        if r.get("sync_every"):  # local steps: the period, and what link MB means there
+            notes.append(
+                f"  {r['config']}: a sync every {r['sync_every']} steps (H, chosen for the "
+                "link); link MB is per step, the sync's bytes spread over H"
             )
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
     fmt_row = lambda cells: "  ".join(  # noqa: E731

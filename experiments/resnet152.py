@@ -248,10 +248,13 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     schedule = steplib.learning_rate(
         lr=preset.lr, global_batch=global_batch, warmup=preset.lr_warmup, total_steps=preset.steps
     )
-    driven = steplib.drives_adaptive(sync, preset.adapt_windows)
+    driven = chosen.local is None and steplib.drives_adaptive(sync, preset.adapt_windows)
+    local = None
+    if chosen.local is not None:  # no link measurement here: the preset's H
+        local = {**chosen.local, "sync_every": preset.local_sync_every}
     dp, state = steplib.build_step(
-        parts, steplib.make_optimizer(sync, schedule), mesh, compiler_options=options,
-        donate=not driven,
+        parts, steplib.make_optimizer(sync, schedule, local=local), mesh,
+        compiler_options=options, donate=not driven,
     )  # fmt: skip
     data = folder or SyntheticImages(
         dp.batch_sharding,
@@ -412,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             seeds=preset.accuracy_seeds,
             progress=lambda r: progress(r, desc="accuracy") if progress is not iter else iter(r),
+            periods={x["config"]: x.get("sync_every") for x in rows or []},
+            local_sync_every=preset.local_sync_every,
         )
         status |= any(a["accuracy_status"] == "error" for a in acc)
         seconds["accuracy"] = time.perf_counter() - t0
@@ -455,5 +460,18 @@ def main(argv: list[str] | None = None) -> int:
     return int(status)
 
 
+def _main() -> int:
+    from experiments.ablation import ProcessesBroken
+
+    try:
+        return main()
+    except ProcessesBroken as e:
+        # One line, and out: the peers are ended by the launcher (or the coordination
+        # service's heartbeat), not left waiting in a collective.
+        print(f"error: {e}. The processes cannot go on together; stopping.", file=sys.stderr,
+              flush=True)  # fmt: skip
+        return 3
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main())

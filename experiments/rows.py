@@ -20,6 +20,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import optax
+
 import jaxcomm
 
 __all__ = ["ROWS", "Resolved", "Row", "resolve_rows"]
@@ -38,6 +40,11 @@ class Row:
       compiler_options: XLA options it adds: a dict, or a function returning one (called
         when the row is built, so it can check the installed jaxlib).
       topology: order the mesh by the detected topology and give it to the cost model.
+      local: ``jaxcomm.local_sgd`` keyword arguments (not ``inner``, which is the
+        experiment's optimizer): from this row on, the optimizer takes local steps and
+        synchronises every ``sync_every`` steps; ``sync_every='link'`` lets the experiment
+        choose it for the link (:func:`experiments.ablation.sync_period`). The rows'
+        ``algorithm`` and ``topology`` carry over to its outer sync.
     """
 
     config: str
@@ -45,6 +52,7 @@ class Row:
     sync: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     compiler_options: Options | None = None
     topology: bool = False
+    local: Mapping[str, Any] | None = None
 
 
 # The rows of the seed's table. The compression row is the seed's "dynamic bit width": the
@@ -80,6 +88,18 @@ ROWS: tuple[Row, ...] = (
         topology=True,
     ),
     Row("+batching", "gradient buckets 1-10 MiB", sync={"bucket_bytes": (1 << 20, 10 << 20)}),
+    # Beyond the seed: local SGD (DiLoCo), the rare outer syncs int8-compressed. H is chosen
+    # for the link (ablation.sync_period), the outer optimizer is the one that kept the
+    # digits guard within a point of per-step sync on short runs (docs/benchmarks.md).
+    Row(
+        "+local steps",
+        "local SGD: H local steps per int8 outer sync, H chosen for the link",
+        local={
+            "sync_every": "link",
+            "compression": jaxcomm.compression.int8(block=64),
+            "outer": optax.sgd(1.0, momentum=0.5, nesterov=True),
+        },
+    ),
 )
 
 
@@ -109,6 +129,7 @@ class Resolved:
     sync: Mapping[str, Any]
     compiler_options: tuple[Options, ...]
     topology: bool
+    local: Mapping[str, Any] | None = None
 
     def build(self) -> tuple[dict, dict, dict]:
         """``(sync_kwargs, compiler_options, make_mesh_kwargs)`` for the running job."""
@@ -128,6 +149,9 @@ class Resolved:
             "sync_gradients": {k: _text(v) for k, v in self.sync.items()},
             "compiler_options": [_text(s) for s in self.compiler_options],
             "topology": "jaxcomm.topology.detect()" if self.topology else None,
+            "local_sgd": None
+            if self.local is None
+            else {k: _text(v) for k, v in self.local.items()},
         }
 
 
@@ -138,11 +162,17 @@ def resolve_rows(rows: Sequence[Row] = ROWS) -> list[Resolved]:
     options: list = []
     techniques: list[str] = []
     topology = False
+    local: dict | None = None
     for row in rows:
         sync.update(row.sync)
         if row.compiler_options is not None:
             options.append(row.compiler_options)
         topology = topology or row.topology
+        if row.local is not None:
+            local = {**(local or {}), **row.local}
         techniques.append(row.config)
-        out.append(Resolved(row, tuple(techniques), dict(sync), tuple(options), topology))
+        out.append(
+            Resolved(row, tuple(techniques), dict(sync), tuple(options), topology,
+                     None if local is None else dict(local))
+        )  # fmt: skip
     return out

@@ -108,6 +108,7 @@ def make_optimizer(
     schedule: optax.ScalarOrSchedule,
     *,
     extra: Sequence[optax.GradientTransformation] = (),
+    local: Mapping[str, Any] | None = None,
 ) -> optax.GradientTransformation:
     """The experiment's optimizer.
 
@@ -117,17 +118,25 @@ def make_optimizer(
       schedule: learning rate or schedule.
       extra: transforms inserted right after the synchronisation (tests use this to add
         per-device state).
+      local: ``jaxcomm.local_sgd`` keyword arguments with a numeric ``sync_every``: the
+        optimizer below becomes its inner optimizer (``sync_kwargs``' ``algorithm`` and
+        ``topology`` carry over; its other settings do not apply to the outer sync).
 
     Returns:
-      ``optax.chain(sync_gradients(**sync_kwargs), *extra, add_decayed_weights, sgd)``.
+      ``optax.chain(sync_gradients(**sync_kwargs), *extra, add_decayed_weights, sgd)``,
+      or with ``local``: ``local_sgd(chain(*extra, add_decayed_weights, sgd), **local)``.
     """
-    head = [] if sync_kwargs is None else [jaxcomm.sync_gradients(**dict(sync_kwargs))]
-    return optax.chain(
-        *head,
-        *extra,
+    inner = [
         optax.add_decayed_weights(WEIGHT_DECAY),
         optax.sgd(schedule, momentum=MOMENTUM, nesterov=True),
-    )
+    ]
+    if sync_kwargs is not None and local is not None:
+        # Local steps: the experiment's optimizer runs on each device's own params, and
+        # the outer sync reduces with the rows' algorithm on their topology.
+        carried = {k: sync_kwargs[k] for k in ("algorithm", "topology") if k in sync_kwargs}
+        return jaxcomm.local_sgd(optax.chain(*extra, *inner), **{**carried, **local})
+    head = [] if sync_kwargs is None else [jaxcomm.sync_gradients(**dict(sync_kwargs))]
+    return optax.chain(*head, *extra, *inner)
 
 
 def drives_adaptive(sync_kwargs: Mapping[str, Any] | None, adapt_windows: int) -> bool:
@@ -187,3 +196,12 @@ def one_step_in_flight() -> bool:
     runs ahead, as usual.
     """
     return jax.default_backend() == "cpu"
+
+
+def host_mean(x: jax.Array) -> float:
+    """The mean of a metric on the host: a replicated scalar, or the per-device values that
+    ``jaxcomm.local_sgd`` returns (in a job of several processes, this process's devices:
+    the others' are not addressable here)."""
+    if x.ndim == 0:
+        return float(x)
+    return float(np.mean([np.asarray(s.data) for s in x.addressable_shards]))

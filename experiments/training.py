@@ -10,7 +10,7 @@ import jax
 
 import jaxcomm
 from experiments.checkpoint import Checkpointer
-from experiments.step import one_step_in_flight
+from experiments.step import host_mean, one_step_in_flight
 
 __all__ = ["train"]
 
@@ -73,8 +73,9 @@ def train(
             else:
                 timed += 1
             if done % max(1, log_every) == 0 or done == stop:
-                m = jax.device_get(metrics)
-                losses[done] = float(m["loss"])
+                # local_sgd returns one value per device: their mean
+                m = {k: host_mean(v) for k, v in metrics.items()}
+                losses[done] = m["loss"]
                 if bar is not None:
                     bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m.get('accuracy', 0):.2f}")
             if checkpointer is not None and ((every and done % every == 0) or done == stop):

@@ -18,7 +18,11 @@ SPEED_KEYS = {"config", "step_time_s", "speedup", "comm_fraction", "images_per_s
 def test_rows_follow_the_seed_table_and_accumulate(monkeypatch):
     assert [r.config for r in ROWS] == [
         "baseline", "+hierarchical", "+overlap", "+compression", "+topology", "+batching",
+        "+local steps",
     ]  # fmt: skip
+    (local,) = [r for r in resolve_rows() if r.row.config == "+local steps"]
+    assert local.local["sync_every"] == "link" and local.local["compression"].name == "int8"
+    assert all(r.local is None for r in resolve_rows()[:-1])
     (compression,) = [r for r in ROWS if r.config == "+compression"]
     assert compression.sync["compression"].name.startswith("adaptive[")  # the seed's dynamic bits
     assert compression.sync["compress_stage"] == "inter"
@@ -213,11 +217,13 @@ def test_smoke_training_reads_the_folder_and_checkpoints(smoke_run):
 
 
 def test_training_drives_the_adaptive_compressor(tmp_path):
-    # --train with the last row (adaptive on the inter stage) and --adapt-windows: the step
-    # runs under CommProfiler.drive, whose windows and level changes land in adapt.jsonl.
+    # --train with the last row of the seed's table (adaptive on the inter stage) and
+    # --adapt-windows: the step runs under CommProfiler.drive, whose windows and level
+    # changes land in adapt.jsonl.
     out = tmp_path / "out"
     argv = [
-        "--preset", "cpu-smoke", "--train", "--adapt-windows", "1", "--image-size", "16",
+        "--preset", "cpu-smoke", "--train", "--config", "+batching", "--adapt-windows", "1",
+        "--image-size", "16",
         "--per-device-batch", "2", "--steps", "4", "--out", str(out), "--no-progress",
     ]  # fmt: skip
     assert resnet152.main(argv) == 0
@@ -228,3 +234,55 @@ def test_training_drives_the_adaptive_compressor(tmp_path):
     assert [w["step"] for w in windows] == [2, 4]  # adjustment_step=2 of the row's compressor
     assert all(w["levels"][0] in ("f32", "bf16", "int8", "int4") for w in windows)
     assert all(0.0 <= w["comm_share"] <= 1.0 for w in windows)
+
+
+def test_sync_period_amortizes_the_link_over_compute():
+    from experiments.ablation import sync_period
+
+    assert sync_period(0.08, 0.065) == 13  # 80 ms of link per sync, 65 ms of compute
+    assert sync_period(0.0, 0.065) == 1
+    assert sync_period(10.0, 0.01) == 64  # capped
+    assert sync_period(0.08, 0.065, share=0.5) == 3
+    with pytest.raises(ValueError, match=r"compute_s > 0.*compute_s=0"):
+        sync_period(0.08, 0.0)
+
+
+def test_local_steps_optimizer_carries_the_rows_algorithm():
+    from experiments import step as steplib
+
+    calls = {}
+    real = jaxcomm.local_sgd
+
+    def spy(inner, **kwargs):
+        calls.update(kwargs)
+        return real(inner, **kwargs)
+
+    sync = {"algorithm": "ring", "compression": jaxcomm.compression.bf16(), "bucket_bytes": None}
+    local = {"sync_every": 4, "compression": jaxcomm.compression.int8()}
+    import unittest.mock
+
+    with unittest.mock.patch.object(jaxcomm, "local_sgd", spy):
+        steplib.make_optimizer(sync, 0.1, local=local)
+    assert calls["algorithm"] == "ring" and calls["sync_every"] == 4
+    assert calls["compression"].name == "int8"  # the row's own, not the sync's bf16
+
+
+def test_a_broken_collective_ends_the_run_with_one_line(monkeypatch, capsys):
+    from experiments import ablation
+
+    err = jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Timed out waiting")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert ablation._breaks_processes(err)
+    assert not ablation._breaks_processes(ValueError("bad setting"))
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling")
+    assert not ablation._breaks_processes(oom)  # the others can go on
+
+    def main():
+        raise ablation.ProcessesBroken("+compression", "timing round 2", err)
+
+    monkeypatch.setattr(resnet152, "main", main)
+    assert resnet152._main() == 3
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "row '+compression' failed while timing round 2 on process 0" in lines[0]
+    assert "Gloo all-reduce failed" in lines[0]
