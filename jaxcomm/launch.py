@@ -118,6 +118,7 @@ def run_group(
     prefixes: Sequence[str] | None = None,
     timeout_s: float | None = None,
     grace_s: float = 3.0,
+    settle_s: float = 20.0,
     out=None,
 ) -> int:
     """Runs one command per rank, forwards their output, ends the group on the first failure.
@@ -131,6 +132,9 @@ def run_group(
       prefixes: output prefix per process, default ``[rank] ``.
       timeout_s: end all processes after this many seconds (exit code 124).
       grace_s: seconds between SIGTERM and SIGKILL when ending a group.
+      settle_s: after the first failure, seconds the others get to end by themselves
+        (a survivor's collective fails fast once its peer is gone, and it names the
+        operation it was in) before they are ended.
       out: where to write (default ``sys.stdout``).
 
     Returns:
@@ -167,8 +171,16 @@ def run_group(
                 if rc != 0 and first_error == 0:
                     first_error = 128 - rc if rc < 0 else rc
                     with lock:
-                        out.write(f"[launch] process {i} exited with {rc}; ending the others\n")
+                        out.write(
+                            f"[launch] process {i} exited with {rc}; the others end "
+                            f"within {settle_s:g} s\n"
+                        )
                         out.flush()
+                    settled = time.monotonic() + settle_s
+                    while any(procs[j].poll() is None for j in running):
+                        if time.monotonic() > settled:
+                            break
+                        time.sleep(0.05)
             if first_error:
                 break
             if deadline is not None and time.monotonic() > deadline:

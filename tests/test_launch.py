@@ -64,10 +64,27 @@ def test_run_group_returns_first_failure_and_ends_the_rest():
     rc = launch.run_group(
         [[sys.executable, "-c", "import sys; sys.exit(3)"], ["sleep", "30"]],
         [{}, {}],
+        settle_s=1.0,
         out=open(os.devnull, "w"),
     )
     assert rc == 3
     assert time.monotonic() - t0 < 15
+
+
+def test_run_group_lets_a_survivor_report_before_ending_it():
+    # A survivor whose collective fails once its peer is gone names the operation: its
+    # last words must reach the terminal, not be cut by SIGTERM.
+    survivor = "import sys, time; time.sleep(1.5); print('row X failed'); sys.exit(3)"
+    out = io.StringIO()
+    rc = launch.run_group(
+        [[sys.executable, "-c", "import sys; sys.exit(5)"], [sys.executable, "-c", survivor]],
+        [{}, {}],
+        settle_s=10.0,
+        out=out,
+    )
+    assert rc == 5
+    assert "[1] row X failed" in out.getvalue(), out.getvalue()
+    assert "[launch] process 0 exited with 5; the others end within 10 s" in out.getvalue()
 
 
 def test_launcher_env_validation(monkeypatch):
