@@ -34,6 +34,9 @@ __all__ = [
     "ENV_VARS",
     "agree",
     "barrier",
+    "check_same_on_processes",
+    "exchange",
+    "fingerprint",
     "init_distributed",
     "launcher_env",
     "set_collective_timeout",
@@ -222,16 +225,88 @@ def agree(name: str, error: str | None, *, timeout_s: int = 1800) -> list[str | 
       >>> errors = jaxcomm.distributed.agree("build row 3", None if ok else str(e))
       >>> failed = [i for i, e in enumerate(errors) if e is not None]
     """
+    posted = exchange(f"agree/{name}", "" if error is None else "E" + error, timeout_s=timeout_s)
+    return [value[1:] if value else None for value in posted]
+
+
+def exchange(name: str, value: str, *, timeout_s: int = 1800) -> list[str]:
+    """Every process's string, read by every process, through the coordination service.
+
+    Args:
+      name: names the exchange; every process passes the same one, once.
+      value: this process's string.
+      timeout_s: how long to wait for the slowest process.
+
+    Returns:
+      One string per process, in process order (``[value]`` in one process).
+    """
     import jax
 
     client = _client()
     if client is None:
-        return [error]
-    key = _unique(f"agree/{name}")
-    client.key_value_set(f"{key}/{jax.process_index()}", "" if error is None else "E" + error)
+        return [value]
+    key = _unique(name)
+    client.key_value_set(f"{key}/{jax.process_index()}", value)
     client.wait_at_barrier(f"{key}/posted", timeout_in_ms=int(timeout_s * 1000))
-    out: list[str | None] = []
-    for i in range(jax.process_count()):
-        value = client.blocking_key_value_get(f"{key}/{i}", int(timeout_s * 1000))
-        out.append(value[1:] if value else None)
-    return out
+    return [
+        client.blocking_key_value_get(f"{key}/{i}", int(timeout_s * 1000))
+        for i in range(jax.process_count())
+    ]
+
+
+def fingerprint(tree: Any) -> str:
+    """A hash of the bits, shapes, dtypes and structure of a pytree of arrays.
+
+    Reads every leaf to the host (its addressable data: for a replicated array, this
+    process's first copy), so call it on initial values, not in a loop.
+
+    Args:
+      tree: a pytree of arrays (or numpy arrays, scalars).
+
+    Returns:
+      A hex digest; equal trees give equal digests on every process and platform.
+    """
+    import hashlib
+
+    import jax
+    import numpy as np
+
+    h = hashlib.sha256()
+    leaves, treedef = jax.tree.flatten_with_path(tree)
+    h.update(str(treedef).encode())
+    for path, x in leaves:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            x = x.addressable_shards[0].data
+        a = np.asarray(jax.device_get(x))
+        h.update(f"{jax.tree_util.keystr(path)}:{a.dtype.str}:{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).view(np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def check_same_on_processes(name: str, tree: Any, *, fix: str) -> None:
+    """Refuses a pytree whose values differ between processes (e.g. initial params drawn
+    from a per-process seed: data-parallel replicas would then train apart).
+
+    Compares :func:`fingerprint` of ``tree`` across processes through the coordination
+    service (no collective); a no-op in one process.
+
+    Args:
+      name: what ``tree`` is, for the message (e.g. ``'the initial params'``).
+      tree: the values every process must hold alike.
+      fix: how to make them alike, for the message.
+
+    Raises:
+      ValueError: on every process, naming the processes that differ from process 0.
+    """
+    import jax
+
+    if jax.process_count() == 1 or _client() is None:
+        return
+    mine = fingerprint(tree)
+    digests = exchange(f"same/{name}", mine)
+    differ = [i for i, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise ValueError(
+            f"jaxcomm: {name} differ between processes: processes {differ} hold other values "
+            f"than process 0, so their replicas would train apart. {fix}"
+        )

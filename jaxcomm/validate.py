@@ -1,6 +1,7 @@
 """Argument checks shared by every jaxcomm constructor, with one message shape.
 
-Internal: modules import :func:`check_int` from here; nothing is re-exported publicly.
+Internal: modules import :func:`check_int` and :func:`check_choice` from here; nothing is
+re-exported publicly.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_int"]
+__all__ = ["check_choice", "check_int"]
 
 
 def _allowed(minimum: int | None, maximum: int | None) -> str:
@@ -69,3 +70,39 @@ def check_int(
             f"(got {type(value).__name__}){tail}."
         )
     return v
+
+
+def check_choice(
+    name: str,
+    value: Any,
+    allowed: tuple,
+    *,
+    fix: str | None = None,
+    error: type[Exception] = ValueError,
+) -> Any:
+    """Checks that ``value`` is one of ``allowed``; returns it.
+
+    One message shape with :func:`check_int`: ``"NAME=VALUE must be one of (...); FIX."``.
+
+    Args:
+      name: the argument's name as the caller wrote it.
+      value: the value to check.
+      allowed: the allowed values.
+      fix: what to do instead (appended after ``'; '``), or None.
+      error: the exception class to raise.
+
+    Returns:
+      ``value``.
+
+    Example:
+      >>> check_choice('op', 'avg', ('mean', 'sum'))
+      ValueError: op='avg' must be one of ('mean', 'sum').
+    """
+    try:
+        ok = value in allowed
+    except TypeError:  # an unhashable or incomparable value
+        ok = False
+    if not ok:
+        tail = f"; {fix}" if fix else ""
+        raise error(f"{name}={value!r} must be one of {tuple(allowed)!r}{tail}.")
+    return value
