@@ -7,9 +7,13 @@ the batch inside ``jax.shard_map(..., check_vma=True)`` and treats each kind of 
 by its ``Variable`` type:
 
 - ``nnx.Param`` (and whatever the optimizer updates): replicated. Inside, each device
-  differentiates a varying copy (its own gradient; ``sync_gradients`` reduces it), and the
-  new params are the invariant old params plus the optimizer's invariant update, so
-  shard_map's replication check proves they agree on every device.
+  differentiates a varying copy (its own gradient; ``sync_gradients`` reduces it). While
+  the step is traced, ``optax.apply_updates`` (which ``nnx.Optimizer.update`` and
+  ``TrainState.apply_gradients`` call) adds the optimizer's invariant update to the
+  invariant old params, so the new params, and whatever the step computes from them
+  afterwards (a pruning mask, a max-norm), are kept as computed and proven the same on
+  every device by shard_map's replication check. A param that comes out different per
+  device (changed from the batch) is refused.
 - ``nnx.OptState``: replicated, except state a compressor wraps in ``jaxcomm.PerDevice``
   (error feedback), stored with a leading axis of one entry per device
   (``per_device_paths``). Any other optimizer state that comes out different per device
@@ -22,9 +26,21 @@ by its ``Variable`` type:
 - Any other state that a step changes per device (``nnx.BatchStat``): float leaves are
   averaged across devices (``pmean``).
 
+What the step returns is combined by :func:`jaxcomm.outputs.combine`: a float scalar is
+averaged, a per-example array (leading axis) is gathered along the batch in global order,
+values marked ``jaxcomm.outputs.sum/max/min/mean/gather`` are combined so, an unmarked
+integer scalar is refused, and an unmarked value that is the same on every device (typed
+invariant: a param, the step count) is returned as it is.
+
+At the first call of each compiled step, the replicated state is compared across
+processes (:func:`jaxcomm.distributed.check_same_on_processes`): processes that start from
+different params (a per-process seed) are refused.
+
 ``@jaxcomm.linen_data_parallel(mesh)`` does the same for a Linen step on
-``flax.training.train_state.TrainState``, by field: ``params``, ``opt_state``, typed key
-fields, and the rest (``batch_stats``).
+``flax.training.train_state.TrainState``, by field: ``params``, ``opt_state``, key fields
+(typed keys, and legacy raw ``uint32`` keys in a field whose name says ``key`` or ``rng``;
+a raw-key-shaped ``uint32`` field with another name is refused), and the rest
+(``batch_stats``).
 
 Everything it writes back lives on the mesh's devices with a plain (non-explicit)
 ``NamedSharding``, so ordinary Flax code (an ``nnx.jit`` eval step, ``metrics.reset()``,
@@ -33,7 +49,10 @@ orbax) uses it without a mesh context.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,8 +66,10 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.collectives import allreduce_floats, check_axes
+from jaxcomm import outputs
+from jaxcomm.collectives import check_axes
 from jaxcomm.diloco import gradient_params
+from jaxcomm.distributed import check_same_on_processes
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.state import PerDevice, leaf_specs, stack_leaves, unstack_leaves, varying_axes
@@ -103,6 +124,58 @@ class _Recording:
         updates, state = self._tx.update(grads, state, invariant, **kwargs)
         self._log.append((params, updates))
         return updates, state
+
+
+# While a step is traced, ``optax.apply_updates`` (what ``nnx.Optimizer.update`` and
+# ``TrainState.apply_gradients`` call) adds the update to the invariant old params in place
+# of each device's varying copy: the same bits, typed as the same on every device. So
+# whatever the step computes from the new params afterwards (a mask, a max-norm, zeroing)
+# is kept as computed, and shard_map's replication check still proves it replicated.
+_INVARIANT_PARAMS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "jaxcomm_invariant_params", default=None
+)
+_PATCH_LOCK = threading.Lock()
+_PATCH: dict[str, Any] = {"users": 0, "original": None}
+
+
+def _apply_updates(params, updates):
+    old = _INVARIANT_PARAMS.get()
+    if old:
+        params = jax.tree.map(lambda p: old.get(id(p), p), params)
+    return _PATCH["original"](params, updates)
+
+
+@contextlib.contextmanager
+def _invariant_apply_updates(old: dict):
+    """Within: ``optax.apply_updates`` takes each param in ``old`` (by the identity of its
+    varying copy) at its invariant value; every other call is unchanged."""
+    token = _INVARIANT_PARAMS.set(old)
+    with _PATCH_LOCK:
+        if _PATCH["users"] == 0:
+            _PATCH["original"] = optax.apply_updates
+            optax.apply_updates = _apply_updates
+        _PATCH["users"] += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            _PATCH["users"] -= 1
+            if _PATCH["users"] == 0:
+                optax.apply_updates = _PATCH["original"]
+        _INVARIANT_PARAMS.reset(token)
+
+
+def _fold(key: Any, dev: Any) -> Any:
+    """``fold_in(key, dev)`` for a typed key or a legacy raw ``uint32`` key, of any batch
+    shape; a raw key comes back raw."""
+    raw = not jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key)
+    k = jax.random.wrap_key_data(key) if raw else key
+    if k.shape:
+        flat = jax.vmap(lambda one: jax.random.fold_in(one, dev))(k.reshape(-1))
+        k = flat.reshape(k.shape)
+    else:
+        k = jax.random.fold_in(k, dev)
+    return jax.random.key_data(k) if raw else k
 
 
 def key_data(tree: Any) -> Any:
@@ -233,16 +306,17 @@ class NnxDataParallel:
             elif k == _METRIC:
                 x = jnp.zeros_like(x)  # this device's sums and counts only
             elif k == _KEY:
-                x = jax.random.fold_in(x, dev)
+                x = _fold(x, dev)
             inside.append(x)
         # Old invariant value of every param, by the identity of its varying copy.
         old = {id(v): x for v, x, k in zip(inside, leaves, kinds, strict=True) if k == _PARAM}
+        index = {id(v): i for i, (v, k) in enumerate(zip(inside, kinds, strict=True))}
         log: list = []
         objs, restore, has_opt = self._enter(
             graphdef, jax.tree.unflatten(treedef, inside), log, old
         )
         try:
-            with sync_probe() as calls:
+            with sync_probe() as calls, _invariant_apply_updates(old):
                 out = self._fn(*self._fill(nodes, objs, args))
         finally:
             restore()
@@ -252,28 +326,29 @@ class NnxDataParallel:
                 "params would drift apart across devices. Put jaxcomm.sync_gradients() first: "
                 f"{self._fix}."
             )
-        new_param: dict[int, Any] = {}
         for params, updates in log:
             for p, u in zip(jax.tree.leaves(params), jax.tree.leaves(updates), strict=True):
                 if id(p) not in old:
+                    # A gradient at params every device holds alike is summed over the
+                    # devices by JAX itself: a second update would be silently wrong.
                     raise NotImplementedError(
-                        "nnx_data_parallel: optimizer.update ran twice in one step, or on "
-                        "params changed before it; call it once per step."
+                        f"{self._name}: the optimizer's update ran twice in one step, or on "
+                        "params changed before it; call it once per step, and change params "
+                        "after it (a mask or a max-norm on the updated params is kept)."
                     )
-                new_param[id(p)] = (p, optax.apply_updates(old[id(p)], u), u)
+                if rec is not None and varying_axes(u) & set(self.axes):
+                    rec["varying_update"].append(index[id(p)])
         out_leaves, out = self._exit(objs, out)
         result: list = []
         summed: list[int] = []  # metric leaves: each device's additions, summed
         averaged: list[int] = []  # other float state a step changed per device
         for i, (x, x0, v0, k) in enumerate(zip(out_leaves, leaves, inside, kinds, strict=True)):
             if k == _PARAM:
-                hit = next((n for n in new_param.values() if n[0] is v0), None)
                 if x is v0:  # not trained this step
                     x = x0
-                elif hit is not None:
-                    x = hit[1]
-                    if rec is not None and varying_axes(hit[2]) & set(self.axes):
-                        rec["varying_update"].append(i)
+                # Else what the step computed: the optimizer's new params (invariant, see
+                # _invariant_apply_updates) and any change made to them afterwards. A
+                # value still varying is refused when the step is built (_plan).
             elif k == _METRIC:
                 summed.append(i)  # x0 + psum(x), below
             elif k == _KEY:
@@ -288,18 +363,42 @@ class NnxDataParallel:
                 if jnp.issubdtype(x.dtype, jnp.floating):
                     averaged.append(i)  # e.g. batch statistics: pmean, below
             result.append(x)
-        # One all-reduce per op and dtype, not one per leaf (allreduce_floats).
-        means, out = allreduce_floats(([result[i] for i in averaged], out), self.axes, "mean")
+        # Batch statistics, metric sums and the step's outputs in one combine: one packed
+        # all-reduce per op and dtype, not one per leaf (jaxcomm.outputs.combine).
+        flat, treedef, keep = self._per_device_outputs(out)
+        means, sums, combined = outputs.combine(
+            (
+                outputs.mean([result[i] for i in averaged]),
+                outputs.sum([result[i] for i in summed]),
+                [x for x, k in zip(flat, keep, strict=True) if not k],
+            ),
+            self.axes,
+        )
+        it = iter(combined)
+        out = jax.tree.unflatten(
+            treedef, [x if k else next(it) for x, k in zip(flat, keep, strict=True)]
+        )
         for i, m in zip(averaged, means, strict=True):
             result[i] = m
-        sums = allreduce_floats([result[i] for i in summed], self.axes, "sum")
         for i, total in zip(summed, sums, strict=True):
-            if not jnp.issubdtype(total.dtype, jnp.floating):  # integer counts
-                total = lax.psum(total, self.axes)
             result[i] = leaves[i] + total
         if rec is not None:
             rec["vary"] = [bool(varying_axes(x) & set(self.axes)) for x in result]
         return stack_leaves(result, per), out
+
+    def _per_device_outputs(self, out: Any) -> tuple[list, Any, list[bool]]:
+        """The step's outputs as leaves (markers kept whole), their structure, and which
+        are unmarked and the same on every device (typed invariant): those are returned as
+        they are, not combined (a gather would repeat them once per device)."""
+        marked = lambda x: isinstance(x, outputs.Reduced)  # noqa: E731
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out, is_leaf=marked)[0]]
+        flat, treedef = jax.tree.flatten(out, is_leaf=marked)
+        keep = []
+        for path, x in zip(paths, flat, strict=True):
+            keep.append(not marked(x) and not varying_axes(x) & set(self.axes))
+            if not marked(x) and not keep[-1]:
+                outputs.op_of(x, f"{jax.tree_util.keystr(path)} of {self._name}")  # refusals
+        return flat, treedef, keep
 
     @staticmethod
     def _fill(nodes, objs, args):
@@ -368,6 +467,17 @@ class NnxDataParallel:
                         f"first: {self._fix}. (State meant to be per device is wrapped in "
                         "jaxcomm.PerDevice.)"
                     )
+                if v and k == _PARAM:
+                    raise ValueError(
+                        f"{self._name}: param {paths[i]} comes out of the step different on "
+                        "each device: it was computed from values each device holds for "
+                        "itself (its part of the batch, or the params as read before the "
+                        "optimizer's update: each device differentiates its own copy). "
+                        "Change params only through the optimizer's update "
+                        "(optimizer.update / state.apply_gradients, which call "
+                        "optax.apply_updates), and compute any change after it (a mask, a "
+                        "max-norm) from the updated params and values every device shares."
+                    )
                 if v and k != _OPT:
                     raise ValueError(
                         f"{self._name}: state {paths[i]} ({k}) comes out different on "
@@ -379,6 +489,18 @@ class NnxDataParallel:
                 break
             per = nxt
         self.per_device_paths = [p for p, f in zip(paths, per, strict=True) if f]
+        # Replicas start alike only if every process starts from the same values.
+        check_same_on_processes(
+            f"{self._name}: the initial values of the replicated state (params, optimizer "
+            "state, batch statistics, rng keys)",
+            key_data([x for x, f in zip(leaves, per, strict=True) if not f]),
+            fix=(
+                "Build the model, optimizer and state from the same seed on every process "
+                "(nnx.Rngs(0) or jax.random.key(0), not a seed from jax.process_index()), "
+                "or restore the same checkpoint on every process; per-process randomness "
+                "belongs in the data or in keys the step folds per device."
+            ),
+        )
         plan = (graphdef, treedef, kinds, per, nodes)
         specs = leaf_specs(leaves, per, self.axes)
         step = jax.jit(
@@ -513,7 +635,30 @@ def _linen_kind(path: tuple, x: Any) -> str:
     if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
         return _KEY
     field = _plain(path[1:2])[0]
-    return {"params": _PARAM, "opt_state": _OPT}.get(field, _OTHER)
+    kind = {"params": _PARAM, "opt_state": _OPT}.get(field, _OTHER)
+    if kind == _OTHER and _raw_key_like(x):
+        # A legacy raw key (jax.random.PRNGKey): folded per device like a typed one, or
+        # every device would draw the same dropout mask. Only a name says it is a key.
+        name = ".".join(str(k) for k in _plain(path[1:]))
+        if "key" in name.lower() or "rng" in name.lower():
+            return _KEY
+        raise ValueError(
+            f"linen_data_parallel: state field {name} is a uint32 array of shape "
+            f"{np.shape(x)}, the form of a legacy raw key (jax.random.PRNGKey), but its "
+            "name does not say 'key' or 'rng', so jaxcomm cannot tell whether to give each "
+            "device its own stream (unfolded, every device would draw the same dropout "
+            "mask). Store a typed key, jax.random.key(seed), or name the field ...key / "
+            "...rng; a value that is not a key can be stored as int32."
+        )
+    return kind
+
+
+def _raw_key_like(x: Any) -> bool:
+    """A ``uint32`` array whose trailing shape is the default PRNG's raw key data."""
+    if jnp.result_type(x) != jnp.uint32:
+        return False
+    raw = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+    return tuple(np.shape(x)[-len(raw) :]) == raw
 
 
 class LinenDataParallel(NnxDataParallel):
@@ -572,10 +717,14 @@ def linen_data_parallel(
     (each device differentiates its own copy; the new params are the old plus the
     optimizer's synchronised update, proven invariant), ``state.opt_state`` is replicated
     except ``jaxcomm.PerDevice`` state, float fields that the step makes differ per device
-    (``batch_stats``) are averaged across devices, and a typed key field
-    (``jax.random.key``) is folded with the device index, so dropout keys drawn from it
-    (``jax.random.fold_in(state.key, state.step)``) differ per device. The returned state
-    and metrics (averaged over devices) live on the mesh with a plain sharding.
+    (``batch_stats``) are averaged across devices, and a key field (a typed
+    ``jax.random.key``, or a legacy ``jax.random.PRNGKey`` in a field named ...key or
+    ...rng) is folded with the device index, so dropout keys drawn from it
+    (``jax.random.fold_in(state.key, state.step)``) differ per device. Params the step
+    changes after ``apply_gradients`` (``state.replace(params=...)``) are kept. The
+    returned state lives on the mesh with a plain sharding; the other outputs are combined
+    by :func:`jaxcomm.outputs.combine` (float scalars averaged, per-example arrays gathered
+    in batch order, marked values as marked, values the same on every device as they are).
 
     Args:
       mesh: from :func:`jaxcomm.make_mesh`.
@@ -605,9 +754,13 @@ def nnx_data_parallel(
     place, as with ``nnx.jit``; its other arguments are the global batch, split along their
     leading axis over ``axes``. The optimizer's transform must contain
     ``jaxcomm.sync_gradients()`` before any stateful transform. What the step returns is
-    averaged over devices (float leaves). See the module docstring for how each kind of
-    state is kept; BatchNorm normalises with each device's own batch statistics (no
-    SyncBatchNorm) and averages the running statistics.
+    combined over devices by :func:`jaxcomm.outputs.combine`: float scalars averaged,
+    per-example arrays (logits) gathered in global batch order, values marked
+    ``jaxcomm.outputs.sum/max/min/gather`` combined so, integer scalars refused unless
+    marked, values the same on every device returned as they are. Params changed after
+    ``optimizer.update`` (a mask, a max-norm) are kept. See the module docstring for how
+    each kind of state is kept; BatchNorm normalises with each device's own batch
+    statistics (no SyncBatchNorm) and averages the running statistics.
 
     Args:
       mesh: from :func:`jaxcomm.make_mesh`.

@@ -34,7 +34,9 @@ class Linear(nnx.Module):
         return self.linear(x.reshape(x.shape[0], -1))
 
 
-def step_body(model, optimizer, metrics, batch):
+def logits_step(model, optimizer, metrics, batch):
+    """One training step; returns the logits the metrics saw (gathered over devices)."""
+
     def loss_fn(model):
         logits = model(batch["x"])
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
@@ -43,6 +45,11 @@ def step_body(model, optimizer, metrics, batch):
     (_, (losses, logits)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
     metrics.update(loss=losses, logits=logits, labels=batch["y"])
+    return logits
+
+
+def step_body(model, optimizer, metrics, batch):
+    logits_step(model, optimizer, metrics, batch)
 
 
 def batch(seed=0, n=32):
@@ -118,10 +125,19 @@ def test_dropout_masks_differ_across_devices_and_reproduce(mesh):
 
 def test_cnn_replicas_agree_and_state_is_usable_afterwards(mesh, tmp_path):
     model, optimizer, metrics = setup()
-    step = jaxcomm.nnx_data_parallel(mesh, check_replicas=1)(step_body)
+    step = jaxcomm.nnx_data_parallel(mesh, check_replicas=1)(logits_step)
+    seen = []
     for i in range(3):
-        step(model, optimizer, metrics, batch(i))
-    assert metrics.compute()["accuracy"] >= 0
+        seen.append(np.asarray(step(model, optimizer, metrics, batch(i))))
+    # The metrics, summed over devices, equal the accuracy and mean loss of the 96
+    # predictions recomputed here from the gathered logits and the labels.
+    logits = np.concatenate(seen)
+    labels = np.concatenate([batch(i)["y"] for i in range(3)])
+    assert logits.shape == (96, 10)
+    got = metrics.compute()
+    np.testing.assert_allclose(got["accuracy"], np.mean(logits.argmax(-1) == labels), rtol=1e-6)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    np.testing.assert_allclose(got["loss"], np.mean(loss), rtol=1e-5)
     assert int(metrics.accuracy.count[...]) == 96
     assert int(optimizer.step[...]) == 3
     assert assert_replicas_equal(key_data(nnx.state((model, optimizer, metrics)))) > 20
