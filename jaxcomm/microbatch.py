@@ -36,9 +36,16 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxcomm.outputs import combine_microbatches
 from jaxcomm.sync import SyncGradientsState, pre_reduced, reducer_probe
 
-__all__ = ["ACCUMULATE", "Accumulated", "accumulate_gradients", "check_accumulate"]
+__all__ = [
+    "ACCUMULATE",
+    "Accumulated",
+    "accumulate_gradients",
+    "check_accumulate",
+    "update_with_value",
+]
 
 ACCUMULATE = ("local", "overlap")
 
@@ -48,7 +55,9 @@ class Accumulated(NamedTuple):
 
     Attributes:
       value: mean loss over the microbatches (this device).
-      aux: mean of the loss function's metrics over the microbatches.
+      aux: the loss function's metrics over the microbatches, each marked with its
+        reduction (``jaxcomm.outputs.combine_microbatches``: means averaged, sums summed,
+        maxima and minima kept, per-example values concatenated in batch order).
       grads: mean gradient over the microbatches, this device's ('local') or already
         reduced over the data axes ('overlap').
       update: ``update(grads, opt_state, params) -> (updates, opt_state)`` to run the
@@ -72,6 +81,21 @@ def check_accumulate(accumulate: str) -> str:
             "'overlap': reduce each microbatch while the next one computes, N times the bytes)."
         )
     return accumulate
+
+
+def update_with_value(
+    update: Callable, grads: Any, state: Any, params: Any, value: Callable[[], Any]
+) -> tuple[Any, Any]:
+    """``update(grads, state, params)``, or, where the optimizer needs optax's extra
+    argument ``value`` (``optax.contrib.reduce_on_plateau``, ``optax.polyak_sgd``),
+    ``update(grads, state, params, value=value())``: the step's loss (the caller computes
+    it only then, e.g. its mean over the devices)."""
+    try:
+        return update(grads, state, params)
+    except TypeError as e:
+        if "'value'" not in str(e):
+            raise
+    return update(grads, state, params, value=value())
 
 
 def _split(batch: Any, n: int, axes: tuple[str, ...]) -> Any:
@@ -200,20 +224,26 @@ def accumulate_gradients(
 
     if accumulate == "local":
 
-        def body(carry, mb):
-            acc, stats = carry
+        def body(acc, mb):
             g, st = grad_of(mb)
-            return (_add(acc, g), jax.tree.map(jnp.add, stats, st)), None
+            return _add(acc, g), st
 
         acc0 = jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), g0)
-        (acc, stats), _ = lax.scan(body, (acc0, stats0), rest)
+        acc, stats = lax.scan(body, acc0, rest)
         update = optimizer.update
     else:
         # The reducer is sync_gradients' own update, found by tracing the optimizer
         # abstractly; calling it per microbatch threads its state (count, compressor).
         abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), params)
+        zero = lambda: jnp.zeros((), jnp.float32)  # noqa: E731 (value= for the trace only)
         with reducer_probe() as reducers:
-            jax.eval_shape(lambda g, s: optimizer.update(g, s, params), abstract, opt_state)
+            jax.eval_shape(
+                lambda g, s: update_with_value(optimizer.update, g, s, params, zero),
+                abstract,
+                opt_state,
+            )
+        # A retry with value= traces the sync again: the same reducer, recorded twice.
+        reducers = list({id(r): r for r in reducers}.values())
         if len(reducers) != 1:
             raise ValueError(
                 f"data_parallel(microbatches={n}, accumulate='overlap') needs exactly one "
@@ -223,21 +253,29 @@ def accumulate_gradients(
         reduce = reducers[0]
 
         def body(carry, mb):
-            acc, pending, sstate, stats = carry
+            acc, pending, sstate = carry
             g, st = grad_of(mb)  # microbatch i+1 computes ...
             reduced, sstate = reduce(pending, sstate)  # ... while i is reduced
-            return (_add(acc, reduced), g, sstate, jax.tree.map(jnp.add, stats, st)), None
+            return (_add(acc, reduced), g, sstate), st
 
-        carry = (_f32_zeros(g0), g0, _sync_state(opt_state), stats0)
-        (acc, last, sstate, stats), _ = lax.scan(body, carry, rest)
+        carry = (_f32_zeros(g0), g0, _sync_state(opt_state))
+        (acc, last, sstate), stats = lax.scan(body, carry, rest)
         reduced, sstate = reduce(last, sstate)
         acc = _add(acc, reduced)
 
-        def update(grads, state, params):
+        def update(grads, state, params, **extra_args):
             with pre_reduced():
-                updates, state = optimizer.update(grads, state, params)
+                updates, state = optimizer.update(grads, state, params, **extra_args)
             return updates, _with_sync_state(state, sstate)
 
     grads = jax.tree.map(lambda a, g: (a / n).astype(g.dtype), acc, g0)
-    value, aux = jax.tree.map(lambda v: v / n, stats)
-    return Accumulated(value, aux, grads, update)
+    # Each microbatch's outputs, in batch order, combined by their kind: means averaged,
+    # sums summed, maxima kept, per-example values concatenated (jaxcomm.outputs).
+    values, aux = jax.tree.map(
+        lambda first, later: jnp.concatenate([jnp.asarray(first)[None], later]),
+        stats0,
+        stats,
+    )
+    return Accumulated(
+        values.mean(0).astype(values.dtype), combine_microbatches(aux), grads, update
+    )

@@ -14,14 +14,15 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm import ordering
+from jaxcomm import ordering, outputs
 from jaxcomm.collectives import allreduce_floats, check_axes
 from jaxcomm.compression.adaptive import ladder_probe, with_comm_share
+from jaxcomm.compression.cast import Fp16State
 from jaxcomm.diloco import gradient_params
-from jaxcomm.distributed import agree
+from jaxcomm.distributed import agree, check_same_on_processes
 from jaxcomm.hlo import ordering_hazards
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
-from jaxcomm.microbatch import accumulate_gradients, check_accumulate
+from jaxcomm.microbatch import accumulate_gradients, check_accumulate, update_with_value
 from jaxcomm.nnx import check_optimizer, check_params
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.state import (
@@ -31,7 +32,7 @@ from jaxcomm.state import (
     unstack_leaves,
     varying_axes,
 )
-from jaxcomm.sync import is_pre_reduced, pre_reduced, sync_probe
+from jaxcomm.sync import SyncGradientsState, is_pre_reduced, pre_reduced, sync_probe
 from jaxcomm.validate import check_int
 
 __all__ = ["DataParallel", "TrainState", "data_parallel"]
@@ -78,6 +79,178 @@ def _accumulators(opt_state: Any) -> list[bool]:
 
     flags = jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
     return jax.tree.leaves(flags)
+
+
+def _cell(fn: Any, name: str) -> Any:
+    """The closure variable ``name`` of function ``fn``, or None."""
+    code = getattr(fn, "__code__", None)
+    if code is None or not fn.__closure__ or name not in code.co_freevars:
+        return None
+    return fn.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def _chain_parts(init: Callable, update: Callable) -> list[tuple[Callable, Callable]] | None:
+    """The ``(init, update)`` of each transform of an ``optax.chain``, or None if
+    ``(init, update)`` is not one (optax's wrappers that only add extra-args support are
+    looked through)."""
+    inner = _cell(update, "tx")
+    if isinstance(inner, optax.GradientTransformation) and inner.init is init:
+        update = inner.update
+    inits, updates = _cell(init, "init_fns"), _cell(update, "update_fns")
+    if inits is None or updates is None or len(inits) != len(updates):
+        return None
+    return list(zip(inits, updates, strict=True))
+
+
+def _has_sync(state: Any) -> bool:
+    found = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, SyncGradientsState))
+    return any(isinstance(x, SyncGradientsState) for x in found)
+
+
+def _before_sync(init: Callable, update: Callable, state: Any, path: str = "") -> list | None:
+    """The transforms an ``optax.chain`` runs before its ``jaxcomm.sync_gradients``.
+
+    The sync is recognised by its state (``SyncGradientsState``) in the chain's state tuple;
+    nested chains are followed. Returns ``[(path, init, update), ...]`` (the path as an
+    index into the chain, e.g. ``'[0]'``), or None where the optimizer is no chain, holds
+    no sync, or wraps it in something else (then nothing can be said).
+    """
+    if isinstance(state, SyncGradientsState):
+        return []
+    parts = _chain_parts(init, update)
+    if parts is None or not isinstance(state, tuple) or len(state) != len(parts):
+        return None
+    pre = []
+    for k, ((i, u), s) in enumerate(zip(parts, state, strict=True)):
+        if _has_sync(s):
+            rest = _before_sync(i, u, s, f"{path}[{k}]")
+            return None if rest is None else pre + rest
+        pre.append((f"{path}[{k}]", i, u))
+    return None
+
+
+def _commutes_with_mean(parts: list, params: Any) -> bool:
+    """Whether the transforms ``parts`` (run in order, from their init state) map the mean
+    of two gradients to the mean of their images, at three gradient scales (clipping
+    shows at some scale only). A linear or affine transform does; one that reads a norm,
+    a sign or a maximum of the gradient does not."""
+    states = [i(params) for _, i, _ in parts]
+
+    @jax.jit
+    def run(g, states, params):
+        for (_, _, u), s in zip(parts, states, strict=True):
+            g, _ = u(g, s, params)
+        return g
+
+    rng = np.random.default_rng(0)
+    leaves, treedef = jax.tree.flatten(params)
+    for scale in (1e-3, 1.0, 1e3):
+        g1, g2 = (
+            jax.tree.unflatten(
+                treedef,
+                [
+                    (scale * rng.standard_normal(np.shape(x))).astype(jnp.result_type(x))
+                    for x in leaves
+                ],
+            )
+            for _ in range(2)
+        )
+        mean = jax.tree.map(lambda a, b: (a + b) / 2, g1, g2)
+        a, b, c = (run(g, states, params) for g in (g1, g2, mean))
+        want = jax.tree.map(lambda x, y: (x.astype(jnp.float32) + y) / 2, a, b)
+        num = optax.tree.norm(jax.tree.map(lambda x, y: x - y.astype(jnp.float32), want, c))
+        den = optax.tree.norm(want) + optax.tree.norm(c)
+        if not bool(num <= 1e-3 * den + 1e-30):
+            return False
+    return True
+
+
+def _refuse_nonlinear_before_sync(
+    optimizer: optax.GradientTransformation, params: Any, abstract_state: Any
+) -> None:
+    """Refuses transforms before the sync that need global values (module of issue 29).
+
+    Each device runs what comes before ``sync_gradients`` on its own gradient, and the sync
+    averages the results; that equals the one-device run only if those transforms commute
+    with the mean over devices (``scale``, ``add_decayed_weights`` do;
+    ``clip_by_global_norm`` clips each device's local norm and does not).
+    """
+    parts = _before_sync(optimizer.init, optimizer.update, abstract_state)
+    floating = all(
+        jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in jax.tree.leaves(params)
+    )
+    if not parts or not floating:
+        return
+    try:
+        if _commutes_with_mean(parts, params):
+            return
+        culprit = next(
+            parts[k][0]
+            for k in range(len(parts))
+            if not _commutes_with_mean(parts[: k + 1], params)
+        )
+    except Exception:  # noqa: BLE001 (a transform that cannot run outside the step: no verdict)
+        return
+    raise ValueError(
+        f"data_parallel: the transform at optax.chain position {culprit}, before "
+        "jaxcomm.sync_gradients, does not commute with the mean over devices (e.g. "
+        "clip_by_global_norm, clip, per-leaf or adaptive clipping, normalisation): each "
+        "device would apply it to its own local gradient, and the average of those is not "
+        "what one device computes on the whole batch. Put jaxcomm.sync_gradients() first, "
+        "e.g. optax.chain(jaxcomm.sync_gradients(), optax.clip_by_global_norm(1.0), "
+        "optax.adamw(1e-3)). Linear transforms (scale, add_decayed_weights) may stay before it."
+    )
+
+
+def _host_value(x: Any) -> Any:
+    """``x`` as a value on the host (ones for an abstract leaf), for build-time probes."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return np.ones(x.shape, x.dtype)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_shards[0].data
+    return np.asarray(jax.device_get(x))
+
+
+def _fp16_skipped(old: Any, new: Any) -> jax.Array | None:
+    """True where an fp16 sync overflowed in this step (its counter moved), or None
+    without fp16. Replicated: the counter is reduced over every data axis."""
+    pick = lambda t: [  # noqa: E731
+        x for x in jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, Fp16State))
+        if isinstance(x, Fp16State)
+    ]  # fmt: skip
+    pairs = list(zip(pick(old), pick(new), strict=True))
+    if not pairs:
+        return None
+    return jnp.any(jnp.stack([b.overflow_steps > a.overflow_steps for a, b in pairs]))
+
+
+def _unless(skipped: jax.Array, new: Any, old: Any) -> Any:
+    """``old`` where ``skipped``, else ``new``; fp16 counters always the new ones."""
+
+    def keep(n, o):
+        if isinstance(n, Fp16State):
+            return n
+        return jax.tree.map(lambda a, b: jnp.where(skipped, b, a), n, o)
+
+    return jax.tree.map(keep, new, old, is_leaf=lambda x: isinstance(x, Fp16State))
+
+
+def _float_metrics(tree: Any) -> Any:
+    """Floating means (unmarked scalars and ``outputs.mean`` leaves) in f32, as the loss."""
+
+    def cast(x):
+        if isinstance(x, outputs.Reduced):
+            if x.op != "mean":
+                return x
+            return outputs.Reduced(
+                jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), x.value), "mean"
+            )
+        x = jnp.asarray(x)
+        if x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(jnp.float32)
+        return x
+
+    return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, outputs.Reduced))
 
 
 def _refuse_ordering_hazards(text: str) -> None:
@@ -192,6 +365,7 @@ class DataParallel:
         itself must come out invariant, or params would diverge: that is refused here.
         """
         axes = frozenset(self.axes)
+        concrete = params
         params = jax.tree.map(
             lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype, sharding=self.replicated), params
         )
@@ -234,7 +408,9 @@ class DataParallel:
                 if not self._overlapped:  # gradients of the local batch(es): per device
                     g = lax.pcast(g, self.axes, to="varying")
                 with sync_probe() as calls, self._maybe_pre_reduced():
-                    u, s2 = self.optimizer.update(g, s, p)
+                    u, s2 = update_with_value(
+                        self.optimizer.update, g, s, p, lambda: jnp.zeros((), jnp.float32)
+                    )
                 self._check_synced(calls)
                 rec["next"] = [bool(varying_axes(x) & axes) for x in jax.tree.leaves(s2)]
                 rec["updates"] = [
@@ -299,6 +475,10 @@ class DataParallel:
                 "optax.adamw(1e-3)). If you reduce the gradients yourself, pass "
                 "require_sync=False (replication is then not proven; use check_replicas=N)."
             )
+        if not self._local_sgd:
+            _refuse_nonlinear_before_sync(
+                self.optimizer, jax.tree.map(_host_value, concrete), self._opt_local
+            )
         return per
 
     def _probe_map(self, fn: Callable, in_specs: tuple) -> Callable:
@@ -316,8 +496,22 @@ class DataParallel:
 
         Per-device state is created inside ``shard_map``, so a transform may make it differ
         across devices (``lax.axis_index``).
+
+        Raises:
+          ValueError: with several processes, the params, model state or replicated
+            optimizer state differ between processes (``check_same_on_processes``: their
+            replicas would train apart); or the optimizer is refused (see
+            :func:`data_parallel`).
         """
         check_params(params)
+        # Every process must start from the same values, or the replicas train apart (a
+        # per-process seed); compared by digest through the coordination service.
+        check_same_on_processes(
+            "the initial params and model state",
+            (params, model_state),
+            fix="Draw them from one seed on every process (e.g. jax.random.key(0), not a "
+            "key from jax.process_index()), or load them from one checkpoint.",
+        )
         params = jax.device_put(params, self.replicated)
         if model_state is not None:
             model_state = jax.device_put(model_state, self.replicated)
@@ -329,6 +523,13 @@ class DataParallel:
             out_specs=leaf_specs(self._opt_local, per, self.axes),
         )
         opt_state = jax.jit(init_fn)(params)
+        shared = [x for x, f in zip(jax.tree.leaves(opt_state), per, strict=True) if not f]
+        check_same_on_processes(
+            "the initial optimizer state",
+            shared,
+            fix="Build the optimizer alike on every process (its init must not read "
+            "jax.process_index() or a per-process seed outside jaxcomm.PerDevice state).",
+        )
         return TrainState(
             step=jax.device_put(jnp.zeros((), jnp.int32), self.replicated),
             params=params,
@@ -337,6 +538,49 @@ class DataParallel:
         )
 
     # -- batch ------------------------------------------------------------------------
+    def _refuse_pmap_layout(self, state: TrainState, batch: Any) -> None:
+        """Refuses a batch in ``jax.pmap``'s layout ``(devices, per_device, ...)``.
+
+        data_parallel splits the leading axis itself, so such a batch gives each device a
+        slice ``(1, per_device, ...)``. Where that is unambiguous it is refused: every leaf
+        has ``devices`` rows and at least two axes, the loss traces on the slice without
+        that axis (``(per_device, ...)``) to a scalar, and not on the slice it would get
+        (``(1, per_device, ...)``). A global batch of one example per device whose loss
+        traces either way is taken as what it says it is.
+        """
+        if jax.process_count() > 1 or self._with_model_state or self.microbatches > 1:
+            return
+        leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+        shapes = [(k, np.shape(x), jnp.result_type(x)) for k, x in leaves]
+        d = self.num_devices
+        if not shapes or any(len(s) < 2 or s[0] != d for _, s, _ in shapes):
+            return
+        params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), state.params)
+
+        def traces(cut):
+            local = jax.tree.unflatten(
+                jax.tree.structure(batch),
+                [jax.ShapeDtypeStruct(cut(s), t) for _, s, t in shapes],
+            )
+            try:
+                out = jax.eval_shape(self._loss_fn, params, local)
+            except Exception:  # noqa: BLE001 (the loss does not take this shape)
+                return False
+            loss = out[0] if self._has_aux else out
+            return getattr(loss, "shape", None) == ()
+
+        if traces(lambda s: (1, *s[1:])) or not traces(lambda s: s[1:]):
+            return
+        k, s, _ = shapes[0]
+        flat = (s[0] * s[1], *s[2:])
+        raise ValueError(
+            f"data_parallel: the batch leaf {jax.tree_util.keystr(k)} has shape {s}, the "
+            f"layout of jax.pmap (devices, per_device, ...): its leading axis is the {d} "
+            "devices, and the loss takes one device's part only without it. data_parallel "
+            "takes the global batch and splits its leading axis over the devices itself: "
+            f"pass x.reshape(-1, *x.shape[2:]), here shape {flat}."
+        )
+
     def shard_batch(self, batch: Any) -> Any:
         """Puts a batch on the mesh, split along its leading axis over the data axes.
 
@@ -406,32 +650,60 @@ class DataParallel:
             out, grads = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)(at, batch)
             value, aux = out if self._has_aux else (out, {})
             model_state = state.model_state
+        old_opt = opt_state
         with sync_probe() as calls:
-            updates, opt_state = update(grads, opt_state, state.params)
+            # Optimizers that read the loss (optax's extra argument value=, e.g.
+            # reduce_on_plateau) get the loss of the global batch, as on one device.
+            updates, opt_state = update_with_value(
+                update, grads, opt_state, state.params, lambda: lax.pmean(value, self.axes)
+            )
         self._check_synced(calls)
         params = optax.apply_updates(state.params, updates)
+        skipped = _fp16_skipped(old_opt, opt_state)
+        if skipped is not None:
+            # An fp16 sum overflowed (decided from the reduced sum: the same on every
+            # device): the step is skipped whole, as optax.apply_if_finite does. Params and
+            # optimizer state stay as they were; only the fp16 counters move.
+            params = _unless(skipped, params, state.params)
+            opt_state = _unless(skipped, opt_state, old_opt)
         metrics = {"loss": value, **dict(aux or {})}
         # The model state the loss returned (batch statistics) is averaged in the same
-        # all-reduce as the metrics (allreduce_floats: one buffer, not one per leaf).
+        # all-reduce as the metrics' means (one buffer per dtype, not one per leaf).
         synced = model_state if self._with_model_state else None
         # After the update: the sync's conditionals may hold collectives still running
         # when an independent all-reduce starts (jaxcomm.ordering).
         synced, metrics = ordering.after((synced, metrics), updates)
         if local is None:
-            metrics = jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
-            synced, metrics = allreduce_floats((synced, metrics), self.axes, "mean")
+            synced, metrics = self._combine(synced, _float_metrics(metrics))
         else:
             synced = allreduce_floats(synced, self.axes, "mean")
             # jaxcomm.local_sgd: each device's own value (at its own params), one row per
             # device. Averaging here would put a collective on every local step, the very
             # cost local steps avoid; the caller averages the rows when it reads them.
-            metrics = jax.tree.map(lambda m: jnp.asarray(m, jnp.float32)[None], metrics)
+            metrics = jax.tree.map(
+                lambda m: jnp.asarray(m.value if isinstance(m, outputs.Reduced) else m)[None],
+                _float_metrics(metrics),
+                is_leaf=lambda x: isinstance(x, outputs.Reduced),
+            )
         if self._with_model_state:
             model_state = synced
         new_state = TrainState(
             state.step + 1, params, stack_leaves(opt_state, self._opt_layout), model_state
         )
         return new_state, metrics
+
+    def _combine(self, synced: Any, metrics: Any) -> tuple[Any, Any]:
+        """The model state averaged and the metrics combined over the devices by their kind
+        (``jaxcomm.outputs``: means averaged, sums summed, per-example values gathered), the
+        float means of both in one all-reduce per dtype."""
+        flat, treedef = jax.tree.flatten(synced)
+        floats = [i for i, x in enumerate(flat) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+        out = outputs.combine(
+            {"state": outputs.mean([flat[i] for i in floats]), "metrics": metrics}, self.axes
+        )
+        for i, x in zip(floats, out["state"], strict=True):
+            flat[i] = x
+        return jax.tree.unflatten(treedef, flat), out["metrics"]
 
     def _check_synced(self, calls: list) -> None:
         if self._require_sync and not calls:
@@ -528,6 +800,7 @@ class DataParallel:
           RuntimeError: on several CPU processes, the module holds an ordering hazard; or
             another process could not compile the step.
         """
+        self._refuse_pmap_layout(state, batch)
         args: tuple = (state, self.shard_batch(batch))
         if feedback:
             share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self._stacked)
@@ -552,9 +825,11 @@ class DataParallel:
         return compiled
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        """Runs one step; returns ``(new_state, metrics)``: metrics averaged over devices, or
-        with ``jaxcomm.local_sgd`` one value per device (shape ``(devices,)``)."""
+        """Runs one step; returns ``(new_state, metrics)``: metrics combined over devices by
+        their kind (``jaxcomm.outputs``; the loss averaged), or with ``jaxcomm.local_sgd``
+        one value per device (shape ``(devices,)``)."""
         if self._compiled_step is None:
+            self._refuse_pmap_layout(state, batch)
             # Several processes: compiled ahead and met at a barrier (see compile()).
             many = jax.process_count() > 1
             self._compiled_step = self.compile(state, batch) if many else self.step_fn(state)
@@ -607,6 +882,25 @@ def data_parallel(
     invariant across devices; an optimizer whose update is not (no sync before it) is
     refused with an error naming the leaf.
 
+    The step equals the one-device computation of the same script, or is refused:
+
+    * transforms before ``sync_gradients`` in an ``optax.chain`` must commute with the mean
+      over devices (``scale``, ``add_decayed_weights``); one that does not
+      (``clip_by_global_norm``, ``clip``, per-leaf or adaptive clipping) is found by a
+      probe at build time (two random gradients and their mean, at three scales) and
+      refused: put ``sync_gradients()`` first. (A chain inside another wrapper, e.g.
+      ``optax.MultiSteps``, is not looked into.)
+    * optimizers that read the loss (optax's extra argument ``value=``, e.g.
+      ``optax.contrib.reduce_on_plateau``) get the mean loss of the global batch.
+    * an fp16 overflow (``jaxcomm.compression.fp16``) skips the step whole: params and
+      optimizer state stay as they were, only the fp16 counters move.
+    * every process must pass the same initial params, model state and optimizer state to
+      :meth:`DataParallel.init` (compared by digest; refused naming the processes).
+    * a batch in ``jax.pmap``'s layout ``(devices, per_device, ...)`` is refused where the
+      loss tells it apart (it traces on ``(per_device, ...)`` and not on the
+      ``(1, per_device, ...)`` slice each device would get); pass the global batch,
+      ``x.reshape(-1, *x.shape[2:])``.
+
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``-> (loss, metrics)`` with
         ``has_aux``); with ``with_model_state``,
@@ -617,7 +911,13 @@ def data_parallel(
         own params, kept in its state; ``params`` are the anchor of the last sync).
       mesh: from :func:`jaxcomm.make_mesh`.
       axes: data-parallel axes of ``mesh``.
-      has_aux: ``loss_fn`` also returns a dict of metrics (averaged over devices).
+      has_aux: ``loss_fn`` also returns a dict of metrics, combined over the devices by
+        their kind (``jaxcomm.outputs``): a floating scalar is a mean (averaged, in f32,
+        like the loss), an array with a leading axis is per example (gathered in global
+        batch order, e.g. logits come back ``(global batch, classes)``), and values marked
+        ``jaxcomm.outputs.sum`` / ``max`` / ``min`` / ``mean`` / ``gather`` are reduced so;
+        an unmarked integer scalar is refused (mark it). With ``microbatches`` the same
+        rules hold over the microbatches (sums summed, not divided by their number).
         With ``jaxcomm.local_sgd`` the loss and metrics are not averaged: each has shape
         ``(devices,)``, one value per device at its own params (an average would be a
         collective on every local step); average them when you read them, e.g.

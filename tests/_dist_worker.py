@@ -2,7 +2,9 @@
 
 Each process builds its devices' rows from a seed, all-reduces them with 'flat' and
 'hierarchical', and checks both against the numpy sum of every process's rows.
-``JC_TEST_PEER_SIGNAL=<sig>`` makes process 1 send itself that signal after the first check.
+It also checks that ``DataParallel.init`` refuses initial params that differ between
+processes. ``JC_TEST_PEER_SIGNAL=<sig>`` makes process 1 send itself that signal after
+the first check.
 """
 
 import os
@@ -92,6 +94,42 @@ try:
 except (ValueError, RuntimeError) as e:
     want = "no model on process 1" if me == 1 else "process 1 could not compile"
     assert want in str(e), str(e)
+
+
+# Step outputs by their kind across processes: per-example values gathered in global batch
+# order, counts summed, the loss averaged (and the step compiles without ordering hazards).
+def aux_loss(p, b):
+    pred = b["x"] @ p
+    count = jax.numpy.sum(pred > 0)
+    return jax.numpy.mean(pred**2), {"pred": pred, "positive": jaxcomm.outputs.sum(count)}
+
+
+dp = jaxcomm.data_parallel(
+    aux_loss, optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1)), mesh, has_aux=True
+)
+w = np.array([1.0, -2.0, 0.5], np.float32)
+xs = np.random.default_rng(7).standard_normal((2 * nproc * ldev, 3)).astype(np.float32)
+mine = xs[me * 2 * ldev : (me + 1) * 2 * ldev]
+_, m = dp(dp.init(w), {"x": mine})
+local = {k: np.asarray(v.addressable_shards[0].data) for k, v in m.items()}
+np.testing.assert_allclose(local["pred"], xs @ w, rtol=1e-5, atol=1e-6)
+assert int(local["positive"]) == int(np.sum(xs @ w > 0)), local["positive"]
+np.testing.assert_allclose(local["loss"], np.mean((xs @ w) ** 2), rtol=1e-5)
+
+# Initial params drawn from a per-process seed would train divergent replicas: refused
+# by DataParallel.init on every process, naming the process that differs.
+dp = jaxcomm.data_parallel(
+    lambda p, b: jax.numpy.mean((b["x"] @ p) ** 2),
+    optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1)),
+    mesh,
+)
+dp.init(np.ones(3, np.float32))  # the same on every process: accepted
+try:
+    dp.init(np.random.default_rng(me).standard_normal(3).astype(np.float32))
+    raise SystemExit("initial params that differ between processes were accepted")
+except ValueError as e:
+    assert "the initial params and model state differ between processes" in str(e), str(e)
+    assert "processes [1]" in str(e) and "one seed" in str(e), str(e)
 print(f"CHECK_OK process={me} mesh={dict(mesh.shape)}", flush=True)
 
 sig = os.environ.get("JC_TEST_PEER_SIGNAL")

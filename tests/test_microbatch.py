@@ -301,19 +301,17 @@ def _typed_step(monkeypatch, dp, state, check_vma):
 def test_microbatch_step_type_checks_where_plain_step_does(
     monkeypatch, mesh, batches, algorithm, compressor
 ):
-    """Under check_vma=True the accumulation adds no untyped value: wherever the
-    microbatches=1 step proves replication, both modes do and give the same bits as with
-    check_vma=False."""
+    """Under check_vma=True the accumulation adds no untyped value: the microbatches=1
+    step and both modes are typed replicated for every compressor (no exemption), give the
+    same bits as with check_vma=False, and (uncompressed) equal one SGD step of the whole
+    batch on one device."""
     params = _init(jax.random.key(3))
     one = _dp(mesh, algorithm, compressor, 1)
     batch = one.shard_batch(batches[0])
     state = one.init(params)
-    try:
-        _typed_step(monkeypatch, one, state, True).lower(state, batch)
-    except ValueError as e:
-        if "can't be statically inferred" not in str(e):
-            raise
-        pytest.skip(f"the microbatches=1 step with {compressor} is not typed replicated yet")
+    _typed_step(monkeypatch, one, state, True).lower(state, batch)  # typed, or it raises
+    grads = jax.grad(mlp_loss)(params, batches[0])  # the independent reference
+    reference = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
     for accumulate in ("local", "overlap"):
         dp = _dp(mesh, algorithm, compressor, N, accumulate)
         state = dp.init(params)
@@ -321,6 +319,12 @@ def test_microbatch_step_type_checks_where_plain_step_does(
         plain = jax.block_until_ready(_typed_step(monkeypatch, dp, state, False)(state, batch))
         for a, b in zip(jax.tree.leaves(typed), jax.tree.leaves(plain), strict=True):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        assert assert_replicas_equal(typed[0]) > 0
+        if compressor == "none":
+            for a, b in zip(
+                jax.tree.leaves(typed[0].params), jax.tree.leaves(reference), strict=True
+            ):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_readme_microbatch_section_runs(capsys):

@@ -19,10 +19,15 @@ through any registered algorithm (flat, hierarchical, ...) in the low precision.
   result holds an inf or NaN on any device (one ``pmin`` over every data axis of the
   step, so that with ``compress_stage='inter'``, where each device of a node sums a
   different shard, all devices still take one decision), ``sync_gradients`` returns an
-  all-zero update for the whole step (every leaf, compressed or not) and
-  ``Fp16State.overflow_steps`` is incremented. The update is never a silent inf. A zero
-  update is an exact skip for SGD; for Adam-like transforms it is a step with a zero
-  gradient (moments decay by one step).
+  all-zero gradient for the whole step (every leaf, compressed or not) and
+  ``Fp16State.overflow_steps`` is incremented. The update is never a silent inf.
+  ``jaxcomm.data_parallel`` then skips the step whole, as ``optax.apply_if_finite`` does:
+  params and optimizer state (momentum, Adam's moments, schedule counts, the sync's
+  ``count``) stay as they were, and only the ``Fp16State`` counters move; the decision is
+  the counter, which every device holds alike. Outside ``data_parallel`` (your own
+  ``shard_map``) a zero gradient reaches the transforms after the sync: exact for plain
+  SGD, but momentum and weight decay still move the params; compare ``overflow_steps``
+  before and after the update and keep the old params and state where it grew.
 
 References:
   Micikevicius et al., "Mixed Precision Training" (ICLR 2018); Horovod ``Compression.fp16``
