@@ -204,7 +204,7 @@ def _refuse_nonlinear_before_sync(
 
 def _host_value(x: Any) -> Any:
     """``x`` as a value on the host (ones for an abstract leaf), for build-time probes."""
-    if isinstance(x, jax.ShapeDtypeStruct):
+    if isinstance(x, jax.ShapeDtypeStruct | jax.core.Tracer):  # abstract (eval_shape)
         return np.ones(x.shape, x.dtype)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         x = x.addressable_shards[0].data

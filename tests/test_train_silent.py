@@ -177,3 +177,13 @@ def test_pmap_layout_batch_is_refused(mesh):
     small = mlp_batches(1, size=8)[0]
     state, m = dp(state, small)
     assert np.isfinite(float(m["loss"]))
+
+
+def test_init_traces_under_eval_shape_with_the_build_probes(mesh):
+    # The build-time probes (layout, transforms before the sync) read host values of the
+    # params; under eval_shape they are tracers and must be probed abstractly.
+    tx = optax.chain(optax.scale(0.5), jaxcomm.sync_gradients(), optax.adam(1e-3))
+    dp = jaxcomm.data_parallel(mlp_loss, tx, mesh)
+    abstract = jax.eval_shape(mlp_init, jax.random.key(0))
+    state = jax.eval_shape(dp.init, abstract)
+    assert jax.tree.structure(state.params) == jax.tree.structure(abstract)

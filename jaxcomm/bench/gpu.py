@@ -1,10 +1,11 @@
 """``python -m jaxcomm.bench gpu --out DIR``: every GPU claim of jaxcomm in one short run.
 
-One command for a short loan of one GPU (planned: about 3-4 minutes, ``--quick`` about 2-3;
-at most ``--budget-s``, default 360 s, even if a part hangs). It runs these parts, each in its
-own subprocess with its own time limit, so that one that fails, hangs or crashes is reported
-(with its traceback) and the others still run. The schedule part only compiles, so it runs
-alongside the timed parts (``--sequential``: one after the other):
+One command for a short loan of one GPU (planned: about 5-6 minutes, ``--quick`` about 3-4;
+at most ``--budget-s``, default 450 s, even if a part hangs, inside the 8 minutes of a loan).
+It runs these parts, each in its own subprocess with its own time limit, so that one that
+fails, hangs or crashes is reported (with its traceback) and the others still run. The
+schedule part only compiles, so it runs alongside the timed parts (``--sequential``: one
+after the other):
 
 * ``versions``: jax, jaxlib, the CUDA plugin, flax, optax, the driver (``nvidia-smi``), the
   GPU name and ``device_kind``, and its peak memory bandwidth from :data:`PEAK_BANDWIDTH`.
@@ -23,6 +24,16 @@ alongside the timed parts (``--sequential``: one after the other):
   never run) with ``overlap_options``, all-reduce combine thresholds 0 / 1 MiB / 30 MiB and
   XLA defaults (``python -m jaxcomm.bench schedule``): collectives, async start/done
   pairs, compute between each pair, bytes.
+* ``options`` (:mod:`jaxcomm.bench.gpu_options`, issue 33 items 2-3): the data-parallel
+  step of every sync option (flat, hierarchical, bf16/int8/int4 on the inter stage,
+  adaptive, PowerSGD, top-k, buckets, microbatches, local_sgd) on a small MLP, built with
+  the public API. Compiled for 8 mocked GPUs in a 2 x 4 mesh (a subprocess, alongside the
+  rest of the part unless ``--sequential``): compile time, kernels, fusions, collectives,
+  async pairs and the compute between start and done, collectives inside conditional
+  branches, host round trips per step. Run on the real GPU (1 x 1 mesh): step time,
+  images/s against flat, and two runs from the same state compared bit for bit. Goals: no
+  host round trip on an option that does not need one, every collective async, equal bits.
+  ``--options`` picks a subset. It runs before ``step``, which gets what is left.
 * ``step``: the ``gpu-node`` preset's ResNet-152 step (224 px, bf16) on the real GPU, for
   the ablation rows that need no second device (``baseline``, ``+overlap``; on one GPU
   the mesh is 1 x 1, so the other rows would only repeat them: they are reported as
@@ -92,7 +103,9 @@ SCHEDULE_SETS = ("overlap", "combine=0", "combine=1MiB", "combine=30MiB", "defau
 SCHEDULE_SETS_QUICK = ("overlap", "combine=0", "combine=30MiB")
 #: Ablation rows (``experiments.rows.ROWS``) that need no second device, timed by default.
 STEP_ROWS = ("baseline", "+overlap")
-BUDGET_S = 360.0  # whole run: 6 minutes at most, under the 8-minute plan
+BUDGET_S = 450.0  # whole run: 7.5 minutes at most, under the 8-minute plan
+#: Time limit of the ``options`` part (it runs before ``step``, which gets what is left).
+OPTIONS_LIMIT_S = 150.0
 
 
 def peak_bandwidth(device_kind: str) -> tuple[float | None, str]:
@@ -485,6 +498,14 @@ def _step(args: argparse.Namespace, emit: _Emit) -> None:
         emit(rows=rows)
 
 
+def _options(args: argparse.Namespace, emit: _Emit) -> None:
+    from jaxcomm.bench import gpu_options
+
+    # The limit the driver gave this part (its own, or what was left of the budget).
+    limit = args.part_limit or args.limits.get("options", OPTIONS_LIMIT_S)
+    gpu_options.run_part(args, emit, limit)
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
     """One independent part of the check.
@@ -523,6 +544,13 @@ PARTS: tuple[Part, ...] = (
         env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
         cpu_env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
         background=True,
+    ),
+    Part(
+        "options",
+        "every sync option: compiled for 8 mocked GPUs (2 x 4), run twice on this GPU",
+        OPTIONS_LIMIT_S,
+        _options,
+        env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
     ),
     Part("step", "gpu-node preset: ResNet-152 bf16 step time on this GPU", 240, _step),
 )
@@ -629,8 +657,15 @@ _TABLES: dict[str, Callable[[dict], list[str]]] = {
     "versions": _table_versions,
     "kernels": _table_kernels,
     "schedule": _table_schedule,
+    "options": lambda d: _options_table(d),
     "step": _table_step,
 }
+
+
+def _options_table(d: dict) -> list[str]:
+    from jaxcomm.bench.gpu_options import format_table
+
+    return format_table(d)
 
 
 def format_report(result: dict) -> str:
@@ -678,7 +713,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--sequential",
         action="store_true",
-        help="run the schedule part alone, not alongside the timed parts",
+        help="run the schedule part alone, not alongside the timed parts (and the options "
+        "part's compile half before its runs)",
     )
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="limit for the whole run")
     p.add_argument(
@@ -696,6 +732,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="keep XLA's conv autotuning in the schedule part (slower compiles)",
     )
     p.add_argument("--kernel-model", default="resnet152", help="gradient tree of the kernels")
+    p.add_argument(
+        "--options",
+        default=None,
+        help="comma-separated options of the options part (default: all of "
+        "jaxcomm.bench.gpu_options.OPTION_NAMES)",
+    )
     p.add_argument("--step-preset", default="gpu-node")
     p.add_argument("--per-device-batch", type=int, default=None, help="override the preset's")
     p.add_argument(
@@ -714,6 +756,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="override a part's time limit (repeatable), e.g. step=330",
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--part-limit", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.limits = {}
     for item in args.limit:
@@ -762,7 +805,8 @@ class _Running:
         env = {**os.environ, **(part.cpu_env if args.allow_cpu else part.env)}
         if args.allow_cpu:
             env["JAX_PLATFORMS"] = "cpu"
-        cmd = [sys.executable, "-m", "jaxcomm.bench.gpu", *argv, "--child", part.name]
+        cmd = [sys.executable, "-m", "jaxcomm.bench.gpu", *argv, "--child", part.name,
+               "--part-limit", f"{limit:.1f}"]  # fmt: skip
         self.t0 = time.perf_counter()
         with open(self.log, "w") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,

@@ -198,6 +198,23 @@ def _model(args):
     return loss, params, stats, batch, True
 
 
+def abstract_state(dp, params, model_state=None):
+    """``dp``'s train state as ``jax.ShapeDtypeStruct`` with the state's shardings.
+
+    Args:
+      dp: a ``jaxcomm.DataParallel``.
+      params: the params (arrays or ``jax.ShapeDtypeStruct``).
+      model_state: the model state, if ``dp`` has one.
+
+    Returns:
+      The abstract ``TrainState``, placed as ``dp`` places it.
+    """
+    import jax
+
+    state = jax.eval_shape(dp.init, params, model_state)
+    return _abstract(state, dp.state_shardings(state))
+
+
 def _abstract(tree, shardings):
     import jax
 
@@ -231,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         microbatches=args.microbatches,
         accumulate=args.accumulate,
     )
-    state = jax.eval_shape(dp.init, params, stats)
-    state = _abstract(state, dp.state_shardings(state))
+    state = abstract_state(dp, params, stats)
     batch = _abstract(batch, jax.tree.map(lambda _: dp.batch_sharding, batch))
     names = args.option_sets.split(",") if args.option_sets else None
     extra = json.loads(args.extra_options) if args.extra_options else {}
