@@ -23,6 +23,12 @@ How it fits ``jaxcomm.data_parallel``:
 * ``data_parallel`` takes the gradient at the local parameters when the optimizer state
   holds a :class:`LocalSGDState` (:func:`gradient_params`). Right after a fragment's sync,
   its local leaves are set to the new anchor: every device's row holds the anchor's bits.
+* The state records ``sync_every`` and ``fragments`` (:class:`LocalSGDState`), and every
+  update compares them with the transform's own: a state checkpointed under one schedule
+  and resumed into a ``local_sgd`` built with another is refused instead of silently
+  re-phasing the syncs (see :func:`local_sgd`, "Raises").
+* Each fragment's outer sync draws its compressor randomness (dither, random-k) from its
+  own seed (:func:`fragment_seed`), so fragments never share a dither stream.
 * Only sync steps communicate: the sync is one ``lax.switch`` on the step count (branch f
   synchronises fragment f, the last branch nothing), so ``jaxcomm.wire_bytes`` counts a step
   as its largest branch, the bytes of one sync; the bytes per step averaged over H steps
@@ -50,6 +56,7 @@ __all__ = [
     "LocalSGDState",
     "amortized_bytes",
     "fragment_of_leaves",
+    "fragment_seed",
     "gradient_params",
     "local_sgd",
     "sync_schedule",
@@ -68,6 +75,18 @@ class LocalSGDState(NamedTuple):
       outer: the outer optimizer's state, one per fragment (replicated).
       sync: the ``SyncGradientsState`` of the outer-gradient all-reduce, one per fragment
         (count, compressor state: error-feedback residuals are per device).
+      sync_every: int32 scalar (replicated), the H the state was built for; ``update``
+        refuses a state whose H differs from its own (the phase of every sync depends on it).
+      fragments: int32 scalar (replicated), the F the state was built for; checked likewise.
+
+    Checkpoint compatibility: ``sync_every`` and ``fragments`` were added in issue 29. A
+    checkpoint written before has two leaves fewer and does not restore into this state's
+    structure; restore it into the old structure and rebuild with
+    ``state._replace(sync_every=jnp.int32(H), fragments=jnp.int32(F))`` using the H and F
+    it was trained with. Fragment f > 0's outer sync draws from :func:`fragment_seed`
+    since issue 29 (before, every fragment used ``seed``): a resumed run with
+    ``fragments > 1`` and a stochastic compressor continues with different dither (its
+    error-feedback residuals remain valid); ``fragments=1`` is unchanged.
     """
 
     count: jax.Array
@@ -75,6 +94,8 @@ class LocalSGDState(NamedTuple):
     inner: PerDevice
     outer: tuple
     sync: tuple
+    sync_every: jax.Array
+    fragments: jax.Array
 
 
 def sync_schedule(sync_every: int, fragments: int) -> np.ndarray:
@@ -138,6 +159,34 @@ def fragment_of_leaves(params: Any, fragments: int) -> list[int]:
     return [f for f in range(fragments) for _ in range(cuts[f], cuts[f + 1])]
 
 
+def fragment_seed(seed: int, fragment: int) -> int:
+    """The seed of fragment ``fragment``'s outer ``sync_gradients`` in :func:`local_sgd`.
+
+    Each fragment's sync keeps its own step count, so with one shared seed fragment f's
+    n-th sync would draw exactly the dither of fragment 0's n-th sync (correlated
+    rounding errors across the model). Fragment 0 keeps ``seed`` (``fragments=1`` is
+    unchanged); fragment f > 0 gets a 31-bit hash of ``(seed, f)``.
+
+    Args:
+      seed: the user's seed (an integer >= 0).
+      fragment: the fragment index (>= 0).
+
+    Returns:
+      A non-negative int: ``seed`` for fragment 0, distinct per fragment otherwise.
+
+    Example:
+      >>> [fragment_seed(0, f) for f in range(3)][0]
+      0
+    """
+    if fragment == 0:
+        return seed
+    x = (seed * 0x9E3779B1 + fragment * 0x85EBCA77 + 0x27D4EB2F) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    x ^= x >> 12
+    return x & 0x7FFFFFFF
+
+
 def gradient_params(opt_state: Any) -> Any | None:
     """The parameters the gradient is to be taken at: the local parameters of the one
     :class:`LocalSGDState` in ``opt_state`` (this device's, unstacked), or ``None`` if there
@@ -177,9 +226,10 @@ def amortized_bytes(wire: dict, sync_every: int, fragments: int = 1) -> float:
     """
     syncs = 0.0
     for branches in wire["branches"].values():
-        # The switch has F + 1 branches (F fragments, then "no sync"); any other conditional
-        # (a compressor's warm-up) is counted at its largest branch per sync.
-        if len(branches) == fragments + 1:
+        # The switch has F + 2 branches (F fragments, then "no sync" and "refused", which
+        # send nothing); any other conditional (a compressor's warm-up) is counted at its
+        # largest branch per sync.
+        if len(branches) == fragments + 2:
             syncs += sum(b for i, b in branches.items() if int(i) < fragments)
         else:
             syncs += max(branches.values())
@@ -229,7 +279,8 @@ def local_sgd(
       axes: the data-parallel mesh axes.
       topology: the topology 'auto' plans with (see ``sync_gradients``).
       min_size: outer-gradient leaves with fewer elements stay uncompressed.
-      seed: seed of the compressor's randomness.
+      seed: seed of the compressor's randomness. Fragment 0's sync uses ``seed``, fragment
+        f's :func:`fragment_seed` ``(seed, f)``, so the fragments draw distinct streams.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`LocalSGDState`; its ``update``
@@ -240,6 +291,14 @@ def local_sgd(
         ``[1, sync_every]`` (at construction), more fragments than param leaves (at
         ``init``); bad ``algorithm``/``axes`` as ``sync_gradients`` says.
       TypeError: ``inner``/``outer`` not optax transforms, or a bad ``compression``.
+      ValueError: at ``update``, a state built for another ``sync_every`` or ``fragments``
+        (e.g. a checkpoint resumed into a differently configured ``local_sgd``, which
+        would otherwise re-phase the syncs silently; another ``fragments`` also changes
+        the state's structure, which ``data_parallel`` refuses before the step). Called
+        eagerly it is a ``ValueError``; inside ``jit`` (``data_parallel``) the check runs
+        on the device and a host callback raises it, so the step fails with a
+        ``jax.errors.JaxRuntimeError`` whose message carries the ``ValueError``'s text
+        when its results are read.
 
     Example:
       >>> tx = jaxcomm.local_sgd(optax.adam(3e-3), sync_every=50,
@@ -264,14 +323,20 @@ def local_sgd(
                 f"local_sgd: {name}={tx!r} is not an optax.GradientTransformation; pass e.g. "
                 "optax.adam(1e-3)."
             )
-    sync = sync_gradients(
-        axes=axes,
-        algorithm=algorithm,
-        topology=topology,
-        compression=compression,
-        min_size=min_size,
-        seed=seed,
-    )
+    seed = check_int("seed", seed, minimum=0)
+    # One sync per fragment, each with its own seed (their step counts run in lockstep, so
+    # a shared seed would give every fragment the same dither stream).
+    syncs = [
+        sync_gradients(
+            axes=axes,
+            algorithm=algorithm,
+            topology=topology,
+            compression=compression,
+            min_size=min_size,
+            seed=fragment_seed(seed, f),
+        )
+        for f in range(fragments)
+    ]
     schedule = jnp.asarray(sync_schedule(sync_every, fragments))
 
     def parts(tree: Any, owner: list[int]) -> list[Any]:
@@ -292,8 +357,29 @@ def local_sgd(
             local=_vary_per_device(PerDevice(params), axes),
             inner=_vary_per_device(PerDevice(inner.init(params)), axes),
             outer=tuple(outer.init(p) for p in frags),
-            sync=tuple(sync.init(p) for p in frags),
+            sync=tuple(s.init(p) for s, p in zip(syncs, frags, strict=True)),
+            sync_every=jnp.asarray(sync_every, jnp.int32),
+            fragments=jnp.asarray(fragments, jnp.int32),
         )
+
+    def refuse(saved_every, saved_fragments):
+        raise ValueError(
+            f"local_sgd: the optimizer state was built for sync_every={int(saved_every)}, "
+            f"fragments={int(saved_fragments)}, but this local_sgd has sync_every="
+            f"{sync_every}, fragments={fragments}; resuming it would re-phase the syncs "
+            "(which fragment syncs after which step) silently. Build local_sgd with the "
+            "values the state was trained with, or start a new state with init()."
+        )
+
+    def schedule_mismatch(state: LocalSGDState) -> jax.Array | None:
+        """None when the saved schedule is known to match (concrete values; a mismatch
+        raises here); else a traced bool, checked in the step's switch (below)."""
+        saved = (state.sync_every, state.fragments)
+        if not any(isinstance(x, jax.core.Tracer) for x in saved):
+            if (int(saved[0]), int(saved[1])) != (sync_every, fragments):
+                refuse(*saved)
+            return None
+        return (state.sync_every != sync_every) | (state.fragments != fragments)
 
     def update(grads: Any, state: LocalSGDState, params: Any = None):
         if params is None:
@@ -301,6 +387,7 @@ def local_sgd(
                 "local_sgd's update needs params (the anchor: the replicated params of the "
                 "last sync); jaxcomm.data_parallel passes them."
             )
+        mismatch = schedule_mismatch(state)
         # 1. The local step: no collective.
         local = state.local.value
         inner_updates, inner_state = inner.update(grads, state.inner.value, local)
@@ -316,7 +403,7 @@ def local_sgd(
             def branch(local, outer_states, sync_states):
                 anchor = parts(params, owner)[f]
                 delta = jax.tree.map(lambda a, x: a - x, anchor, parts(local, owner)[f])
-                outer_grad, sync_state = sync.update(delta, sync_states[f])
+                outer_grad, sync_state = syncs[f].update(delta, sync_states[f])
                 step, outer_state = outer.update(outer_grad, outer_states[f], anchor)
                 upd = list(zeros)
                 members = [k for k, o in enumerate(owner) if o == f]
@@ -331,8 +418,17 @@ def local_sgd(
         def no_sync(local, outer_states, sync_states):
             return jax.tree.unflatten(treedef, zeros), outer_states, sync_states
 
-        branches = [sync_fragment(f) for f in range(fragments)] + [no_sync]
+        def refused(local, outer_states, sync_states):
+            # A saved schedule other than this one: the host callback's ValueError fails
+            # the step. A branch of the switch the step already has, so checking costs no
+            # extra conditional (on a GPU, no extra host round trip).
+            jax.debug.callback(refuse, state.sync_every, state.fragments)
+            return no_sync(local, outer_states, sync_states)
+
+        branches = [sync_fragment(f) for f in range(fragments)] + [no_sync, refused]
         phase = schedule[(state.count + 1) % sync_every]
+        if mismatch is not None:  # replicated values: every process takes one branch
+            phase = jnp.where(mismatch, len(branches) - 1, phase)
         updates, outer_states, sync_states = lax.switch(
             phase, branches, local, state.outer, state.sync
         )
@@ -354,6 +450,8 @@ def local_sgd(
             inner=PerDevice(inner_state),
             outer=outer_states,
             sync=sync_states,
+            sync_every=state.sync_every,
+            fragments=state.fragments,
         )
 
     return optax.GradientTransformation(init, update)

@@ -250,7 +250,10 @@ def sync_gradients(
         Decisions every device must share (fp16's overflow skip, adaptive's level) are
         still reduced over all ``axes``.
       seed: seed of the compressors' randomness (stochastic rounding, random-k); the key
-        of a step is ``jaxcomm.compression.base.step_key(seed, count)``.
+        of a step is ``jaxcomm.compression.base.step_key(seed, count)``. Two
+        ``sync_gradients`` in one program with the same seed draw the same stream at equal
+        counts (correlated rounding errors): give each its own seed (``local_sgd`` does,
+        per fragment: ``jaxcomm.diloco.fragment_seed``).
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`SyncGradientsState`.

@@ -166,8 +166,9 @@ def test_local_steps_run_no_collective_and_report_per_device_loss(mesh, params):
     wb = jaxcomm.wire_bytes(step, state, dp.shard_batch(batches[0]))
     assert [c["kind"] for c in wb["collectives"] if not c["branch"]] == []
     assert wb["unconditional"] == 0
-    (switch,) = [b for b in wb["branches"].values() if len(b) == 2]  # fragment 0, no sync
-    assert {int(i): v > 0 for i, v in switch.items()} == {0: True, 1: False}
+    # fragment 0, no sync, refused (a saved schedule other than this one)
+    (switch,) = [b for b in wb["branches"].values() if len(b) == 3]
+    assert {int(i): v > 0 for i, v in switch.items()} == {0: True, 1: False, 2: False}
     assert amortized_bytes(wb, H) == pytest.approx(wb["total"] / H)
     # The loss is each device's own (its shard, at its own params: equal to the anchor at
     # t=0, its own after a local step at t=1), one row per device, not an average.
@@ -281,3 +282,62 @@ def test_digits_quality_guard_at_h50_int8(mesh):
     r = digits_accuracy(steps=300, seed=0, mesh=mesh, transform=tx)
     assert base["accuracy"] > 0.95
     assert r["accuracy"] >= base["accuracy"] - 0.015, (r["accuracy"], base["accuracy"])
+
+
+@pytest.mark.parametrize(
+    ("built", "resumed", "match"),
+    [
+        ({"sync_every": 3}, {"sync_every": 4}, r"built for sync_every=3, fragments=1.*has "
+         r"sync_every=4, fragments=1.*re-phase the syncs.*values the state was trained with"),
+        # Another F changes the state's structure (one outer/sync state per fragment),
+        # which data_parallel's layout check refuses before the step; with F kept, H is
+        # what would slip through.
+        ({"sync_every": 4, "fragments": 2}, {"sync_every": 6, "fragments": 2},
+         r"built for sync_every=4, fragments=2.*has sync_every=6, fragments=2"),
+    ],
+    ids=["sync_every", "sync_every-fragments"],
+)  # fmt: skip
+def test_resume_into_another_schedule_is_refused(mesh, params, built, resumed, match):
+    """Issue 29: a state trained with one (H, F), resumed into a local_sgd with another,
+    would re-phase every sync silently; the step fails naming both and the fix."""
+    batches = mlp_batches(2)
+    dp = jaxcomm.data_parallel(mlp_loss, jaxcomm.local_sgd(optax.sgd(0.1), **built), mesh)
+    state = jax.device_get(_run(dp, dp.init(params), batches[:1]))
+    other = jaxcomm.data_parallel(mlp_loss, jaxcomm.local_sgd(optax.sgd(0.1), **resumed), mesh)
+    other.init(params)
+    restored = jax.device_put(state, other.state_shardings(state))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+        jax.block_until_ready(other(restored, batches[1]))
+    # The same schedule resumes (the check passes).
+    same = jaxcomm.data_parallel(mlp_loss, jaxcomm.local_sgd(optax.sgd(0.1), **built), mesh)
+    same.init(params)
+    jax.block_until_ready(same(jax.device_put(state, same.state_shardings(state)), batches[1]))
+    assert int(state.opt_state.sync_every) == built["sync_every"]
+
+
+def _linear_loss(params, batch):
+    # The gradient of leaf a (b) on a device is its row of batch['ga'] (batch['gb']).
+    return jnp.sum(params["a"] * batch["ga"].mean(0)) + jnp.sum(params["b"] * batch["gb"].mean(0))
+
+
+def test_fragments_draw_distinct_dither(mesh):
+    """Issue 29: fragments a and b receive the same outer gradients at their first sync
+    (H=2, F=2, inner SGD lr 1: b syncs after step 0, a after step 1, each with the mean
+    of the devices' step-0 gradients G). With one seed for both, int8's stochastic
+    rounding drew the same dither and the two anchors came out bit-equal; each fragment
+    draws its own stream."""
+    n = 512
+    params = {"a": jnp.zeros(n), "b": jnp.zeros(n)}
+    assert fragment_of_leaves(params, 2) == [0, 1]
+    g = np.random.default_rng(0).normal(size=(8, n)).astype(np.float32)
+    zero = np.zeros_like(g)
+    tx = jaxcomm.local_sgd(
+        optax.sgd(1.0), outer=optax.sgd(1.0), sync_every=2, fragments=2,
+        compression=C.int8(stochastic=True), min_size=1,
+    )  # fmt: skip
+    dp = jaxcomm.data_parallel(_linear_loss, tx, mesh)
+    state = _run(dp, dp.init(params), [{"ga": g, "gb": g}, {"ga": zero, "gb": zero}])
+    a, b = (np.asarray(state.params[k]) for k in ("a", "b"))
+    np.testing.assert_allclose(a, -g.mean(0), atol=0.05)  # both are int8 means of G
+    np.testing.assert_allclose(b, -g.mean(0), atol=0.05)
+    assert not np.array_equal(a, b), "fragments a and b drew the same dither stream"

@@ -2,7 +2,8 @@
 
 * **top-k** sends the ``k = ceil(ratio N)`` largest-magnitude entries of ``g + e`` as
   (int32 index, f32 value) pairs. Different devices pick different indices, so the pairs
-  cannot be summed by an all-reduce: they are **all-gathered** and scatter-added. Per
+  cannot be summed by an all-reduce: they are **all-gathered** and summed device by device
+  (:func:`sum_pairs_in_device_order`: the same bits on every device and every backend). Per
   device that is ``(p-1) 8k`` bytes against ``2 (p-1)/p 4N`` for an f32 all-reduce, a
   ratio of ``p * ratio`` -- it only wins below density ``1/p`` (REFERENCE.md).
   Exact ``lax.top_k`` is slow on CPU (100 ms for 1% of 4M); the DGC variant estimates the
@@ -38,7 +39,15 @@ from jaxcomm.compression.base import (
 from jaxcomm.compression.quantize import dither_seed
 from jaxcomm.validate import check_int
 
-__all__ = ["first_true", "random_k", "random_k_mean", "select_topk", "topk", "topk_mean"]
+__all__ = [
+    "first_true",
+    "random_k",
+    "random_k_mean",
+    "select_topk",
+    "sum_pairs_in_device_order",
+    "topk",
+    "topk_mean",
+]
 
 METHODS = ("auto", "exact", "sampled")
 # 'auto' uses exact top-k below this many elements (fast enough, exact), sampled above.
@@ -121,6 +130,44 @@ def select_topk(
     return idx, vals
 
 
+def sum_pairs_in_device_order(idx: jax.Array, vals: jax.Array, n: int) -> jax.Array:
+    """Dense f32 sum of every device's sparse (index, value) pairs, one device at a time.
+
+    Indices picked by several devices collide. One scatter-add of all ``p x k`` pairs
+    leaves the order of the colliding additions to the backend: on GPU they are atomics,
+    so the float sum (not associative) can differ by bits between runs and between the
+    devices that each decode the same gathered pairs, and "replicated" params drift
+    (issue 29). Here row ``d`` is added by its own scatter, after row ``d - 1``: within a
+    row the in-range indices are distinct (one device's top-k), so no scatter has a
+    collision, and each entry is ``((v_0 + v_1) + v_2) + ...`` in device order on every
+    backend. Cost: ``p`` scatters of ``k`` updates each (``O(p k)``, a ``fori_loop``, the
+    buffer updated in place), the same additions as one big scatter.
+
+    Args:
+      idx: int32 ``(p, k)``, row ``d`` the indices of device ``d``: distinct within a row,
+        except entries ``>= n`` (unused slots), which are dropped.
+      vals: ``(p, k)`` values matching ``idx``.
+      n: length of the dense result.
+
+    Returns:
+      f32 ``(n,)``: entry ``i`` the sum over devices, in device order, of their values at
+      ``i``.
+
+    Example:
+      >>> sum_pairs_in_device_order(jnp.array([[0, 2], [2, 1]]), jnp.ones((2, 2)), 3)
+      Array([1., 1., 2.], dtype=float32)
+    """
+    vals = vals.astype(jnp.float32)
+
+    def add_row(d, total):
+        return total.at[idx[d]].add(vals[d], mode="drop")
+
+    # Row 0 starts the sum (outside the loop: the carry then has the rows' type under
+    # shard_map's replication check, e.g. varying over 'intra' with compress_stage='inter').
+    first = add_row(0, jnp.zeros((n,), jnp.float32))
+    return lax.fori_loop(1, idx.shape[0], add_row, first)
+
+
 def topk_mean(
     c: jax.Array,
     axes: tuple[str, ...],
@@ -133,7 +180,8 @@ def topk_mean(
     """Mean over ``axes`` of the top-k entries of each device's ``c`` (all-gather of pairs).
 
     1. Select about ``k = ceil(ratio N)`` largest ``|c|`` (:func:`select_topk`).
-    2. All-gather the ``p x k`` (index, value) pairs; scatter-add them; divide by ``p``.
+    2. All-gather the ``p x k`` (index, value) pairs; sum them device by device
+       (:func:`sum_pairs_in_device_order`, the same bits on every backend); divide by ``p``.
 
     Args:
       c: per-device f32 buffer (any shape; flattened).
@@ -158,7 +206,9 @@ def topk_mean(
     # The wire: p x k indices and values.
     all_idx = all_gather_invariant(idx, axes)
     all_vals = all_gather_invariant(vals, axes)
-    total = jnp.zeros((n + 1,), jnp.float32).at[all_idx].add(all_vals)[:n]
+    total = sum_pairs_in_device_order(
+        all_idx.reshape(-1, k), all_vals.reshape(-1, k), n
+    )  # not one scatter-add: its collisions would sum in a backend-chosen order
     mine = jnp.zeros((n + 1,), jnp.float32).at[idx].set(vals)[:n]
     return (total / axes_size(axes)).reshape(c.shape), mine.reshape(c.shape)
 
@@ -214,7 +264,7 @@ def topk(
     method: str = "auto",
     sample_ratio: float = 0.01,
 ) -> Compressor:
-    """Top-k sparsification: all-gather of (index, value) pairs, then scatter-add.
+    """Top-k sparsification: all-gather of (index, value) pairs, summed in device order.
 
     ``sync_gradients`` hands it one flat buffer per dtype (all compressed leaves
     concatenated), so the selection is global across layers; leaves that must keep their
