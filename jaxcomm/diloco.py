@@ -79,12 +79,12 @@ class LocalSGDState(NamedTuple):
         refuses a state whose H differs from its own (the phase of every sync depends on it).
       fragments: int32 scalar (replicated), the F the state was built for; checked likewise.
 
-    Checkpoint compatibility: ``sync_every`` and ``fragments`` were added in issue 29. A
-    checkpoint written before has two leaves fewer and does not restore into this state's
-    structure; restore it into the old structure and rebuild with
+    Checkpoint compatibility: ``sync_every`` and ``fragments`` are newer than the rest of
+    the state. A checkpoint written without them has two leaves fewer and does not restore
+    into this state's structure; restore it into the old structure and rebuild with
     ``state._replace(sync_every=jnp.int32(H), fragments=jnp.int32(F))`` using the H and F
     it was trained with. Fragment f > 0's outer sync draws from :func:`fragment_seed`
-    since issue 29 (before, every fragment used ``seed``): a resumed run with
+    (formerly every fragment used ``seed``): a resumed run with
     ``fragments > 1`` and a stochastic compressor continues with different dither (its
     error-feedback residuals remain valid); ``fragments=1`` is unchanged.
     """

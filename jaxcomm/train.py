@@ -168,7 +168,7 @@ def _commutes_with_mean(parts: list, params: Any) -> bool:
 def _refuse_nonlinear_before_sync(
     optimizer: optax.GradientTransformation, params: Any, abstract_state: Any
 ) -> None:
-    """Refuses transforms before the sync that need global values (module of issue 29).
+    """Refuses transforms before the sync that need global values.
 
     Each device runs what comes before ``sync_gradients`` on its own gradient, and the sync
     averages the results; that equals the one-device run only if those transforms commute

@@ -24,7 +24,7 @@ after the other):
   never run) with ``overlap_options``, all-reduce combine thresholds 0 / 1 MiB / 30 MiB and
   XLA defaults (``python -m jaxcomm.bench schedule``): collectives, async start/done
   pairs, compute between each pair, bytes.
-* ``options`` (:mod:`jaxcomm.bench.gpu_options`, issue 33 items 2-3): the data-parallel
+* ``options`` (:mod:`jaxcomm.bench.gpu_options`): the data-parallel
   step of every sync option (flat, hierarchical, bf16/int8/int4 on the inter stage,
   adaptive, PowerSGD, top-k, buckets, microbatches, local_sgd) on a small MLP, built with
   the public API. Compiled for 8 mocked GPUs in a 2 x 4 mesh (a subprocess, alongside the

@@ -73,7 +73,7 @@ __all__ = [
 
 MiB = 1 << 20
 
-#: The options of issue 33, item 2, in table order.
+#: Every sync option, in table order.
 OPTION_NAMES = (
     "flat", "hierarchical", "bf16", "int8", "int4", "adaptive", "powersgd", "topk",
     "buckets", "microbatches", "local_sgd",

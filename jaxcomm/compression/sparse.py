@@ -136,8 +136,8 @@ def sum_pairs_in_device_order(idx: jax.Array, vals: jax.Array, n: int) -> jax.Ar
     Indices picked by several devices collide. One scatter-add of all ``p x k`` pairs
     leaves the order of the colliding additions to the backend: on GPU they are atomics,
     so the float sum (not associative) can differ by bits between runs and between the
-    devices that each decode the same gathered pairs, and "replicated" params drift
-    (issue 29). Here row ``d`` is added by its own scatter, after row ``d - 1``: within a
+    devices that each decode the same gathered pairs, and "replicated" params drift.
+    Here row ``d`` is added by its own scatter, after row ``d - 1``: within a
     row the in-range indices are distinct (one device's top-k), so no scatter has a
     collision, and each entry is ``((v_0 + v_1) + v_2) + ...`` in device order on every
     backend. Cost: ``p`` scatters of ``k`` updates each (``O(p k)``, a ``fori_loop``, the
