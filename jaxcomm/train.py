@@ -181,6 +181,7 @@ def _refuse_nonlinear_before_sync(
     )
     if not parts or not floating:
         return
+    params = jax.tree.map(_host_value, params)  # only when there is something to probe
     try:
         if _commutes_with_mean(parts, params):
             return
@@ -476,9 +477,7 @@ class DataParallel:
                 "require_sync=False (replication is then not proven; use check_replicas=N)."
             )
         if not self._local_sgd:
-            _refuse_nonlinear_before_sync(
-                self.optimizer, jax.tree.map(_host_value, concrete), self._opt_local
-            )
+            _refuse_nonlinear_before_sync(self.optimizer, concrete, self._opt_local)
         return per
 
     def _probe_map(self, fn: Callable, in_specs: tuple) -> Callable:
