@@ -243,7 +243,8 @@ def test_make_run_path_runs_every_row_on_two_processes(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "experiments.resnet152", "--image-size", "16",
            "--per-device-batch", "2", "--timing-steps", "1", "--repeats", "1",
-           "--accuracy-steps", "8", "--no-progress", "--out", str(out)]  # fmt: skip
+           "--accuracy-steps", "8", "--adapt-windows", "2", "--no-progress",
+           "--out", str(out)]  # fmt: skip
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())
