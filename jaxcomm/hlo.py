@@ -375,19 +375,14 @@ def ordering_hazards(text: str) -> list[OrderingHazard]:
       >>> hazards = jaxcomm.hlo.ordering_hazards(dp.lower(state, batch).compile().as_text())
       >>> assert not hazards, hazards
     """
-    comps: dict[str, list[tuple[str, str, list[str], list[str]]]] = {}
-    current = ""
-    for line in text.splitlines():
-        m = _COMP_RE.match(line)
-        if m:
-            current = m.group(2)
-            comps.setdefault(current, [])
-            continue
-        im = _INSTR_RE.match(line)
-        if im:
-            name, _, opcode, rest = im.groups()
-            operands = _OPERAND_RE.findall(rest.split(", metadata=")[0].split(")")[0])
-            comps.setdefault(current, []).append((name, opcode, operands, _called(rest)))
+    comps = {
+        comp: [
+            (name, opcode, _OPERAND_RE.findall(rest.split(", metadata=")[0].split(")")[0]),
+             _called(rest))
+            for name, opcode, rest in instrs
+        ]
+        for comp, instrs in instructions(text).items()
+    }  # fmt: skip
 
     issues: dict[str, bool] = {}
 

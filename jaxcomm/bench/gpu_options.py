@@ -464,15 +464,17 @@ def compile_options(
                 **analyze(compiled.as_text(), mesh),
             }
         except Exception as e:  # one option failing does not stop the others
-            import traceback
-
-            out[name] = {
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(limit=8),
-            }
+            out[name] = _error_record(e)
         if on_result is not None:
             on_result(out)
     return out
+
+
+def _error_record(e: Exception) -> dict:
+    """One option's failure, as the table and the JSON report it."""
+    import traceback
+
+    return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=8)}
 
 
 def _compile_main(argv: list[str]) -> int:
@@ -643,12 +645,7 @@ def run_options(
             r["repeat"] = repeat_bits(dp, state0, batches[: cfg.repeat_steps])
             out[name] = r
         except Exception as e:
-            import traceback
-
-            out[name] = {
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(limit=8),
-            }
+            out[name] = _error_record(e)
         if on_result is not None:
             on_result(out)
     return out
