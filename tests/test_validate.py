@@ -99,3 +99,21 @@ def test_check_int_message_and_return():
         check_int("n", np.bool_(True))
     with pytest.raises(ValueError, match=r"^n='3' must be an integer <= 5 \(got str\)\.$"):
         check_int("n", "3", maximum=5)
+
+
+def test_check_choice_names_the_value_and_the_allowed_set():
+    from jaxcomm.validate import check_choice
+
+    assert check_choice("op", "sum", ("mean", "sum")) == "sum"
+    with pytest.raises(ValueError, match=r"op='avg' must be one of \('mean', 'sum'\)"):
+        check_choice("op", "avg", ("mean", "sum"))
+    with pytest.raises(ValueError, match=r"must be one of"):
+        check_choice("op", ["mean"], ("mean", "sum"))  # unhashable
+
+
+def test_outputs_marker_refuses_an_unknown_op():
+    from jaxcomm.outputs import OPS, Reduced
+
+    with pytest.raises(ValueError, match=r"op='avg' must be one of \('mean', 'sum', 'max'"):
+        Reduced(1.0, "avg")
+    assert Reduced(1.0, "max").op in OPS
