@@ -34,8 +34,8 @@ beside its link bound:
   the spine carried while the row ran, from the ``tc`` counters of its link ends: where the
   ranks sit on the fabric, which the HLO cannot show.
 
-Quality (``run_accuracy``). The digits quality guard of the compression issue,
-``jaxcomm.bench.digits.digits_accuracy``, trains a small model on scikit-learn's bundled
+Quality (``run_accuracy``). The digits quality guard of the compressors,
+``experiments.bench.digits.digits_accuracy``, trains a small model on scikit-learn's bundled
 digits under each row's settings and returns the test accuracy, the mean over ``seeds``
 runs (model and data order from each seed). One test sample is 0.28 points of the 357,
 and the baseline alone moves by up to 1.1 points from seed to seed (0.969-0.980 over
@@ -60,11 +60,11 @@ from jax.experimental import multihost_utils
 
 import jaxcomm
 from experiments import step as steplib
+from experiments.bench.digits import LEARNING_RATE as DIGITS_LEARNING_RATE
+from experiments.bench.digits import digits_accuracy
 from experiments.data import SyntheticImages
 from experiments.presets import Preset
 from experiments.rows import Resolved
-from jaxcomm.bench.digits import LEARNING_RATE as DIGITS_LEARNING_RATE
-from jaxcomm.bench.digits import digits_accuracy
 from jaxcomm.testbed import spine_bytes
 
 __all__ = ["ProcessesBroken", "run_accuracy", "run_speed", "sync_period"]

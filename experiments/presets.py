@@ -2,8 +2,8 @@
 
 The default preset follows the platform: on CPU ``testbed`` when this machine can build the
 emulated network (root, iproute2: ResNet-18 on 2 nodes x 2 devices joined by a 250 Mbit/s
-link, ``jaxcomm.testbed``), else ``cpu-smoke`` (a small ResNet on small images that finishes
-in minutes on 2 cores with 8 fake devices); ``gpu-node`` on one GPU node (ResNet-152, 224 x
+link, ``jaxcomm.testbed``), else ``cpu-smoke`` (a small ResNet on small images that runs on a
+small CPU with 8 fake devices); ``gpu-node`` on one GPU node (ResNet-152, 224 x
 224, bf16 compute), ``cluster`` when several processes run (ResNet-152 over all nodes, longer
 runs, periodic checkpoints). Every field can be overridden on the command line. This module
 imports no JAX, so ``--help`` stays instant and the fake-device set-up can
@@ -77,7 +77,7 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    # 2-core CPU, 8 fake devices: every mode in a few minutes (README, `make run`).
+    # A small CPU, 8 fake devices: every mode, kept short (README, `make run`).
     "cpu-smoke": Preset(
         name="cpu-smoke",
         model="resnet-tiny",
@@ -137,19 +137,18 @@ PRESETS: dict[str, Preset] = {
 
 # The first run on a machine that can build the emulated network (root, iproute2): 2 nodes x
 # 2 CPU devices (one process each) joined by a 50 Mbit/s link, cpu-smoke's tiny ResNet (1.2
-# MB of f32 gradient, about 0.3 s on the link against tens of ms of compute), so that the
-# table with its quality guard fits in about 5 minutes on 2 cores.
+# MB of f32 gradient, whose time on the link is several times its compute), so that the
+# table with its quality guard stays short on a small CPU.
 PRESETS["testbed"] = dataclasses.replace(
     PRESETS["cpu-smoke"], name="testbed", timing_steps=3, repeats=3, intra=None,
     modes=("ablation", "accuracy"), link="50mbit", adapt_windows=4,
 )  # fmt: skip
-# The ablation issue's configuration: ResNet-18 (46.8 MB of f32 gradient) on 32 px images
-# over 250 Mbit/s: the gradient's time on the link is several times the compute, as on the
-# seed's 64-node cluster. About 8 minutes on 2 cores (half of it compilation and the
-# adaptive rows' calibration).
+# The networked ablation: ResNet-18 (46.8 MB of f32 gradient) on 32 px images over 250
+# Mbit/s: the gradient's time on the link is several times the compute, as on the seed's
+# 64-node cluster.
 # 8 settling windows (16 steps): the adaptive row settles on its rung before the timing
 # (a change inside it is listed in the row's notes, with the rung of every timed window).
-# The quality guard averages 3 seeds: the issue's 0.5 points are less than one seed's noise.
+# The quality guard averages 3 seeds: its 0.5 points are less than one seed's noise.
 PRESETS["testbed-resnet18"] = dataclasses.replace(
     PRESETS["testbed"], name="testbed-resnet18", model="resnet18", timing_steps=2,
     link="250mbit", adapt_windows=8, accuracy_seeds=3,

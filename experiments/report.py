@@ -34,7 +34,7 @@ def fake_devices_note(devices: int, testbed: str) -> str:
 
 
 #: Quality counts as unchanged when every row's digits accuracy is within this of the
-#: baseline's (the ablation issue's guard: 0.5 points).
+#: baseline's (0.5 points).
 QUALITY_TOLERANCE = 0.005
 
 

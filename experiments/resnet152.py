@@ -219,7 +219,7 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     import jaxcomm
     from experiments import step as steplib
     from experiments.checkpoint import Checkpointer
-    from experiments.data import ImageFolder, SyntheticImages
+    from experiments.data import SyntheticImages
     from experiments.training import train
 
     name = args.config or resolved[-1].row.config
@@ -230,20 +230,8 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     sync, options, mesh_kwargs = chosen.build()
     mesh = jaxcomm.make_mesh(intra=preset.intra, **mesh_kwargs)
     global_batch = preset.per_device_batch * mesh.devices.size
-    num_classes = preset.num_classes
-    folder = None
-    if args.data_dir:
-        folder = ImageFolder(
-            args.data_dir,
-            image_size=preset.image_size,
-            global_batch=global_batch,
-            seed=args.seed,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-            workers=args.workers,
-            prefetch=args.prefetch,
-        )
-        num_classes = folder.num_classes
+    folder = _image_folder(args, preset, global_batch)
+    num_classes = preset.num_classes if folder is None else folder.num_classes
     parts = steplib.make_model(preset.model, num_classes, dtype=preset.dtype, seed=args.seed)
     schedule = steplib.learning_rate(
         lr=preset.lr, global_batch=global_batch, warmup=preset.lr_warmup, total_steps=preset.steps
@@ -275,15 +263,7 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     ckpt = Checkpointer(args.checkpoint_dir) if args.checkpoint_dir else None
     start = 0
     if args.resume:
-        if ckpt is None:
-            raise SystemExit("--resume needs --checkpoint-dir.")
-        if ckpt.latest_step() is None:
-            raise SystemExit(f"--resume: no checkpoint in {ckpt.directory}.")
-        state, saved = ckpt.restore(state)
-        clash = {k: (saved.get(k), v) for k, v in meta.items() if saved.get(k) != v}
-        if clash:
-            raise SystemExit(f"--resume: the checkpoint is of another run: {clash}")
-        start = int(saved["position"])
+        state, start = _resume(ckpt, state, meta)
     stop = preset.steps if args.stop_at is None else min(args.stop_at, preset.steps)
     if driven:  # the adaptive compressor follows the measured network (adapt.jsonl: its log)
         os.makedirs(args.out, exist_ok=True)
@@ -329,6 +309,40 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
             f"(step {last}), {ips or 0:.1f} images/s after compilation"
         )
     return result
+
+
+def _image_folder(args, preset, global_batch: int):
+    """The ``--data-dir`` image folder of this process's share of each batch, or None."""
+    import jax
+
+    from experiments.data import ImageFolder
+
+    if not args.data_dir:
+        return None
+    return ImageFolder(
+        args.data_dir,
+        image_size=preset.image_size,
+        global_batch=global_batch,
+        seed=args.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        workers=args.workers,
+        prefetch=args.prefetch,
+    )
+
+
+def _resume(ckpt, state, meta: dict):
+    """``--resume``: the latest checkpoint's state and position, checked against ``meta``
+    (a checkpoint of another run is refused)."""
+    if ckpt is None:
+        raise SystemExit("--resume needs --checkpoint-dir.")
+    if ckpt.latest_step() is None:
+        raise SystemExit(f"--resume: no checkpoint in {ckpt.directory}.")
+    state, saved = ckpt.restore(state)
+    clash = {k: (saved.get(k), v) for k, v in meta.items() if saved.get(k) != v}
+    if clash:
+        raise SystemExit(f"--resume: the checkpoint is of another run: {clash}")
+    return state, int(saved["position"])
 
 
 def _testbed_status(jax) -> tuple[bool, str]:
@@ -435,29 +449,36 @@ def main(argv: list[str] | None = None) -> int:
             ]
         rows = report.merge_accuracy(rows, acc)
     if rows is not None and is_main:
-        print()
-        if meta["backend"] == "cpu" and meta["processes"] == 1 and meta["devices"] > 1:
-            why = "this machine can build it" if testbed[0] else testbed[1]
-            print(report.fake_devices_note(meta["devices"], why))
-        elif link_bps:
-            print(f"link {meta['link']} per direction between {meta['processes']} nodes; "
-                  f"load average {meta['load_average'][0]:.2f}")  # fmt: skip
-        print(report.format_table(rows))
-        summary = report.summary_line(rows)
-        if summary:
-            print(summary)
-            meta["summary"] = summary
-        report.write_json(rows, os.path.join(out, "results.json"))
-        title = (
-            f"{preset.model}, {preset.image_size}px, {meta['devices']} x "
-            f"{meta['device_kind']}, batch {preset.per_device_batch}/device"
-        )
-        report.write_chart(rows, os.path.join(out, "ablation.png"), title=title)
-        print(f"\nwrote {out}/results.json and {out}/ablation.png")
+        _report(rows, meta, preset, out, testbed)
     if is_main:
         with open(os.path.join(out, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
     return int(status)
+
+
+def _report(rows: list[dict], meta: dict, preset, out: str, testbed: tuple[bool, str]) -> None:
+    """Prints the table and its summary line (added to ``meta``), writes the JSON and chart."""
+    from experiments import report
+
+    print()
+    if meta["backend"] == "cpu" and meta["processes"] == 1 and meta["devices"] > 1:
+        why = "this machine can build it" if testbed[0] else testbed[1]
+        print(report.fake_devices_note(meta["devices"], why))
+    elif meta["link_bps"]:
+        print(f"link {meta['link']} per direction between {meta['processes']} nodes; "
+              f"load average {meta['load_average'][0]:.2f}")  # fmt: skip
+    print(report.format_table(rows))
+    summary = report.summary_line(rows)
+    if summary:
+        print(summary)
+        meta["summary"] = summary
+    report.write_json(rows, os.path.join(out, "results.json"))
+    title = (
+        f"{preset.model}, {preset.image_size}px, {meta['devices']} x "
+        f"{meta['device_kind']}, batch {preset.per_device_batch}/device"
+    )
+    report.write_chart(rows, os.path.join(out, "ablation.png"), title=title)
+    print(f"\nwrote {out}/results.json and {out}/ablation.png")
 
 
 def _main() -> int:

@@ -61,9 +61,9 @@ class Row:
 # int4 by the error of the mean and the measured communication share (the ablation drives
 # it with jaxcomm.CommProfiler.drive for the preset's adapt_windows before timing it).
 # Its int rungs round to nearest in blocks of 64 (the residual carries every rounding
-# error into the next step): int4's error of the mean on ResNet-18 reads 0.18, inside the
-# default band (0.05-0.25), where stochastic rounding in blocks of 256 read 0.31-0.36 and
-# sent the ladder back to int8 (docs/benchmarks.md, issue 12).
+# error into the next step), which keeps int4's error of the mean on ResNet-18 inside the
+# default band (0.05-0.25); stochastic rounding in blocks of 256 errs above it and sends
+# the ladder back to int8 (docs/benchmarks.md).
 ADAPTIVE = jaxcomm.compression.adaptive(
     0.75, min_compression=0.0, max_compression=1.0, ladder=("f32", "bf16", "int8", "int4"),
     adjustment_step=2, block=64, stochastic=False,

@@ -66,8 +66,8 @@ def make_model(name: str, num_classes: int, *, dtype: str = "float32", seed: int
         return nnx.split(resnet(name, num_classes, dtype=DTYPES[dtype], seed=seed),
                          nnx.Param, nnx.BatchStat)  # fmt: skip
 
-    # One compiled initialiser instead of hundreds of eagerly dispatched ops (seconds
-    # instead of tens of seconds on CPU); the values are the same as eager construction.
+    # One compiled initialiser instead of hundreds of eagerly dispatched ops, each a
+    # dispatch of its own; the values are the same as eager construction.
     graphdef = nnx.eval_shape(create)[0]
     _, params, batch_stats = jax.jit(create)()
     return ModelParts(graphdef, params, batch_stats)
@@ -192,7 +192,7 @@ def one_step_in_flight() -> bool:
 
     On XLA:CPU with fake devices, several queued executions of a program with collectives
     can deadlock the in-process rendezvous on a loaded machine (seen by the digits guard,
-    ``jaxcomm/bench/digits.py``), so CPU runs keep one step in flight. On GPUs the host
+    ``experiments/bench/digits.py``), so CPU runs keep one step in flight. On GPUs the host
     runs ahead, as usual.
     """
     return jax.default_backend() == "cpu"

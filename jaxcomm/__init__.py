@@ -23,7 +23,13 @@ from jaxcomm.nnx import LinenDataParallel, NnxDataParallel, linen_data_parallel,
 from jaxcomm.profiler import CommProfiler
 from jaxcomm.replicas import ReplicaDivergenceError, check_replicas
 from jaxcomm.state import PerDevice
-from jaxcomm.sync import SyncGradientsState, sync_gradients
+from jaxcomm.sync import (
+    GradientSync,
+    SyncGradientsState,
+    SyncRequest,
+    gradient_sync,
+    sync_gradients,
+)
 from jaxcomm.train import DataParallel, TrainState, data_parallel
 from jaxcomm.wire import wire_bytes
 
@@ -33,12 +39,14 @@ __all__ = [
     "CommProfiler",
     "DATA_AXES",
     "DataParallel",
+    "GradientSync",
     "LocalSGDState",
     "LinenDataParallel",
     "NnxDataParallel",
     "PerDevice",
     "ReplicaDivergenceError",
     "SyncGradientsState",
+    "SyncRequest",
     "TrainState",
     "allreduce",
     "buckets",
@@ -50,6 +58,7 @@ __all__ = [
     "diloco",
     "distributed",
     "flat_allreduce",
+    "gradient_sync",
     "hierarchical_allreduce",
     "hlo",
     "host_memory",

@@ -1,7 +1,7 @@
 """Measured alpha and beta per mesh axis, cost per collective call, codec cost: fit, apply
 to a topology, report the error.
 
-File format (what ``python -m jaxcomm.calibration`` and ``python -m jaxcomm.bench
+File format (what ``python -m jaxcomm.calibration`` and ``python -m experiments.bench
 compression --calibration`` write; every part optional but one)::
 
     {

@@ -33,7 +33,7 @@ A named compressor (:func:`parse_compression`: ``'int4(block=64, stochastic=Fals
 sampled values; all-to-all + all-gather of quantized chunks; all-gather of (index, value)
 pairs) with its wire bytes, on the inter-node stage only (full-precision reduce-scatter and
 all-gather inside the node) or on the whole reduction; its codec (:class:`Codec`: encode
-and decode seconds per f32 byte, measured by ``python -m jaxcomm.bench compression
+and decode seconds per f32 byte, measured by ``python -m experiments.bench compression
 --calibration``; :data:`H200_CODEC` for an H200 from the GPU check's kernel figures); the
 packing of the leaves into one buffer and back; adaptive's error sketch and its all-reduce;
 and a fixed cost per collective call by kind (``call_s``).
@@ -732,7 +732,7 @@ H200_CODEC: dict[str, Codec] = {
     "powersgd": Codec(
         _pb(0.0018145652000001178 + 0.015205242100000049 + 0.00209320290000079, _H200_M),
         _pb(0.0018145652000001178, _H200_M),
-        _GPU + "PowerSGD r=4 P = M Q + orthogonalize + Q = M^T P (before QR batching); "
+        _GPU + "PowerSGD r=4 P = M Q + orthogonalize (a QR per matrix) + Q = M^T P; "
         "decode P Q^T not measured: stand-in P = M Q"),
     "sketch": Codec(_pb(_H200_COPY, _H200_B), 0.0,
                     "not measured (no sketch kernel): stand-in the f32 copy"),
@@ -887,65 +887,163 @@ def compressed_time(
         raise ValueError(f"stage={stage!r} is not known; choose 'inter' or 'all'.")
     n = float(nbytes)
     w = compression.wire_fraction() if wire is None else float(wire)
-    g, m, p = topology.devices_per_node, topology.num_nodes, topology.num_devices
-    gamma = topology.gamma
-    kinds: list[str] = []
-    comm = codec_s = 0.0
+    g, p = topology.devices_per_node, topology.num_devices
     if p == 1 or n == 0:
         return {"total_s": 0.0, "comm_s": 0.0, "codec_s": 0.0, "call_s": 0.0, "calls": 0}
+    # 1. The collectives of the compressor's pattern and its encode/decode.
     if stage == "inter" and g > 1 and not compression.elementwise:
-        intra = _plan("intra", topology)
-        comm += 2 * _steps_time(intra.steps, n) + intra.reduce_fraction * n * gamma
-        kinds.append("all-reduce")
-        if m > 1:
-            inter = _plan("inter", topology)
-            comm += _steps_time(inter.steps, g * n * w) + inter.reduce_fraction * g * n * w * gamma
-            kinds += ["all-reduce", "all-reduce"]
-        codec_s += codec_seconds(compression, n, m, codec)
+        comm, codec_s, kinds = _intra_mean_inter_compressed(n, w, topology, compression, codec)
     elif stage == "inter" and g > 1:
-        intra = _plan("intra", topology)
-        comm += _steps_time(intra.steps, n) + intra.reduce_fraction * n * gamma
-        kinds.append("reduce-scatter")
-        if m > 1:
-            if compression.pattern == "two_phase":
-                ex = _plan("exchange_inter", topology)
-                comm += _steps_time(ex.steps, n * w) + ex.reduce_fraction * n * gamma
-                kinds += ["all-to-all", "all-gather"]
-            elif compression.pattern == "allgather":
-                comm += _steps_time(_plan("gather_inter", topology).steps, n / g * w)
-                comm += (m - 1) * n / g * w * gamma
-                kinds += ["all-gather", "all-gather"]
-            else:
-                inter = _plan("inter", topology)
-                comm += _steps_time(inter.steps, n * w) + inter.reduce_fraction * n * w * gamma
-                kinds.append("all-reduce")
-        comm += _steps_time(intra.steps, n * (w if compression.gathers else 1.0))
-        kinds.append("all-gather")
-        codec_s += codec_seconds(compression, n / g, m, codec,
-                                 gather=g if compression.gathers else 1)  # fmt: skip
+        comm, codec_s, kinds = _inter_stage_compressed(n, w, topology, compression, codec)
     else:
-        if compression.pattern == "two_phase":
-            ex = _plan("exchange_all", topology)
-            comm += _steps_time(ex.steps, n * w) + ex.reduce_fraction * n * gamma
-            kinds += ["all-to-all", "all-gather"]
-        elif compression.pattern == "allgather":
-            comm += _steps_time(_plan("gather_all", topology).steps, n * w)
-            comm += (p - 1) * n * w * gamma
-            kinds += ["all-gather", "all-gather"]
-        else:
-            alg = choose(n * w, topology, call_s=call_s) if algorithm == "auto" else algorithm
-            comm += predict(alg, n * w, topology)
-            kinds += list(call_kinds(alg, topology))
-            if compression.kind == "powersgd":
-                kinds += list(call_kinds(alg, topology))  # P and Q
-        codec_s += codec_seconds(compression, n, p, codec)
+        comm, codec_s, kinds = _all_stages_compressed(
+            n, w, topology, compression, codec, algorithm, call_s
+        )
+    # 2. Packing: elementwise compressors copy the leaves into one buffer and back.
     if compression.elementwise and codec and "copy" in codec:
         codec_s += (codec["copy"].encode_s_per_byte + codec["copy"].decode_s_per_byte) * n
+    # 3. Adaptive's error sketch and its all-reduce over every device.
     if compression.sketch:
         if codec and "sketch" in codec:
             codec_s += codec["sketch"].encode_s_per_byte * (n / g if stage == "inter" else n)
         comm += predict("flat", _SKETCH_BYTES, topology)
         kinds.append("all-reduce")
+    # 4. A fixed cost per collective call.
     calls = _call_seconds(kinds, call_s)
     return {"total_s": comm + codec_s + calls, "comm_s": comm, "codec_s": codec_s,
             "call_s": calls, "calls": len(kinds)}  # fmt: skip
+
+
+def _intra_mean_inter_compressed(
+    n: float,
+    w: float,
+    topology: Topology,
+    compression: Compression,
+    codec: dict[str, Codec] | None,
+) -> tuple[float, float, list[str]]:
+    """A non-elementwise compressor (PowerSGD) on the inter-node stage: a full-precision
+    all-reduce of the whole buffer inside the node, then the compressor (two all-reduces,
+    P and Q) over the nodes on all of it, ``g`` ranks in parallel.
+
+    Args:
+      n: f32 bytes per device.
+      w: the wire fraction.
+      topology: the cluster.
+      compression: the compressor.
+      codec: kernel name -> :class:`Codec`, or None.
+
+    Returns:
+      ``(comm seconds, codec seconds, collective kinds)``.
+    """
+    g, m, gamma = topology.devices_per_node, topology.num_nodes, topology.gamma
+    kinds: list[str] = []
+    comm = codec_s = 0.0
+    intra = _plan("intra", topology)
+    comm += 2 * _steps_time(intra.steps, n) + intra.reduce_fraction * n * gamma
+    kinds.append("all-reduce")
+    if m > 1:
+        inter = _plan("inter", topology)
+        comm += _steps_time(inter.steps, g * n * w) + inter.reduce_fraction * g * n * w * gamma
+        kinds += ["all-reduce", "all-reduce"]
+    codec_s += codec_seconds(compression, n, m, codec)
+    return comm, codec_s, kinds
+
+
+def _inter_stage_compressed(
+    n: float,
+    w: float,
+    topology: Topology,
+    compression: Compression,
+    codec: dict[str, Codec] | None,
+) -> tuple[float, float, list[str]]:
+    """An elementwise compressor on the inter-node stage.
+
+    1. A full-precision reduce-scatter inside the node.
+    2. The compressor's pattern over the nodes on ``n/g`` per device: 'two_phase' an
+       all-to-all and an all-gather, 'allgather' two all-gathers (indices, values),
+       'allreduce' one all-reduce.
+    3. An all-gather of the means inside the node, encoded when the compressor
+       ``gathers`` (then decoded ``g`` times), else f32.
+
+    Args:
+      n: f32 bytes per device.
+      w: the wire fraction.
+      topology: the cluster.
+      compression: the compressor.
+      codec: kernel name -> :class:`Codec`, or None.
+
+    Returns:
+      ``(comm seconds, codec seconds, collective kinds)``.
+    """
+    g, m, gamma = topology.devices_per_node, topology.num_nodes, topology.gamma
+    kinds: list[str] = []
+    comm = codec_s = 0.0
+    intra = _plan("intra", topology)
+    comm += _steps_time(intra.steps, n) + intra.reduce_fraction * n * gamma
+    kinds.append("reduce-scatter")
+    if m > 1:
+        if compression.pattern == "two_phase":
+            ex = _plan("exchange_inter", topology)
+            comm += _steps_time(ex.steps, n * w) + ex.reduce_fraction * n * gamma
+            kinds += ["all-to-all", "all-gather"]
+        elif compression.pattern == "allgather":
+            comm += _steps_time(_plan("gather_inter", topology).steps, n / g * w)
+            comm += (m - 1) * n / g * w * gamma
+            kinds += ["all-gather", "all-gather"]
+        else:
+            inter = _plan("inter", topology)
+            comm += _steps_time(inter.steps, n * w) + inter.reduce_fraction * n * w * gamma
+            kinds.append("all-reduce")
+    comm += _steps_time(intra.steps, n * (w if compression.gathers else 1.0))
+    kinds.append("all-gather")
+    codec_s += codec_seconds(compression, n / g, m, codec,
+                             gather=g if compression.gathers else 1)  # fmt: skip
+    return comm, codec_s, kinds
+
+
+def _all_stages_compressed(
+    n: float,
+    w: float,
+    topology: Topology,
+    compression: Compression,
+    codec: dict[str, Codec] | None,
+    algorithm: str,
+    call_s,
+) -> tuple[float, float, list[str]]:
+    """The compressor over every device (``stage='all'``, or one device per node).
+
+    'two_phase' is an all-to-all and an all-gather, 'allgather' two all-gathers (indices,
+    values), 'allreduce' ``algorithm``'s all-reduce of the wire bytes (PowerSGD: two, P
+    and Q).
+
+    Args:
+      n: f32 bytes per device.
+      w: the wire fraction.
+      topology: the cluster.
+      compression: the compressor.
+      codec: kernel name -> :class:`Codec`, or None.
+      algorithm: the all-reduce algorithm ('auto': :func:`choose`).
+      call_s: seconds per collective call (for 'auto').
+
+    Returns:
+      ``(comm seconds, codec seconds, collective kinds)``.
+    """
+    p, gamma = topology.num_devices, topology.gamma
+    kinds: list[str] = []
+    comm = codec_s = 0.0
+    if compression.pattern == "two_phase":
+        ex = _plan("exchange_all", topology)
+        comm += _steps_time(ex.steps, n * w) + ex.reduce_fraction * n * gamma
+        kinds += ["all-to-all", "all-gather"]
+    elif compression.pattern == "allgather":
+        comm += _steps_time(_plan("gather_all", topology).steps, n * w)
+        comm += (p - 1) * n * w * gamma
+        kinds += ["all-gather", "all-gather"]
+    else:
+        alg = choose(n * w, topology, call_s=call_s) if algorithm == "auto" else algorithm
+        comm += predict(alg, n * w, topology)
+        kinds += list(call_kinds(alg, topology))
+        if compression.kind == "powersgd":
+            kinds += list(call_kinds(alg, topology))  # P and Q
+    codec_s += codec_seconds(compression, n, p, codec)
+    return comm, codec_s, kinds

@@ -37,6 +37,7 @@ How it fits ``jaxcomm.data_parallel``:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -79,14 +80,10 @@ class LocalSGDState(NamedTuple):
         refuses a state whose H differs from its own (the phase of every sync depends on it).
       fragments: int32 scalar (replicated), the F the state was built for; checked likewise.
 
-    Checkpoint compatibility: ``sync_every`` and ``fragments`` are newer than the rest of
-    the state. A checkpoint written without them has two leaves fewer and does not restore
-    into this state's structure; restore it into the old structure and rebuild with
-    ``state._replace(sync_every=jnp.int32(H), fragments=jnp.int32(F))`` using the H and F
-    it was trained with. Fragment f > 0's outer sync draws from :func:`fragment_seed`
-    (formerly every fragment used ``seed``): a resumed run with
-    ``fragments > 1`` and a stochastic compressor continues with different dither (its
-    error-feedback residuals remain valid); ``fragments=1`` is unchanged.
+    Checkpoints: a saved state without ``sync_every`` and ``fragments`` has two leaves
+    fewer and does not restore into this structure; restore it into a structure without
+    them and rebuild with ``state._replace(sync_every=jnp.int32(H), fragments=jnp.int32(F))``
+    using the H and F it was trained with.
     """
 
     count: jax.Array
@@ -164,8 +161,9 @@ def fragment_seed(seed: int, fragment: int) -> int:
 
     Each fragment's sync keeps its own step count, so with one shared seed fragment f's
     n-th sync would draw exactly the dither of fragment 0's n-th sync (correlated
-    rounding errors across the model). Fragment 0 keeps ``seed`` (``fragments=1`` is
-    unchanged); fragment f > 0 gets a 31-bit hash of ``(seed, f)``.
+    rounding errors across the model). Fragment 0 uses ``seed`` (so with ``fragments=1``
+    the sync draws what ``sync_gradients(seed=seed)`` draws); fragment f > 0 gets a 31-bit
+    hash of ``(seed, f)``.
 
     Args:
       seed: the user's seed (an integer >= 0).
@@ -248,7 +246,7 @@ def local_sgd(
     topology: Any = None,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """Local steps on each device, an outer sync every ``sync_every`` steps (DiLoCo).
 
     Pass it as the whole optimizer of :func:`jaxcomm.data_parallel` (no ``sync_gradients``
@@ -258,6 +256,16 @@ def local_sgd(
     ``sync_gradients(algorithm=..., compression=...)`` and ``outer`` updates the anchor,
     the replicated ``TrainState.params``, which change only then.
 
+    One ``update``:
+
+    1. The local step: ``inner`` on this device's params (no collective).
+    2. The phase ``(count + 1) % H`` picks one branch of a ``lax.switch``: the outer sync
+       of the fragment whose phase it is, no sync, or (a state built for another H or F)
+       a refusal.
+    3. The outer sync of fragment f: ``sync_gradients`` averages ``anchor - local`` over
+       the fragment's leaves, ``outer`` turns the mean into the update of the anchor.
+    4. The synced fragment's local leaves become the new anchor, bit for bit.
+
     Args:
       inner: the optimizer of the local steps (its state is per device), e.g.
         ``optax.adamw(1e-3)``.
@@ -265,11 +273,10 @@ def local_sgd(
         ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (DiLoCo's, tuned for hundreds of
         inner steps per sync and many syncs). ``optax.sgd(1.0)`` with ``sync_every=1`` is
         plain data parallelism with ``inner``. For short runs with few syncs (tens, not
-        hundreds), ``optax.sgd(1.0, momentum=0.5, nesterov=True)`` did better on the
-        digits benchmark (H=50, 6 syncs: at most 0.8 points below per-step sync on six
-        seeds, the default up to 2.0 below; docs/benchmarks.md): the average of the devices' local
-        runs moves about half as far as per-step sync would in the same steps, which an
-        outer lr of 1 with momentum 0.5 makes up without the overshoot of momentum 0.9.
+        hundreds), ``optax.sgd(1.0, momentum=0.5, nesterov=True)`` fits better (the
+        digits runs of docs/benchmarks.md): the average of the devices' local runs moves
+        about half as far as per-step sync would in the same steps, which an outer lr of
+        1 with momentum 0.5 makes up without the overshoot of momentum 0.9.
       sync_every: H, steps between two syncs of a fragment (1: every step).
       fragments: F, the number of fragments synchronised on staggered steps (whole leaves,
         contiguous, about equal bytes; 1 <= F <= H). Each sync step moves one fragment.
@@ -283,8 +290,9 @@ def local_sgd(
         f's :func:`fragment_seed` ``(seed, f)``, so the fragments draw distinct streams.
 
     Returns:
-      An ``optax.GradientTransformation`` with state :class:`LocalSGDState`; its ``update``
-      needs ``params`` (the anchor) and runs inside ``jax.shard_map`` over ``axes``.
+      An ``optax.GradientTransformationExtraArgs`` with state :class:`LocalSGDState`; its
+      ``update`` needs ``params`` (the anchor), runs inside ``jax.shard_map`` over ``axes``
+      and forwards optax's extra argument ``sync_request`` to the outer syncs.
 
     Raises:
       ValueError: ``sync_every`` not an integer >= 1, ``fragments`` not in
@@ -305,6 +313,25 @@ def local_sgd(
       ...                        compression=jaxcomm.compression.int8())
       >>> dp = jaxcomm.data_parallel(loss_fn, tx, mesh)
     """
+    sync_every, fragments, seed = _checked_schedule(sync_every, fragments, seed)
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
+    _check_transforms(inner=inner, outer=outer)
+    # One sync per fragment, each with its own seed (their step counts run in lockstep, so
+    # a shared seed would give every fragment the same dither stream).
+    syncs = tuple(
+        sync_gradients(axes=axes, algorithm=algorithm, topology=topology,
+                       compression=compression, min_size=min_size, seed=fragment_seed(seed, f))
+        for f in range(fragments)
+    )  # fmt: skip
+    schedule = jnp.asarray(sync_schedule(sync_every, fragments))
+    cfg = _Config(inner, outer, syncs, sync_every, fragments, axes, schedule)
+    return optax.GradientTransformationExtraArgs(
+        functools.partial(_init, cfg), functools.partial(_update, cfg)
+    )
+
+
+def _checked_schedule(sync_every: int, fragments: int, seed: int) -> tuple[int, int, int]:
+    """``sync_every``, ``fragments`` and ``seed`` as ints, checked (see :func:`local_sgd`)."""
     sync_every = check_int(
         "sync_every", sync_every, minimum=1, fix="H local steps between syncs; 1 syncs every step"
     )
@@ -316,142 +343,222 @@ def local_sgd(
         fix=f"each fragment syncs on its own step of the {sync_every}-step period; 1 syncs "
         "all params at once",
     )
-    outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
-    for name, tx in (("inner", inner), ("outer", outer)):
+    return sync_every, fragments, check_int("seed", seed, minimum=0)
+
+
+def _check_transforms(**transforms: Any) -> None:
+    """Raises ``TypeError`` for a value that is not an ``optax.GradientTransformation``."""
+    for name, tx in transforms.items():
         if not isinstance(tx, optax.GradientTransformation):
             raise TypeError(
                 f"local_sgd: {name}={tx!r} is not an optax.GradientTransformation; pass e.g. "
                 "optax.adam(1e-3)."
             )
-    seed = check_int("seed", seed, minimum=0)
-    # One sync per fragment, each with its own seed (their step counts run in lockstep, so
-    # a shared seed would give every fragment the same dither stream).
-    syncs = [
-        sync_gradients(
-            axes=axes,
-            algorithm=algorithm,
-            topology=topology,
-            compression=compression,
-            min_size=min_size,
-            seed=fragment_seed(seed, f),
+
+
+class _Config(NamedTuple):
+    """What one :func:`local_sgd` was built with (checked)."""
+
+    inner: optax.GradientTransformation
+    outer: optax.GradientTransformation
+    syncs: tuple  # one sync_gradients transform per fragment
+    sync_every: int
+    fragments: int
+    axes: tuple[str, ...]
+    schedule: jax.Array  # sync_schedule(sync_every, fragments), indexed by the phase
+
+
+def _split(tree: Any, owner: list[int], fragments: int) -> list[Any]:
+    """``tree`` once per fragment, leaves of other fragments as ``None`` (paths kept).
+
+    Args:
+      tree: a tree with the params' structure.
+      owner: the fragment of each leaf (:func:`fragment_of_leaves`).
+      fragments: F.
+
+    Returns:
+      F trees; tree f holds the leaves of fragment f and ``None`` elsewhere.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    return [
+        jax.tree.unflatten(
+            treedef, [x if o == f else None for x, o in zip(leaves, owner, strict=True)]
         )
         for f in range(fragments)
     ]
-    schedule = jnp.asarray(sync_schedule(sync_every, fragments))
 
-    def parts(tree: Any, owner: list[int]) -> list[Any]:
-        """``tree`` once per fragment, leaves of other fragments as ``None`` (paths kept)."""
-        leaves, treedef = jax.tree.flatten(tree)
-        return [
-            jax.tree.unflatten(
-                treedef, [x if o == f else None for x, o in zip(leaves, owner, strict=True)]
-            )
-            for f in range(fragments)
-        ]
 
-    def init(params: Any) -> LocalSGDState:
-        owner = fragment_of_leaves(params, fragments)
-        frags = parts(params, owner)
-        return LocalSGDState(
-            count=jnp.zeros((), jnp.int32),
-            local=_vary_per_device(PerDevice(params), axes),
-            inner=_vary_per_device(PerDevice(inner.init(params)), axes),
-            outer=tuple(outer.init(p) for p in frags),
-            sync=tuple(s.init(p) for s, p in zip(syncs, frags, strict=True)),
-            sync_every=jnp.asarray(sync_every, jnp.int32),
-            fragments=jnp.asarray(fragments, jnp.int32),
-        )
+def _init(cfg: _Config, params: Any) -> LocalSGDState:
+    """The state of :func:`local_sgd` at step 0: every device's local params the anchor."""
+    frags = _split(params, fragment_of_leaves(params, cfg.fragments), cfg.fragments)
+    return LocalSGDState(
+        count=jnp.zeros((), jnp.int32),
+        local=_vary_per_device(PerDevice(params), cfg.axes),
+        inner=_vary_per_device(PerDevice(cfg.inner.init(params)), cfg.axes),
+        outer=tuple(cfg.outer.init(p) for p in frags),
+        sync=tuple(s.init(p) for s, p in zip(cfg.syncs, frags, strict=True)),
+        sync_every=jnp.asarray(cfg.sync_every, jnp.int32),
+        fragments=jnp.asarray(cfg.fragments, jnp.int32),
+    )
 
-    def refuse(saved_every, saved_fragments):
+
+def _refuse(cfg: _Config, saved_every: Any, saved_fragments: Any) -> None:
+    """Raises the ``ValueError`` of a state built for another schedule."""
+    raise ValueError(
+        f"local_sgd: the optimizer state was built for sync_every={int(saved_every)}, "
+        f"fragments={int(saved_fragments)}, but this local_sgd has sync_every="
+        f"{cfg.sync_every}, fragments={cfg.fragments}; resuming it would re-phase the syncs "
+        "(which fragment syncs after which step) silently. Build local_sgd with the "
+        "values the state was trained with, or start a new state with init()."
+    )
+
+
+def _schedule_mismatch(cfg: _Config, state: LocalSGDState) -> jax.Array | None:
+    """Whether ``state`` was built for another ``sync_every`` or ``fragments``.
+
+    Returns:
+      ``None`` when the saved schedule is concrete and matches (a concrete mismatch raises
+      here); else a traced bool, which picks the switch's refusing branch in :func:`_update`.
+
+    Raises:
+      ValueError: a concrete saved schedule other than ``cfg``'s.
+    """
+    saved = (state.sync_every, state.fragments)
+    if not any(isinstance(x, jax.core.Tracer) for x in saved):
+        if (int(saved[0]), int(saved[1])) != (cfg.sync_every, cfg.fragments):
+            _refuse(cfg, *saved)
+        return None
+    return (state.sync_every != cfg.sync_every) | (state.fragments != cfg.fragments)
+
+
+def _update(cfg: _Config, grads: Any, state: LocalSGDState, params: Any = None, **extra_args: Any):
+    """One step of :func:`local_sgd` (its steps are listed there).
+
+    Args:
+      cfg: the transform's configuration.
+      grads: this device's gradient, taken at its local params.
+      state: the :class:`LocalSGDState`.
+      params: the anchor (the replicated params of the last sync).
+      **extra_args: optax's extra arguments; ``sync_request`` (``jaxcomm.SyncRequest``) is
+        passed on to the outer syncs, the others are not used.
+
+    Returns:
+      ``(updates, state)``: ``updates`` zero except on a sync step, where they move the
+      synced fragment's anchor leaves.
+
+    Raises:
+      ValueError: ``params`` missing, or a concrete ``state`` built for another schedule.
+    """
+    if params is None:
         raise ValueError(
-            f"local_sgd: the optimizer state was built for sync_every={int(saved_every)}, "
-            f"fragments={int(saved_fragments)}, but this local_sgd has sync_every="
-            f"{sync_every}, fragments={fragments}; resuming it would re-phase the syncs "
-            "(which fragment syncs after which step) silently. Build local_sgd with the "
-            "values the state was trained with, or start a new state with init()."
+            "local_sgd's update needs params (the anchor: the replicated params of the "
+            "last sync); jaxcomm.data_parallel passes them."
         )
+    mismatch = _schedule_mismatch(cfg, state)
+    # 1. The local step: no collective.
+    local = state.local.value
+    inner_updates, inner_state = cfg.inner.update(grads, state.inner.value, local)
+    local = optax.apply_updates(local, inner_updates)
 
-    def schedule_mismatch(state: LocalSGDState) -> jax.Array | None:
-        """None when the saved schedule is known to match (concrete values; a mismatch
-        raises here); else a traced bool, checked in the step's switch (below)."""
-        saved = (state.sync_every, state.fragments)
-        if not any(isinstance(x, jax.core.Tracer) for x in saved):
-            if (int(saved[0]), int(saved[1])) != (sync_every, fragments):
-                refuse(*saved)
-            return None
-        return (state.sync_every != sync_every) | (state.fragments != fragments)
+    # 2. The outer sync of the fragment whose phase this is (if any): one lax.switch, so
+    # steps without a sync run no collective.
+    owner = fragment_of_leaves(params, cfg.fragments)
+    request = {k: v for k, v in extra_args.items() if k == "sync_request"}
+    branches = _branches(cfg, params, owner, state, request)
+    phase = cfg.schedule[(state.count + 1) % cfg.sync_every]
+    if mismatch is not None:  # replicated values: every process takes one branch
+        phase = jnp.where(mismatch, len(branches) - 1, phase)
+    updates, outer_states, sync_states = lax.switch(phase, branches, local, state.outer, state.sync)
+    local = _reset_synced(cfg, params, updates, local, owner, phase)
+    return updates, LocalSGDState(
+        count=state.count + 1,
+        local=PerDevice(local),
+        inner=PerDevice(inner_state),
+        outer=outer_states,
+        sync=sync_states,
+        sync_every=state.sync_every,
+        fragments=state.fragments,
+    )
 
-    def update(grads: Any, state: LocalSGDState, params: Any = None):
-        if params is None:
-            raise ValueError(
-                "local_sgd's update needs params (the anchor: the replicated params of the "
-                "last sync); jaxcomm.data_parallel passes them."
-            )
-        mismatch = schedule_mismatch(state)
-        # 1. The local step: no collective.
-        local = state.local.value
-        inner_updates, inner_state = inner.update(grads, state.inner.value, local)
-        local = optax.apply_updates(local, inner_updates)
 
-        # 2. The outer sync of the fragment whose phase this is (if any): one lax.switch, so
-        # steps without a sync run no collective.
-        leaves, treedef = jax.tree.flatten(params)
-        owner = fragment_of_leaves(params, fragments)
-        zeros = [jnp.zeros_like(p) for p in leaves]
+def _branches(
+    cfg: _Config, params: Any, owner: list[int], state: LocalSGDState, request: dict
+) -> list:
+    """The branches of the step's ``lax.switch``: fragment 0 .. F-1's sync, no sync, refused.
 
-        def sync_fragment(f: int) -> Callable:
-            def branch(local, outer_states, sync_states):
-                anchor = parts(params, owner)[f]
-                delta = jax.tree.map(lambda a, x: a - x, anchor, parts(local, owner)[f])
-                outer_grad, sync_state = syncs[f].update(delta, sync_states[f])
-                step, outer_state = outer.update(outer_grad, outer_states[f], anchor)
-                upd = list(zeros)
-                members = [k for k, o in enumerate(owner) if o == f]
-                for k, u in zip(members, jax.tree.leaves(step), strict=True):
-                    upd[k] = u
-                outer_states = outer_states[:f] + (outer_state,) + outer_states[f + 1 :]
-                sync_states = sync_states[:f] + (sync_state,) + sync_states[f + 1 :]
-                return jax.tree.unflatten(treedef, upd), outer_states, sync_states
+    Every branch maps ``(local, outer_states, sync_states)`` to ``(updates, outer_states,
+    sync_states)``; the updates are zero outside the synced fragment.
 
-            return branch
+    Args:
+      cfg: the transform's configuration.
+      params: the anchor.
+      owner: the fragment of each leaf.
+      state: the step's state (its saved schedule, for the refusal's message).
+      request: the extra arguments of the outer syncs' ``update`` (``sync_request``).
 
-        def no_sync(local, outer_states, sync_states):
-            return jax.tree.unflatten(treedef, zeros), outer_states, sync_states
+    Returns:
+      F + 2 callables, in switch order.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    zeros = [jnp.zeros_like(p) for p in leaves]
 
-        def refused(local, outer_states, sync_states):
-            # A saved schedule other than this one: the host callback's ValueError fails
-            # the step. A branch of the switch the step already has, so checking costs no
-            # extra conditional (on a GPU, no extra host round trip).
-            jax.debug.callback(refuse, state.sync_every, state.fragments)
-            return no_sync(local, outer_states, sync_states)
+    def sync_fragment(f: int) -> Callable:
+        def branch(local, outer_states, sync_states):
+            anchor = _split(params, owner, cfg.fragments)[f]
+            local_f = _split(local, owner, cfg.fragments)[f]
+            delta = jax.tree.map(lambda a, x: a - x, anchor, local_f)
+            outer_grad, sync_state = cfg.syncs[f].update(delta, sync_states[f], **request)
+            step, outer_state = cfg.outer.update(outer_grad, outer_states[f], anchor)
+            upd = list(zeros)
+            members = [k for k, o in enumerate(owner) if o == f]
+            for k, u in zip(members, jax.tree.leaves(step), strict=True):
+                upd[k] = u
+            outer_states = outer_states[:f] + (outer_state,) + outer_states[f + 1 :]
+            sync_states = sync_states[:f] + (sync_state,) + sync_states[f + 1 :]
+            return jax.tree.unflatten(treedef, upd), outer_states, sync_states
 
-        branches = [sync_fragment(f) for f in range(fragments)] + [no_sync, refused]
-        phase = schedule[(state.count + 1) % sync_every]
-        if mismatch is not None:  # replicated values: every process takes one branch
-            phase = jnp.where(mismatch, len(branches) - 1, phase)
-        updates, outer_states, sync_states = lax.switch(
-            phase, branches, local, state.outer, state.sync
-        )
-        # The synced fragment's local copies become the new anchor, bit for bit: the very
-        # expression data_parallel applies (params + updates, outside the switch: computed
-        # inside the branch, XLA:CPU fused it differently and it came out 1 ulp off the
-        # anchor), typed varying again (free at run time).
-        new = _vary_per_device(PerDevice(optax.apply_updates(params, updates)), axes).value
-        local = jax.tree.unflatten(
-            treedef,
-            [
-                jnp.where(phase == o, n, x)
-                for o, n, x in zip(owner, jax.tree.leaves(new), jax.tree.leaves(local), strict=True)
-            ],
-        )
-        return updates, LocalSGDState(
-            count=state.count + 1,
-            local=PerDevice(local),
-            inner=PerDevice(inner_state),
-            outer=outer_states,
-            sync=sync_states,
-            sync_every=state.sync_every,
-            fragments=state.fragments,
-        )
+        return branch
 
-    return optax.GradientTransformation(init, update)
+    def no_sync(local, outer_states, sync_states):
+        return jax.tree.unflatten(treedef, zeros), outer_states, sync_states
+
+    def refused(local, outer_states, sync_states):
+        # A saved schedule other than this one: the host callback's ValueError fails the
+        # step. A branch of the switch the step already has, so checking costs no extra
+        # conditional (on a GPU, no extra host round trip).
+        jax.debug.callback(functools.partial(_refuse, cfg), state.sync_every, state.fragments)
+        return no_sync(local, outer_states, sync_states)
+
+    return [sync_fragment(f) for f in range(cfg.fragments)] + [no_sync, refused]
+
+
+def _reset_synced(
+    cfg: _Config, params: Any, updates: Any, local: Any, owner: list[int], phase: jax.Array
+) -> Any:
+    """``local`` with the leaves of the fragment synced at ``phase`` set to the new anchor.
+
+    The new anchor is ``params + updates``, the very expression ``data_parallel`` applies,
+    computed here outside the switch so that its bits are the anchor's (inside a branch
+    XLA:CPU fuses it differently and can round 1 ulp apart), then typed varying again (free
+    at run time).
+
+    Args:
+      cfg: the transform's configuration.
+      params: the anchor before the step.
+      updates: the switch's updates (zero outside the synced fragment).
+      local: this device's params after the local step.
+      owner: the fragment of each leaf.
+      phase: the switch's branch index (a fragment, F: no sync, F + 1: refused).
+
+    Returns:
+      The local params, a tree like ``params``.
+    """
+    new = _vary_per_device(PerDevice(optax.apply_updates(params, updates)), cfg.axes).value
+    treedef = jax.tree.structure(params)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            jnp.where(phase == o, n, x)
+            for o, n, x in zip(owner, jax.tree.leaves(new), jax.tree.leaves(local), strict=True)
+        ],
+    )

@@ -4,12 +4,12 @@
 variables; :func:`init_distributed` reads them. Without them (a SLURM or Open MPI job),
 it calls ``jax.distributed.initialize()`` and lets JAX detect the cluster.
 
-A hung CPU collective waits ``xla_cpu_collective_timeout_seconds`` (1800 s by default,
-see ../shared/REFERENCE.md) before it fails. jaxcomm sets it low, and the coordinator's
-heartbeat timeout too, so that a dead peer becomes an error within a minute, not a hang.
-Known exception (jax-ml/jax#40831, jaxlib 0.10-0.12): a CPU reduce-scatter ignores the flag and
-fails after 30 s, so processes that reach one more than 30 s apart (a long compile on one of
-them) fail there.
+A hung CPU collective waits ``xla_cpu_collective_timeout_seconds`` (1800 s by default)
+before it fails. jaxcomm sets it low, and the coordinator's heartbeat timeout too, so that
+a dead peer becomes an error within a minute, not a hang. Known exception
+(jax-ml/jax#40831, jaxlib 0.10-0.12): a CPU reduce-scatter ignores the flag and fails after
+30 s, so processes that reach one more than 30 s apart (a long compile on one of them)
+fail there.
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ request above its mmap threshold (dynamic, at most 32 MiB on 64-bit Linux) with 
 ``mmap`` and gives it back with ``munmap`` when the buffer is freed; the other threads'
 arenas (XLA runs a process's devices on a thread pool) give back empty heaps the same way.
 So every step's large buffers (a packed 47 MB gradient, its quantized and decoded copies)
-are new pages, which the kernel zero-fills and faults in on first touch. On the 2-core
-machines of docs/benchmarks.md an elementwise kernel over 4 x 44.7 MB took 47.7 ms, with
-32.7k minor page faults and 53 ms of system time per call; with freed memory kept, 8.9 ms
-and no fault. A GPU never pays this (XLA takes device buffers from its BFC pool), so on a
-CPU emulation of a GPU cluster (``jaxcomm.testbed``, fake devices) it is overhead that the
-modelled cluster does not have, and on real CPU training it is overhead nobody wants.
+are new pages, which the kernel zero-fills and faults in on first touch: an elementwise
+kernel over such buffers then spends most of its time in page faults (system time), and
+with freed memory kept it faults no page (docs/benchmarks.md has the figures). A GPU never
+pays this (XLA takes device buffers from its BFC pool), so on a CPU emulation of a GPU
+cluster (``jaxcomm.testbed``, fake devices) it is overhead that the modelled cluster does
+not have, and on real CPU training it is overhead nobody wants.
 
 The policy is three glibc tunables (``mallopt(3)``, or the ``MALLOC_*_`` environment
 variables a new process reads):

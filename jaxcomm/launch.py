@@ -7,7 +7,7 @@ command calls :func:`jaxcomm.init_distributed`. Output is forwarded line by line
 process groups), and the launcher returns the first failing exit code.
 
 Example:
-  python -m jaxcomm.launch --nprocs 2 --local-devices 2 -- python -m jaxcomm.bench collectives
+  python -m jaxcomm.launch --nprocs 2 --local-devices 2 -- python -m experiments.bench collectives
 """
 
 from __future__ import annotations

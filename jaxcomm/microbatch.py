@@ -27,6 +27,7 @@ microbatch, and ``SyncGradientsState.count`` advances once per reduction (``N`` 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -37,7 +38,7 @@ import optax
 from jax import lax
 
 from jaxcomm.outputs import combine_microbatches
-from jaxcomm.sync import SyncGradientsState, pre_reduced, reducer_probe
+from jaxcomm.sync import GradientSync, SyncGradientsState, SyncRequest
 
 __all__ = [
     "ACCUMULATE",
@@ -168,6 +169,56 @@ def _with_sync_state(opt_state: Any, sync_state: SyncGradientsState) -> Any:
     )
 
 
+def _the_sync(optimizer: Any, params: Any, opt_state: Any, n: int) -> GradientSync:
+    """The optimizer's one :class:`~jaxcomm.sync.GradientSync`, found by tracing its update
+    abstractly with a :class:`~jaxcomm.sync.SyncRequest` that collects it."""
+    abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), params)
+    request = SyncRequest(found=[])
+    update = functools.partial(optimizer.update, sync_request=request)
+    zero = lambda: jnp.zeros((), jnp.float32)  # noqa: E731 (value= for the trace only)
+    jax.eval_shape(lambda g, s: update_with_value(update, g, s, params, zero), abstract, opt_state)
+    # A retry with value= traces the sync again: the same sync, recorded twice.
+    syncs = list({id(s): s for s in request.found}.values())
+    if len(syncs) != 1:
+        raise ValueError(
+            f"data_parallel(microbatches={n}, accumulate='overlap') needs exactly one "
+            f"jaxcomm.sync_gradients in the optimizer (found {len(syncs)}): it reduces "
+            "each microbatch's gradient as the next one computes."
+        )
+    return syncs[0]
+
+
+def _passed(grads: Any, state: SyncGradientsState) -> tuple[Any, SyncGradientsState]:
+    """The compute-only twin's reduction: the gradients as they are, the count advanced."""
+    return grads, state._replace(count=state.count + 1)
+
+
+def _overlapped(optimizer, reduce: Callable, grad_of: Callable, g0: Any, rest: Any, opt_state):
+    """'overlap': a scan whose step ``i`` computes microbatch ``i + 1``'s gradient while
+    ``reduce`` (the sync's own) reduces microbatch ``i``'s, threading the sync's state.
+    Returns ``(summed means, per-microbatch stats, update)``; ``update`` runs the optimizer
+    with its sync passing the reduced gradients through and the threaded state put back."""
+
+    def body(carry, mb):
+        acc, pending, sstate = carry
+        g, st = grad_of(mb)  # microbatch i+1 computes ...
+        reduced, sstate = reduce(pending, sstate)  # ... while i is reduced
+        return (_add(acc, reduced), g, sstate), st
+
+    carry = (_f32_zeros(g0), g0, _sync_state(opt_state))
+    (acc, last, sstate), stats = lax.scan(body, carry, rest)
+    reduced, sstate = reduce(last, sstate)
+    acc = _add(acc, reduced)
+
+    def update(grads, state, params, **extra_args):
+        request = extra_args.pop("sync_request", SyncRequest())
+        request = request._replace(communicate=False)  # reduced above
+        updates, state = optimizer.update(grads, state, params, sync_request=request, **extra_args)
+        return updates, _with_sync_state(state, sstate)
+
+    return acc, stats, update
+
+
 def accumulate_gradients(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -179,6 +230,7 @@ def accumulate_gradients(
     accumulate: str = "local",
     has_aux: bool = False,
     axes: tuple[str, ...],
+    communicate: bool = True,
 ) -> Accumulated:
     """Mean loss, metrics and gradient over ``microbatches`` microbatches of ``batch``.
 
@@ -197,6 +249,8 @@ def accumulate_gradients(
       accumulate: ``'local'`` or ``'overlap'`` (:data:`ACCUMULATE`).
       has_aux: ``loss_fn`` returns ``(loss, metrics)``.
       axes: the data-parallel mesh axes.
+      communicate: False (the profiler's compute-only twin): 'overlap' passes each
+        microbatch's gradient through instead of reducing it.
 
     Returns:
       An :class:`Accumulated`; run the optimizer with its ``update``.
@@ -232,42 +286,9 @@ def accumulate_gradients(
         acc, stats = lax.scan(body, acc0, rest)
         update = optimizer.update
     else:
-        # The reducer is sync_gradients' own update, found by tracing the optimizer
-        # abstractly; calling it per microbatch threads its state (count, compressor).
-        abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), params)
-        zero = lambda: jnp.zeros((), jnp.float32)  # noqa: E731 (value= for the trace only)
-        with reducer_probe() as reducers:
-            jax.eval_shape(
-                lambda g, s: update_with_value(optimizer.update, g, s, params, zero),
-                abstract,
-                opt_state,
-            )
-        # A retry with value= traces the sync again: the same reducer, recorded twice.
-        reducers = list({id(r): r for r in reducers}.values())
-        if len(reducers) != 1:
-            raise ValueError(
-                f"data_parallel(microbatches={n}, accumulate='overlap') needs exactly one "
-                f"jaxcomm.sync_gradients in the optimizer (found {len(reducers)}): it reduces "
-                "each microbatch's gradient as the next one computes."
-            )
-        reduce = reducers[0]
-
-        def body(carry, mb):
-            acc, pending, sstate = carry
-            g, st = grad_of(mb)  # microbatch i+1 computes ...
-            reduced, sstate = reduce(pending, sstate)  # ... while i is reduced
-            return (_add(acc, reduced), g, sstate), st
-
-        carry = (_f32_zeros(g0), g0, _sync_state(opt_state))
-        (acc, last, sstate), stats = lax.scan(body, carry, rest)
-        reduced, sstate = reduce(last, sstate)
-        acc = _add(acc, reduced)
-
-        def update(grads, state, params, **extra_args):
-            with pre_reduced():
-                updates, state = optimizer.update(grads, state, params, **extra_args)
-            return updates, _with_sync_state(state, sstate)
-
+        sync = _the_sync(optimizer, params, opt_state, n)
+        reduce = sync.reduce if communicate else _passed
+        acc, stats, update = _overlapped(optimizer, reduce, grad_of, g0, rest, opt_state)
     grads = jax.tree.map(lambda a, g: (a / n).astype(g.dtype), acc, g0)
     # Each microbatch's outputs, in batch order, combined by their kind: means averaged,
     # sums summed, maxima kept, per-example values concatenated (jaxcomm.outputs).

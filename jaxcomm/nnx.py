@@ -50,11 +50,10 @@ orbax) uses it without a mesh context.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,21 +65,19 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm import outputs
+from jaxcomm import outputs, xla_cpu
 from jaxcomm.collectives import check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.state import PerDevice, leaf_specs, stack_leaves, unstack_leaves, varying_axes
-from jaxcomm.sync import sync_probe
+from jaxcomm.sync import SyncRequest, accepting_requests
 from jaxcomm.validate import check_int
 
 __all__ = [
     "LinenDataParallel",
     "NnxDataParallel",
-    "check_optimizer",
-    "check_params",
     "key_data",
     "linen_data_parallel",
     "nnx_data_parallel",
@@ -102,11 +99,19 @@ def _kind(var_type: type) -> str:
     return _OTHER
 
 
-class _Recording:
-    """Stands in for ``nnx.Optimizer.tx`` while the step is traced: records each update."""
+class _Log(NamedTuple):
+    """What :class:`_Recording` saw while a step was traced."""
 
-    def __init__(self, tx: optax.GradientTransformation, log: list, old: dict):
-        self._tx, self._log, self._old = tx, log, old
+    updates: list  # (params, updates) of each optimizer update
+    syncs: list  # the GradientSync of each sync_gradients the updates ran
+
+
+class _Recording:
+    """Stands in for ``nnx.Optimizer.tx`` while the step is traced: records each update and
+    the syncs it ran (optax's extra argument ``sync_request``)."""
+
+    def __init__(self, tx: optax.GradientTransformation, log: _Log, old: dict):
+        self._tx, self._log, self._old = accepting_requests(tx), log, old
         self.init = tx.init
 
     def update(self, grads, state, params=None, **kwargs):
@@ -121,48 +126,37 @@ class _Recording:
         # The transform sees the invariant params (weight decay must not make the update
         # vary); the model holds varying copies only so that gradients are per device.
         invariant = jax.tree.map(lambda p: self._old.get(id(p), p), params)
-        updates, state = self._tx.update(grads, state, invariant, **kwargs)
-        self._log.append((params, updates))
+        request = SyncRequest(found=self._log.syncs)
+        updates, state = self._tx.update(grads, state, invariant, sync_request=request, **kwargs)
+        self._log.updates.append((params, updates))
         return updates, state
 
 
-# While a step is traced, ``optax.apply_updates`` (what ``nnx.Optimizer.update`` and
-# ``TrainState.apply_gradients`` call) adds the update to the invariant old params in place
-# of each device's varying copy: the same bits, typed as the same on every device. So
-# whatever the step computes from the new params afterwards (a mask, a max-norm, zeroing)
-# is kept as computed, and shard_map's replication check still proves it replicated.
-_INVARIANT_PARAMS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
-    "jaxcomm_invariant_params", default=None
-)
-_PATCH_LOCK = threading.Lock()
-_PATCH: dict[str, Any] = {"users": 0, "original": None}
-
-
-def _apply_updates(params, updates):
-    old = _INVARIANT_PARAMS.get()
-    if old:
-        params = jax.tree.map(lambda p: old.get(id(p), p), params)
-    return _PATCH["original"](params, updates)
+# The one patch of another library's function: while a step is traced,
+# ``optax.apply_updates`` (what ``nnx.Optimizer.update`` and ``TrainState.apply_gradients``
+# call) adds the update to the invariant old params in place of each device's varying copy:
+# the same bits, typed as the same on every device. So whatever the step computes from the
+# new params afterwards (a mask, a max-norm, zeroing) is kept as computed, and shard_map's
+# replication check still proves it replicated. Traces that patch are serialised by a lock;
+# a nested one chains to the outer patch.
+_PATCH_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
 def _invariant_apply_updates(old: dict):
     """Within: ``optax.apply_updates`` takes each param in ``old`` (by the identity of its
-    varying copy) at its invariant value; every other call is unchanged."""
-    token = _INVARIANT_PARAMS.set(old)
+    varying copy) at its invariant value; every other param is unchanged."""
     with _PATCH_LOCK:
-        if _PATCH["users"] == 0:
-            _PATCH["original"] = optax.apply_updates
-            optax.apply_updates = _apply_updates
-        _PATCH["users"] += 1
-    try:
-        yield
-    finally:
-        with _PATCH_LOCK:
-            _PATCH["users"] -= 1
-            if _PATCH["users"] == 0:
-                optax.apply_updates = _PATCH["original"]
-        _INVARIANT_PARAMS.reset(token)
+        original = optax.apply_updates
+
+        def apply_updates(params, updates):
+            return original(jax.tree.map(lambda p: old.get(id(p), p), params), updates)
+
+        optax.apply_updates = apply_updates
+        try:
+            yield
+        finally:
+            optax.apply_updates = original
 
 
 def _fold(key: Any, dev: Any) -> Any:
@@ -221,45 +215,6 @@ def _check_metrics(objs: Any) -> None:
             )
 
 
-def check_optimizer(optimizer: Any) -> None:
-    """Raises a clear error if ``optimizer`` is not an optax transform (e.g. an
-    ``nnx.Optimizer`` passed to :func:`jaxcomm.data_parallel`)."""
-    if isinstance(optimizer, nnx.Optimizer):
-        raise TypeError(
-            "data_parallel(optimizer=...): got an nnx.Optimizer; data_parallel takes the optax "
-            "transform itself, e.g. optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-3)). "
-            "To keep nnx.Optimizer and the NNX train step, decorate the step with "
-            "@jaxcomm.nnx_data_parallel(mesh) instead."
-        )
-    _stray(optimizer, "data_parallel(optimizer=...)")
-    if not (
-        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
-    ):
-        raise TypeError(
-            f"data_parallel(optimizer=...): got {type(optimizer).__name__}, not an optax "
-            "GradientTransformation (init/update); pass e.g. "
-            "optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))."
-        )
-
-
-def check_params(params: Any) -> None:
-    """Raises a clear error for Flax objects passed as params to ``DataParallel.init``: an
-    NNX module, or Linen ``variables`` holding mutable collections (``batch_stats``)."""
-    _stray(params, "DataParallel.init(params)")
-    if isinstance(params, Mapping) and "params" in params:
-        others = sorted(str(k) for k in params if k != "params")
-        if others:
-            raise ValueError(
-                f"DataParallel.init(params): got Linen variables with collections {others} "
-                "besides 'params'. Pass them apart and build the step with "
-                "with_model_state=True: dp.init(variables['params'], "
-                f"{{k: variables[k] for k in {others}}}), with loss_fn(params, model_state, "
-                "batch) calling model.apply({'params': params, **model_state}, x, "
-                f"mutable={others}). Or keep a flax TrainState step and decorate it with "
-                "@jaxcomm.linen_data_parallel(mesh)."
-            )
-
-
 def _stray(x: Any, where: str) -> None:
     if isinstance(x, nnx.Optimizer | nnx.Module):
         raise TypeError(
@@ -311,22 +266,22 @@ class NnxDataParallel:
         # Old invariant value of every param, by the identity of its varying copy.
         old = {id(v): x for v, x, k in zip(inside, leaves, kinds, strict=True) if k == _PARAM}
         index = {id(v): i for i, (v, k) in enumerate(zip(inside, kinds, strict=True))}
-        log: list = []
+        log = _Log([], [])
         objs, restore, has_opt = self._enter(
             graphdef, jax.tree.unflatten(treedef, inside), log, old
         )
         try:
-            with sync_probe() as calls, _invariant_apply_updates(old):
+            with _invariant_apply_updates(old):
                 out = self._fn(*self._fill(nodes, objs, args))
         finally:
             restore()
-        if has_opt and not calls:
+        if has_opt and not log.syncs:
             raise ValueError(
                 f"{self._name}: the optimizer's transform never synchronises gradients, so "
                 "params would drift apart across devices. Put jaxcomm.sync_gradients() first: "
                 f"{self._fix}."
             )
-        for params, updates in log:
+        for params, updates in log.updates:
             for p, u in zip(jax.tree.leaves(params), jax.tree.leaves(updates), strict=True):
                 if id(p) not in old:
                     # A gradient at params every device holds alike is summed over the
@@ -449,41 +404,7 @@ class NnxDataParallel:
                 glob,
                 glob_args,
             )
-            if rec["varying_update"]:
-                i = rec["varying_update"][0]
-                raise ValueError(
-                    f"{self._name}: the optimizer's update of {paths[i]} varies across "
-                    f"devices (mesh axes {self.axes}): a stateful transform (e.g. adam) runs "
-                    "before jaxcomm.sync_gradients() in the chain, on each device's own "
-                    f"gradients. Put the sync first: {self._fix}."
-                )
-            for i, (v, k, m) in enumerate(zip(rec["vary"], kinds, marked, strict=True)):
-                if v and k == _OPT and not m:
-                    raise ValueError(
-                        f"{self._name}: optimizer state {paths[i]} comes out different on "
-                        "each device: a stateful transform (e.g. adam's moments) runs on "
-                        "each device's own gradients before jaxcomm.sync_gradients() in the "
-                        "chain, so each device would keep its own moments. Put the sync "
-                        f"first: {self._fix}. (State meant to be per device is wrapped in "
-                        "jaxcomm.PerDevice.)"
-                    )
-                if v and k == _PARAM:
-                    raise ValueError(
-                        f"{self._name}: param {paths[i]} comes out of the step different on "
-                        "each device: it was computed from values each device holds for "
-                        "itself (its part of the batch, or the params as read before the "
-                        "optimizer's update: each device differentiates its own copy). "
-                        "Change params only through the optimizer's update "
-                        "(optimizer.update / state.apply_gradients, which call "
-                        "optax.apply_updates), and compute any change after it (a mask, a "
-                        "max-norm) from the updated params and values every device shares."
-                    )
-                if v and k != _OPT:
-                    raise ValueError(
-                        f"{self._name}: state {paths[i]} ({k}) comes out different on "
-                        "each device and is not optimizer state, batch statistics, a metric "
-                        "or an rng key; change it only from values every device shares."
-                    )
+            self._refuse_varying(rec, kinds, marked, paths)
             nxt = [a or (b and k == _OPT) for a, b, k in zip(per, rec["vary"], kinds, strict=True)]
             if nxt == per:
                 break
@@ -515,6 +436,45 @@ class NnxDataParallel:
         self._plans[key] = (plan, step)
         return plan, step
 
+    def _refuse_varying(self, rec: dict, kinds, marked, paths: list[str]) -> None:
+        """Refuses what a traced step left varying across devices that must agree: an
+        optimizer update, unmarked optimizer state, a param, other non-statistics state."""
+        if rec["varying_update"]:
+            i = rec["varying_update"][0]
+            raise ValueError(
+                f"{self._name}: the optimizer's update of {paths[i]} varies across "
+                f"devices (mesh axes {self.axes}): a stateful transform (e.g. adam) runs "
+                "before jaxcomm.sync_gradients() in the chain, on each device's own "
+                f"gradients. Put the sync first: {self._fix}."
+            )
+        for i, (v, k, m) in enumerate(zip(rec["vary"], kinds, marked, strict=True)):
+            if v and k == _OPT and not m:
+                raise ValueError(
+                    f"{self._name}: optimizer state {paths[i]} comes out different on "
+                    "each device: a stateful transform (e.g. adam's moments) runs on "
+                    "each device's own gradients before jaxcomm.sync_gradients() in the "
+                    "chain, so each device would keep its own moments. Put the sync "
+                    f"first: {self._fix}. (State meant to be per device is wrapped in "
+                    "jaxcomm.PerDevice.)"
+                )
+            if v and k == _PARAM:
+                raise ValueError(
+                    f"{self._name}: param {paths[i]} comes out of the step different on "
+                    "each device: it was computed from values each device holds for "
+                    "itself (its part of the batch, or the params as read before the "
+                    "optimizer's update: each device differentiates its own copy). "
+                    "Change params only through the optimizer's update "
+                    "(optimizer.update / state.apply_gradients, which call "
+                    "optax.apply_updates), and compute any change after it (a mask, a "
+                    "max-norm) from the updated params and values every device shares."
+                )
+            if v and k != _OPT:
+                raise ValueError(
+                    f"{self._name}: state {paths[i]} ({k}) comes out different on "
+                    "each device and is not optimizer state, batch statistics, a metric "
+                    "or an rng key; change it only from values every device shares."
+                )
+
     # -- call -------------------------------------------------------------------------
     def __call__(self, *args):
         nodes = [self._is_node(a) for a in args]
@@ -540,8 +500,8 @@ class NnxDataParallel:
 
         leaves = [put(x, f) for x, f in zip(leaves, per, strict=True)]
         new, out = step(leaves, data)
-        if jax.default_backend() == "cpu":
-            jax.block_until_ready(new)  # one step in flight on XLA:CPU (see DataParallel)
+        if xla_cpu.one_step_in_flight(self.mesh):
+            jax.block_until_ready(new)
         self._calls += 1
         if self.check_replicas and self._calls % self.check_replicas == 0:
             _check_replicas(key_data(new), mesh=self.mesh, what=f"state (step {self._calls})")
@@ -570,7 +530,7 @@ class NnxDataParallel:
         return graphdef, state, tuple(kinds)
 
     @staticmethod
-    def _enter(graphdef, state, log: list, old: dict):
+    def _enter(graphdef, state, log: _Log, old: dict):
         objs = nnx.merge(graphdef, state)
         opts = [o for _, o in nnx.iter_graph(objs) if isinstance(o, nnx.Optimizer)]
         txs = [o.tx for o in opts]
@@ -678,7 +638,7 @@ class LinenDataParallel(NnxDataParallel):
         return None, objs, tuple(_linen_kind(p, x) for p, x in flat)
 
     @staticmethod
-    def _enter(graphdef, states, log: list, old: dict):
+    def _enter(graphdef, states, log: _Log, old: dict):
         states = tuple(s.replace(tx=_Recording(s.tx, log, old)) for s in states)
         return states, lambda: None, bool(states)
 

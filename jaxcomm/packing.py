@@ -4,9 +4,8 @@ The one packing abstraction of jaxcomm. A :class:`BufferPlan` lists buffers; eac
 a run of *pieces* ``(leaf_index, start, stop)``, element ranges of raveled leaves laid end
 to end. :meth:`BufferPlan.pack` builds the buffers (one concatenate per buffer, static
 slices only where a leaf is cut), :meth:`BufferPlan.unpack` restores the leaves exactly,
-cutting them out at runtime offsets (:func:`runtime_ints`): XLA compiles one kernel per
-distinct slice, and at runtime offsets the leaves of one size share one (ResNet-152's
-467 leaves: 22 sizes), which cuts the compile time of every packed path.
+by static slices; on a CPU mesh at runtime offsets instead, so that XLA:CPU compiles the
+slices of one size as one kernel (``jaxcomm.xla_cpu``, workaround 1).
 
 Callers decide *which* leaves go where and build the plan with one of two functions:
 
@@ -32,8 +31,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-__all__ = ["Buffer", "BufferPlan", "plan_groups", "plan_streams", "runtime_ints"]
+from jaxcomm import xla_cpu
+
+__all__ = ["Buffer", "BufferPlan", "plan_groups", "plan_streams"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +118,8 @@ class BufferPlan:
         if len(buffers) != len(self.buffers):
             raise ValueError(f"expected {len(self.buffers)} buffers, got {len(buffers)}.")
         want = set(idx)
-        cuts = []  # (buffer, offset, leaf, start, stop) of each piece that needs a slice
+        ranges = []  # (buffer, offset, stop) of each piece that needs a slice
+        owners = []  # (leaf, start) of each such piece
         parts: dict[int, list[tuple[int, jax.Array]]] = {}
         for b, buf in zip(self.buffers, buffers, strict=True):
             if len(b.pieces) == 1 and b.pieces[0][2] - b.pieces[0][1] == buf.shape[0]:
@@ -126,15 +129,15 @@ class BufferPlan:
             offset = 0
             for i, s, e in b.pieces:
                 if i in want:
-                    cuts.append((buf, offset, i, s, e))
+                    ranges.append((buf, offset, offset + e - s))
+                    owners.append((i, s))
                 offset += e - s
-        # Pieces are cut at runtime offsets (runtime_ints): XLA:CPU compiles one kernel per
-        # distinct fusion, and a slice at a constant offset is a fusion of its own, so
-        # ResNet-152's 467 leaves would be ~300 kernels; at runtime offsets the pieces of
-        # one size share one kernel (22 sizes).
-        starts = runtime_ints([c[1] for c in cuts])
-        for (buf, _, i, s, e), start in zip(cuts, starts, strict=True):
-            piece = jax.lax.dynamic_slice(buf, (start,), (e - s,), allow_negative_indices=False)
+        # Static slices; on a CPU mesh at runtime offsets (jaxcomm.xla_cpu, workaround 1).
+        if xla_cpu.active():
+            pieces = xla_cpu.slices_at_runtime_offsets(ranges)
+        else:
+            pieces = [lax.slice(buf, (o,), (stop,)) for buf, o, stop in ranges]
+        for (i, s), piece in zip(owners, pieces, strict=True):
             parts.setdefault(i, []).append((s, piece))
         out = []
         for i in idx:
@@ -157,51 +160,6 @@ class BufferPlan:
             )
             for b in self.buffers
         ]
-
-
-def runtime_ints(values: Sequence[int]) -> list[jax.Array]:
-    """The int32 scalars ``values`` as values XLA cannot constant-fold.
-
-    XLA:CPU compiles one kernel per distinct fusion, and an operation with a constant
-    operand (a slice at a constant offset) is a fusion of its own: ResNet-152's 467 leaves
-    unpacked from a buffer are ~300 kernels. With the offset a fusion *parameter*, the
-    slices of one size share one kernel (22 sizes). A parameter must be a buffer that
-    some unfusible instruction produces: the values are carried, as ``(2,)`` rows, through
-    a stable ``lax.sort`` on a key of two equal runtime zeros (``lax.optimization_barrier``),
-    which leaves them in place and which XLA neither folds nor fuses. Constants through an
-    optimization barrier alone are not enough: XLA removes the barrier before fusion and
-    fuses the constants into each consumer. One small sort kernel per call and chunk of
-    values; no collective, no input.
-
-    Args:
-      values: integers in ``[0, 2**31)``.
-
-    Returns:
-      One int32 scalar per value, in order (equal values share one).
-
-    Example:
-      >>> start = runtime_ints([1024])[0]
-      >>> piece = jax.lax.dynamic_slice(buf, (start,), (256,))
-    """
-    uniq = sorted({int(v) for v in values})
-    if not uniq:
-        return []
-    if not 0 <= uniq[0] <= uniq[-1] < 2**31:
-        raise ValueError(f"runtime_ints: values must be in [0, 2**31), got {uniq[0]}..{uniq[-1]}.")
-    zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.int32))
-    key = jnp.stack([zero, zero])
-    scalars = []
-    for k in range(0, len(uniq), _SORT_OPERANDS):  # bounded operands per sort (GPU kernels)
-        # (v, v ^ 1): a constant of two equal elements would become a broadcast kernel.
-        rows = [np.array([v, v ^ 1], np.int32) for v in uniq[k : k + _SORT_OPERANDS]]
-        out = jax.lax.sort([key, *rows], num_keys=1, is_stable=True)
-        scalars += [jax.lax.squeeze(jax.lax.slice(r, (0,), (1,)), (0,)) for r in out[1:]]
-    table = dict(zip(uniq, scalars, strict=True))
-    return [table[int(v)] for v in values]
-
-
-# Values per sort in runtime_ints: a GPU kernel takes every operand as a parameter.
-_SORT_OPERANDS = 64
 
 
 def _shapes_dtypes(leaves: Sequence[Any]) -> tuple[tuple, tuple]:

@@ -13,8 +13,9 @@ Method (every number traceable to a measurement or to the compiled program):
    it, bytes are an upper bound. The stats say so in ``conditionals`` (``'largest_branch'``).
 2. It times a *compute-only twin* of the step: the same program with the collectives removed.
    For a :class:`jaxcomm.DataParallel` step, :meth:`attach_data_parallel` builds it by tracing
-   the step with ``sync_gradients`` passing gradients through (``jaxcomm.sync.pre_reduced``;
-   compressed syncs included, the scalar metric ``pmean`` stays); any other step may pass
+   the step with ``sync_gradients`` passing gradients through (``DataParallel.compile(...,
+   communicate=False)``; compressed syncs included, the scalar metric ``pmean`` stays); any
+   other step may pass
    ``compute_only=`` itself.
 3. ``record_step()`` times each real step (wall clock, blocking on the outputs).
 4. ``comm_time = step_time - compute_time`` (the time communication adds to the step, i.e.
@@ -46,8 +47,13 @@ import jax
 import numpy as np
 
 from jaxcomm import hlo, wire
-from jaxcomm.compression.adaptive import REASONS, AdaptiveState, adaptive_states
-from jaxcomm.sync import pre_reduced
+from jaxcomm.compression.adaptive import (
+    REASONS,
+    AdaptiveState,
+    adaptive_states,
+    ladder,
+    with_comm_share,
+)
 from jaxcomm.validate import check_int
 
 __all__ = ["CommProfiler", "compute_only_step", "median_time"]
@@ -56,9 +62,9 @@ __all__ = ["CommProfiler", "compute_only_step", "median_time"]
 def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
     """A compiled twin of ``dp``'s step without gradient communication.
 
-    The step is traced under :func:`jaxcomm.sync.pre_reduced`, where ``sync_gradients``
-    passes the gradients through: no all-reduce, no compressor collective (the scalar
-    metric ``pmean`` and batch-statistics ``pmean`` stay).
+    ``dp.compile(..., communicate=False)``: every ``sync_gradients`` passes the gradients
+    through (no all-reduce, no compressor collective); the scalar metric ``pmean`` and the
+    batch-statistics ``pmean`` stay.
 
     Args:
       dp: a :class:`jaxcomm.DataParallel`.
@@ -67,8 +73,7 @@ def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
     Returns:
       A callable ``twin(state, batch)`` running the step without gradient collectives.
     """
-    with pre_reduced():
-        return dp.compile(state, batch)
+    return dp.compile(state, batch, communicate=False)
 
 
 def median_time(fn: Callable, args: tuple, reps: int) -> float:
@@ -281,41 +286,28 @@ class CommProfiler:
         with its reason (JSON lines, TensorBoard).
 
         1. Compile ``dp``'s step with the share as a third input (the HLO census of
-           :meth:`attach` is read from it), and time the compute-only twin once
-           (``compute_time``, median of ``twin_reps`` runs).
-        2. Windows are the adaptive compressor's ``adjustment_step`` steps (read from the
-           state, aligned with its ``window_steps``). At the end of a window the driver
-           waits for the state (one host synchronisation per window, none per step) and
-           measures ``step_time`` = the window's wall time (from its first step's call,
-           so a pause between windows does not count) / its steps.
+           :meth:`attach` is read from it); time the compute-only twin (``compute_time``).
+        2. Windows are the adaptive compressor's ``adjustment_step`` steps (aligned with
+           its ``window_steps``). At a window's end the driver waits for the state (one
+           host synchronisation per window) and measures ``step_time`` = the window's wall
+           time (from its first step's call: pauses between windows do not count) / steps.
         3. ``comm_share = clip(1 - (compute_time + kernel_time[level]) / step_time, 0,
            1)``, put on this process's devices once per window; the steps of the next
-           window take it and average it over all devices (one scalar ``pmean``, so
-           processes whose clocks differ still decide alike), and the first of them
-           decides. ``kernel_time[level]`` is the time the window's rung spends in its own
-           kernels (quantization, error feedback, the error sketch), which no link speed
-           changes: with ``calibrate``, the step is timed once at every rung (a copy of the
-           state, ``twin_reps`` runs each) and ``kernel_time[l] = t_l - compute_time -
-           (wire_l / wire_0) (t_0 - compute_time)`` (the first rung's kernels are the
-           zero, its exposed traffic scaled by each rung's wire fraction relative to the
-           first's). Without it the kernel times are zeros (with several adaptive
-           compressors: empty) and the kernels count as communication, and a rung
-           whose kernels cost more than the traffic they save looks communication-bound
-           on any link, so the ladder never comes down. With ``retime_twin`` the twin runs
-           once more after every ``retime_twin``-th window (a count, not a clock, so every
-           process runs the twin's collectives at the same step; ``compute_time`` is the
-           median of the last three runs) and the kernel times
-           scale with it: on a shared machine the load moves both, and a stale calibration
-           would read the extra CPU time as traffic.
-        4. It reads each compressor's level, last error and reason, writes one
-           ``{"event": "adapt_window", ...}`` line, and one ``{"event": "level_change",
-           "reason": "error" | "network", ...}`` line per change; TensorBoard scalars
-           ``adapt/level_<i>``, ``adapt/error_<i>``, ``adapt/comm_share``,
-           ``adapt/step_time`` and, on a change, ``adapt/change_<i>`` (+-1 error, +-2
-           network, the sign the direction).
+           window average it over all devices (one scalar ``pmean``, so processes whose
+           clocks differ still decide alike), and the first of them decides.
+           ``kernel_time[level]`` is the time the window's rung spends in its own kernels,
+           which no link speed changes (with ``calibrate``: :func:`_kernel_times`; without,
+           zeros, and a rung whose kernels cost more than the traffic they save looks
+           communication-bound on any link). With ``retime_twin`` the twin runs again
+           after every ``retime_twin``-th window (a count, not a clock: every process runs
+           its collectives at the same step) and the kernel times scale with it, since on
+           a shared machine the load moves both.
+        4. It logs one ``{"event": "adapt_window", ...}`` line per window and one
+           ``{"event": "level_change", "reason": "error" | "network", ...}`` per change;
+           TensorBoard ``adapt/level_<i>``, ``adapt/error_<i>``, ``adapt/comm_share``,
+           ``adapt/step_time``, ``adapt/change_<i>`` (+-1 error, +-2 network).
 
-        The share counts everything the twin does not run (collectives, compression
-        kernels, and host time between steps such as data loading) as communication.
+        The share counts all the twin does not run (host time included) as communication.
 
         Args:
           dp: a :class:`jaxcomm.DataParallel` whose optimizer holds at least one
@@ -329,9 +321,8 @@ class CommProfiler:
             after the window, out of the windows' clock; 0: never).
 
         Returns:
-          self. ``level_changes`` and ``windows`` hold the logged records,
-          ``kernel_times`` the calibrated kernel time per rung (s; zeros without
-          ``calibrate``, empty with several adaptive compressors).
+          self; ``level_changes``, ``windows``: the logged records; ``kernel_times``: per
+          rung (s; zeros without ``calibrate``, empty with several adaptive compressors).
 
         Raises:
           TypeError: ``dp`` is not a :class:`jaxcomm.DataParallel`.
@@ -350,37 +341,11 @@ class CommProfiler:
         retime_twin = check_int(
             "retime_twin", retime_twin, minimum=0, fix="windows between twin re-timings; 0: never"
         )
-        if not hasattr(dp, "set_feedback"):
-            raise TypeError(
-                f"CommProfiler.drive needs a jaxcomm.DataParallel (from jaxcomm.data_parallel), "
-                f"got {type(dp).__name__}."
-            )
-        if getattr(dp, "_donate", False):
-            raise ValueError(
-                "CommProfiler.drive times the compute-only twin and each rung on the state "
-                "you pass (several runs of it), but data_parallel(donate=True) consumes the "
-                "state's buffers on every step; build the step with donate=False to drive it."
-            )
-        if dp.microbatches > 1 and dp.accumulate == "overlap":
-            raise ValueError(
-                "CommProfiler.drive: accumulate='overlap' reduces every microbatch, so the "
-                "adaptive windows would count reductions, not steps; use accumulate='local'."
-            )
-        found = adaptive_states(state.opt_state)
-        if not found:
-            raise ValueError(
-                "CommProfiler.drive: the optimizer state holds no adaptive compressor; use "
-                "jaxcomm.sync_gradients(compression=jaxcomm.compression.adaptive(...))."
-            )
-        windows = {int(np.asarray(a.window)) for a in found}
-        if len(windows) > 1:
-            raise ValueError(
-                f"CommProfiler.drive: the adaptive compressors have different windows "
-                f"(adjustment_step {sorted(windows)}); give them one adjustment_step."
-            )
+        found, window = _drivable(dp, state)
         batch = dp.shard_batch(batch)
-        driver = _Driver(self, dp, windows.pop(), int(np.asarray(found[0].window_steps)))
-        compiled, ladders = dp.set_feedback(driver, state, batch)
+        driver = _Driver(self, dp, window, int(np.asarray(found[0].window_steps)))
+        compiled = dp.set_feedback(driver, state, batch)
+        ladders = _ladders(dp)
         driver.ladders = ladders if len(ladders) == len(found) else None
         self.module = hlo.parse_collectives(compiled.as_text(), mesh=dp.mesh)
         self.wire = wire.summarize(self.module)
@@ -395,12 +360,7 @@ class CommProfiler:
                 median_time(compiled, (_at_level(state, lv), batch, share), twin_reps)
                 for lv in range(rungs)
             ]
-            link = max(times[0] - self.compute_time, 0.0)  # the first rung's exposed traffic
-            fractions = ladders[0].wire
-            self.kernel_times = [
-                max(t - self.compute_time - w / fractions[0] * link, 0.0)
-                for t, w in zip(times, fractions, strict=True)
-            ]
+            self.kernel_times = _kernel_times(times, self.compute_time, ladders[0].wire)
         driver.kernel = self.kernel_times or [0.0]
         driver.compute0 = self.compute_time
         driver.recent = [self.compute_time]
@@ -491,6 +451,69 @@ class CommProfiler:
             self._tb.close()
 
 
+def _drivable(dp: Any, state: Any) -> tuple[list[AdaptiveState], int]:
+    """The adaptive states of ``state`` and their one window, or a clear error for a step
+    :meth:`CommProfiler.drive` cannot drive."""
+    if not hasattr(dp, "set_feedback"):
+        raise TypeError(
+            f"CommProfiler.drive needs a jaxcomm.DataParallel (from jaxcomm.data_parallel), "
+            f"got {type(dp).__name__}."
+        )
+    if getattr(dp, "_donate", False):
+        raise ValueError(
+            "CommProfiler.drive times the compute-only twin and each rung on the state "
+            "you pass (several runs of it), but data_parallel(donate=True) consumes the "
+            "state's buffers on every step; build the step with donate=False to drive it."
+        )
+    if dp.microbatches > 1 and dp.accumulate == "overlap":
+        raise ValueError(
+            "CommProfiler.drive: accumulate='overlap' reduces every microbatch, so the "
+            "adaptive windows would count reductions, not steps; use accumulate='local'."
+        )
+    found = adaptive_states(state.opt_state)
+    if not found:
+        raise ValueError(
+            "CommProfiler.drive: the optimizer state holds no adaptive compressor; use "
+            "jaxcomm.sync_gradients(compression=jaxcomm.compression.adaptive(...))."
+        )
+    windows = {int(np.asarray(a.window)) for a in found}
+    if len(windows) > 1:
+        raise ValueError(
+            f"CommProfiler.drive: the adaptive compressors have different windows "
+            f"(adjustment_step {sorted(windows)}); give them one adjustment_step."
+        )
+    return found, windows.pop()
+
+
+def _ladders(dp: Any) -> list:
+    """The ladder (rung names, wire fractions) of each adaptive compressor of ``dp``'s
+    syncs, in the order the step runs them."""
+    out = []
+    for sync in dp.syncs:
+        if sync.compression is None:
+            continue
+        axes = sync.axes if sync.compress_stage == "all" else sync.axes[:-1]
+        found = ladder(sync.compression, int(np.prod([dp.mesh.shape[a] for a in axes])))
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _kernel_times(times: list[float], compute: float, fractions: tuple[float, ...]) -> list:
+    """Each rung's own kernel time (quantization, error feedback, the error sketch).
+
+    The step is timed once at every rung ``l`` (``t_l``, a copy of the state); then
+    ``kernel_time[l] = t_l - compute - (wire_l / wire_0) (t_0 - compute)``: the first
+    rung's kernels are the zero, its exposed traffic scaled by each rung's wire fraction
+    relative to the first's.
+    """
+    link = max(times[0] - compute, 0.0)  # the first rung's exposed traffic
+    return [
+        max(t - compute - w / fractions[0] * link, 0.0)
+        for t, w in zip(times, fractions, strict=True)
+    ]
+
+
 def _at_level(state: Any, level: int) -> Any:
     """``state`` with every adaptive compressor at rung ``level`` (new level arrays only;
     the other leaves are shared, so the copy costs nothing)."""
@@ -553,6 +576,11 @@ class _Driver:
         return jax.make_array_from_callback(
             (self._devices,), self._sharding, lambda idx: np.full(1, share, np.float32)
         )
+
+    @staticmethod
+    def write(opt_state: Any, share: jax.Array) -> Any:
+        """Inside the step: the measured share into every adaptive compressor's state."""
+        return with_comm_share(opt_state, share)
 
     def before_step(self) -> jax.Array:
         if self._t0 is None:

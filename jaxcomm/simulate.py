@@ -105,7 +105,7 @@ def codec_table(name: str | None) -> tuple[dict[str, cost.Codec], str]:
     if not c.codec:
         raise ValueError(
             f"--codec {name}: the file has no 'codec' section; write one with `python -m "
-            f"jaxcomm.bench compression --calibration {name}`, or use one of {list(CODECS)}."
+            f"experiments.bench compression --calibration {name}`, or use one of {list(CODECS)}."
         )
     return dict(c.codec), f"{name} ({c.meta.get('machine', 'machine not recorded')})"
 
@@ -138,7 +138,7 @@ def simulate(
       topology_for: node count -> topology (aware placement; rows without '+topology' use
         a random placement drawn with ``seed``).
       nodes: node counts.
-      compression_ratio: the old model of '+compression': wire bytes divided by this, no
+      compression_ratio: a ratio-only '+compression': wire bytes divided by this, no
         codec, no change of collective; used only when ``compression`` is None.
       compression: the compressor of '+compression' and the rows after it.
       compress_stage: 'inter' (only the node-spanning stage) or 'all'.
@@ -556,7 +556,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compress-stage", default="inter", choices=("inter", "all"),
                    help="compress only the node-spanning stage (default) or all of it")  # fmt: skip
     p.add_argument("--compression-ratio", type=float, default=None,
-                   help="the old model: wire bytes divided by this, no codec (instead of "
+                   help="a ratio-only model: wire bytes divided by this, no codec (instead of "
                    "--compression)")  # fmt: skip
     p.add_argument("--codec", default=None,
                    help="h200 | none | a calibration file with a codec section (default: "

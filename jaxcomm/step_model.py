@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -260,6 +261,47 @@ def step_time(
         )
     bounds = _check_buckets(bucket_bytes)
     calls = launch_s if call_s is None else call_s
+    jobs, wire = _jobs(wl, compression, bounds, packing, min_size)
+    ratio = 1.0 if compression is not None else compression_ratio
+
+    def price(nbytes: int, compressed: bool) -> dict[str, Any]:
+        if not compressed:
+            return cost.reduction_time(algorithm, nbytes / ratio, topology, call_s=calls)
+        res = cost.compressed_time(nbytes, topology, compression, stage=compress_stage,
+                                   algorithm=algorithm, codec=codec, call_s=calls,
+                                   wire=wire)  # fmt: skip
+        res["algorithm"] = compression.spec
+        return res
+
+    return _schedule(jobs, price, wl.compute_s, overlap)
+
+
+def _jobs(
+    wl: Workload,
+    compression: cost.Compression | None,
+    bounds: tuple[int, int] | None,
+    packing: str,
+    min_size: int,
+) -> tuple[list[tuple[float, int, bool]], float | None]:
+    """The step's reductions in the order they can start, and the compressor's wire fraction.
+
+    1. The leaves in backward order (head first).
+    2. With ``compression``, the leaves it takes (``min_size`` elements or more; PowerSGD:
+       the matrices it compresses) become one buffer or buckets (PowerSGD: one buffer).
+    3. The other leaves become collectives by ``packing`` or ``bounds`` (:func:`_plain`).
+    4. All sorted by the time their last gradient is ready.
+
+    Args:
+      wl: the workload.
+      compression: the compressor, or None.
+      bounds: ``(first, max)`` bucket bytes, or None.
+      packing: :data:`PACKINGS`.
+      min_size: leaves with fewer elements stay uncompressed.
+
+    Returns:
+      ``(jobs, wire)``: jobs ``(ready, bytes, compressed)`` sorted by ready time; ``wire``
+      PowerSGD's wire fraction for the workload's matrices, else None (the compressor's).
+    """
     ready = wl.ready_times()
     order = list(range(len(wl.leaf_bytes)))[::-1]  # the backward pass: head first
     jobs: list[tuple[float, int, bool]] = []  # (ready, bytes, compressed)
@@ -284,31 +326,48 @@ def step_time(
     for nbytes, r in _plain(wl, plain, ready, packing, bounds):
         jobs.append((r, nbytes, False))
     jobs.sort(key=lambda j: j[0])
+    return jobs, wire
+
+
+def _schedule(
+    jobs: list[tuple[float, int, bool]],
+    price: Callable[[int, bool], dict[str, Any]],
+    compute_s: float,
+    overlap: bool,
+) -> dict[str, Any]:
+    """Runs ``jobs`` one at a time on one communication stream; the dict of :func:`step_time`.
+
+    Each job starts at ``max(ready, previous end)`` with ``overlap``, else at
+    ``max(compute_s, previous end)``, and takes ``price(bytes, compressed)['total_s']``
+    (priced once per distinct ``(bytes, compressed)``). The step ends when compute and the
+    last job have both finished.
+
+    Args:
+      jobs: ``(ready, bytes, compressed)`` in start order.
+      price: the cost of one job, a dict of :func:`jaxcomm.cost.reduction_time`'s keys.
+      compute_s: forward + backward seconds.
+      overlap: start each job when its gradients are ready.
+
+    Returns:
+      The dict :func:`step_time` returns.
+    """
     memo: dict[tuple[int, bool], dict[str, Any]] = {}
     t_end = comm = codec_s = call_total = 0.0
     n_calls, used = 0, {}
-    ratio = 1.0 if compression is not None else compression_ratio
     for r, nbytes, compressed in jobs:
         key = (nbytes, compressed)
         if key not in memo:
-            if compressed:
-                res = cost.compressed_time(nbytes, topology, compression, stage=compress_stage,
-                                           algorithm=algorithm, codec=codec, call_s=calls,
-                                           wire=wire)  # fmt: skip
-                res["algorithm"] = compression.spec
-            else:
-                res = cost.reduction_time(algorithm, nbytes / ratio, topology, call_s=calls)
-            memo[key] = res
+            memo[key] = price(nbytes, compressed)
         res = memo[key]
         used[res["algorithm"]] = used.get(res["algorithm"], 0) + 1
-        start = max(r if overlap else wl.compute_s, t_end)
+        start = max(r if overlap else compute_s, t_end)
         t_end = start + res["total_s"]
         comm += res["total_s"]
         codec_s += res["codec_s"]
         call_total += res["call_s"]
         n_calls += res["calls"]
-    step = max(wl.compute_s, t_end)
-    exposed = step - wl.compute_s
+    step = max(compute_s, t_end)
+    exposed = step - compute_s
     return {
         "step_s": step,
         "comm_s": comm,

@@ -1,31 +1,35 @@
-"""``sync_gradients``: the optax transform that averages gradients across data-parallel devices.
+"""Gradient synchronisation: a pure :class:`GradientSync` and its optax adapter.
 
-With ``compression=``, one step runs:
+A :class:`GradientSync` holds the configuration of one data-parallel gradient mean and two
+pure functions, ``init(params) -> state`` and ``reduce(grads, state) -> (mean, state)``.
+:func:`sync_gradients` wraps one as an ``optax.GradientTransformation`` to put first in an
+``optax.chain``; ``jaxcomm.data_parallel``, the microbatch loop and the profiler's
+compute-only twin reach the same object through optax's extra argument ``sync_request=``
+(:class:`SyncRequest`) and call it directly.
 
-1. **leaves -> policy**: every gradient leaf is either *compressed* (``min_size``
-   elements or more, or what the ``compress_leaf`` predicate says, and a shape the
-   compressor supports) or *plain*.
-2. **plain leaves** go through ``jaxcomm.allreduce(algorithm=...)`` in full precision.
-3. **compressed leaves** are packed (elementwise compressors: one flat 1-D buffer per
-   dtype; matrix compressors such as PowerSGD: the leaves themselves) and handed to
-   ``compressor.reduce``; with ``compress_stage='inter'`` only the inter-node stage is
-   compressed (full-precision reduce-scatter inside a node; the all-gather inside a node
-   moves the compressor's encoded means where it can, ``Compressor.gathers``: int8/int4).
-   A step the compressor would send whole (``Compressor.exact``: adaptive's f32 rung) is a
-   ``lax.cond`` branch instead that all-reduces the f32 leaves plus its residual unpacked,
-   as plain leaves are (``compress_stage='all'``).
-4. during the first ``warmup_steps`` steps a ``lax.cond`` sends the compressed leaves
-   uncompressed instead (no branch at all when ``warmup_steps=0``).
+``reduce`` runs these stages, top to bottom:
 
-The compressor's state (error-feedback residuals, PowerSGD's ``Q``, the adaptive level)
-is nested in :class:`SyncGradientsState`, hence in the optimizer state and in every
-checkpoint.
+1. **policy**: each gradient leaf is *compressed* (``min_size`` elements or more, or what
+   ``compress_leaf`` says, and a shape the compressor supports) or *plain*
+   (``jaxcomm.policy.LeafPlan``).
+2. **pack**: compressed leaves into flat buffers (one per dtype, or the buckets of
+   ``bucket_bytes``; a matrix compressor such as PowerSGD gets the leaves themselves).
+3. **codec**: the compressor's mean of the buffers over the data axes; with
+   ``compress_stage='inter'`` a full-precision reduce-scatter inside the node first and an
+   all-gather after. Wrappers around this stage: warm-up (the first ``warmup_steps`` steps
+   uncompressed) and a compressor's exact steps (adaptive's ``'f32'`` rung), each a
+   ``lax.cond`` on a value every device shares.
+4. **unpack**: the means back into leaves.
+5. **plain leaves**: ``jaxcomm.allreduce`` in full precision, after stage 3 completes.
+6. **finite**: an fp16 overflow zeroes the whole step's update.
+
+The compressor's state (error-feedback residuals, PowerSGD's ``Q``, the adaptive level) is
+nested in :class:`SyncGradientsState`, hence in the optimizer state and in every checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -49,7 +53,8 @@ from jaxcomm.collectives import (
     pad_to_multiple,
     reduce_scatter,
 )
-from jaxcomm.compression.base import Compressor, ReduceContext, step_key
+from jaxcomm.compression.base import Compressor, ReduceContext
+from jaxcomm.compression.keys import step_key
 from jaxcomm.mesh import DATA_AXES, INTRA
 from jaxcomm.policy import LeafPlan
 from jaxcomm.state import PerDevice, marked_per_device, varying_axes
@@ -58,12 +63,12 @@ from jaxcomm.validate import check_int
 
 __all__ = [
     "COMPRESS_STAGES",
+    "GradientSync",
     "SyncGradientsState",
-    "is_pre_reduced",
-    "pre_reduced",
-    "reducer_probe",
+    "SyncRequest",
+    "accepting_requests",
+    "gradient_sync",
     "sync_gradients",
-    "sync_probe",
 ]
 
 COMPRESS_STAGES = ("all", "inter")
@@ -71,9 +76,14 @@ COMPRESS_STAGES = ("all", "inter")
 # are a small share of the bytes and the most sensitive to quantization.
 DEFAULT_MIN_SIZE = 1024
 
+_UNBOUND_FIX = (
+    "Call the optimizer's update inside jax.shard_map over a mesh with these axes, e.g. "
+    "through jaxcomm.data_parallel(...)."
+)
+
 
 class SyncGradientsState(NamedTuple):
-    """State of :func:`sync_gradients`.
+    """State of a :class:`GradientSync` (and of :func:`sync_gradients`).
 
     Attributes:
       count: number of synchronised steps (int32); compressors key their randomness and
@@ -85,62 +95,283 @@ class SyncGradientsState(NamedTuple):
     compression: Any = ()
 
 
-# Trace-time record of sync_gradients calls, so the step builder can refuse an optimizer
-# that never synchronises (its params would silently drift apart across devices).
-_SYNC_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxcomm_sync_calls", default=None
-)
+class SyncRequest(NamedTuple):
+    """What a step builder asks of every ``sync_gradients`` in an optimizer.
+
+    Passed as optax's extra argument: ``tx.update(grads, state, params,
+    sync_request=SyncRequest(...))``; ``optax.chain`` and optax's wrappers forward it.
+
+    Attributes:
+      communicate: False: the gradients pass through unchanged (they were reduced already,
+        one microbatch at a time, or this is the profiler's compute-only twin); the count
+        advances, the compressor state does not change.
+      found: a list each ``sync_gradients`` appends its :class:`GradientSync` to when its
+        update is traced (the step builder checks the optimizer synchronises, and the
+        microbatch loop calls the sync's ``reduce`` itself).
+    """
+
+    communicate: bool = True
+    found: list | None = None
 
 
-# Set by the microbatch loop of ``data_parallel``: gradients that reach sync_gradients were
-# already reduced (one microbatch at a time, overlapped with the next one's compute).
-_PRE_REDUCED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "jaxcomm_pre_reduced", default=False
-)
-# Trace-time record of the stateful gradient reducers of sync_gradients (for the microbatch
-# loop of data_parallel(..., accumulate='overlap')).
-_REDUCERS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxcomm_reducers", default=None
-)
+_DEFAULT_REQUEST = SyncRequest()
 
 
-@contextlib.contextmanager
-def _scoped(var: contextvars.ContextVar, value: Any):
-    token = var.set(value)
+class GradientSync(NamedTuple):
+    """One data-parallel gradient mean: its configuration, ``init`` and ``reduce``.
+
+    Build it with :func:`gradient_sync` (which checks every argument); the fields are the
+    arguments documented there. Immutable; ``reduce`` runs inside ``jax.shard_map`` over
+    ``axes``.
+
+    Example:
+      >>> sync = jaxcomm.gradient_sync(compression=jaxcomm.compression.int8())
+      >>> state = sync.init(params)                 # inside shard_map
+      >>> mean, state = sync.reduce(grads, state)   # inside shard_map
+    """
+
+    axes: tuple[str, ...] = DATA_AXES
+    algorithm: str = "hierarchical"
+    topology: Any = None
+    bucket_bytes: Any = None
+    compression: Compressor | None = None
+    warmup_steps: int = 0
+    min_size: int = DEFAULT_MIN_SIZE
+    compress_leaf: Callable[[str, Any], bool] | None = None
+    compress_stage: str = "all"
+    seed: int = 0
+
+    def init(self, params: Any) -> SyncGradientsState:
+        """The state for gradients shaped like ``params``."""
+        count = jnp.zeros((), jnp.int32)
+        if self.compression is None:
+            return SyncGradientsState(count=count)
+        plan = _leaf_plan(self, params)
+        inner = None
+        if self.compress_stage == "inter" and plan.elementwise:
+            try:
+                inner = lax.axis_size(self.axes[-1])
+            except NameError as e:
+                raise ValueError(
+                    "sync_gradients(compress_stage='inter').init must run inside "
+                    f"jax.shard_map over axes {self.axes} (jaxcomm.data_parallel does), because "
+                    "its per-device state is one intra-node shard."
+                ) from e
+        cstate = self.compression.init(plan.buffer_specs(inner))
+        return SyncGradientsState(count, _vary_per_device(cstate, self.axes))
+
+    def reduce(self, grads: Any, state: SyncGradientsState) -> tuple[Any, SyncGradientsState]:
+        """The mean of ``grads`` over ``axes`` (each device's own gradients in, the same
+        mean on every device out) and the next state; see the module docstring's stages."""
+        check_bound(self.axes, "sync_gradients", _UNBOUND_FIX)
+        check_float_tree(grads)
+        if self.compression is None:
+            leaves, treedef = jax.tree.flatten(grads)
+            means = _mean_plain(self, [jnp.asarray(x) for x in leaves])
+            return jax.tree.unflatten(treedef, means), SyncGradientsState(count=state.count + 1)
+        plan = _leaf_plan(self, grads)  # 1. policy
+        leaves = [jnp.asarray(x) for x in jax.tree.leaves(grads)]
+        out: list = [None] * len(leaves)
+        cstate, finite, done = state.compression, jnp.ones((), jnp.bool_), ()
+        if plan.compressed:  # 2.-4. pack, codec, unpack
+            ctx = ReduceContext(
+                axes=self.axes,
+                algorithm=self.algorithm,
+                step=state.count,
+                key=step_key(self.seed, state.count),
+                data_axes=self.axes,
+            )
+            means, cstate, finite, done = _mean_compressed(self, plan, leaves, cstate, ctx)
+            for i, m in zip(plan.compressed, means, strict=True):
+                out[i] = m
+            _check_shared_state(self.compression.name, cstate, self.axes)
+        if plan.plain:  # 5. after everything stage 3 computed (jaxcomm.ordering)
+            done = (done, cstate, finite)
+            means = _mean_plain(self, [leaves[i] for i in plan.plain], after=done)
+            for i, m in zip(plan.plain, means, strict=True):
+                out[i] = m
+        if self.compression.finite is not None:  # 6. fp16 overflow: skip the whole step
+            out = [jnp.where(finite, o, jnp.zeros_like(o)) for o in out]
+        out = [o.astype(x.dtype) for o, x in zip(out, leaves, strict=True)]
+        new = SyncGradientsState(count=state.count + 1, compression=cstate)
+        return jax.tree.unflatten(plan.treedef, out), new
+
+
+def gradient_sync(
+    *,
+    axes: tuple[str, ...] = DATA_AXES,
+    algorithm: str = "hierarchical",
+    topology: Any = None,
+    bucket_bytes: tuple[int, int] | str | AutoBuckets | None = None,
+    compression: Compressor | None = None,
+    warmup_steps: int = 0,
+    min_size: int = DEFAULT_MIN_SIZE,
+    compress_leaf: Callable[[str, Any], bool] | None = None,
+    compress_stage: str = "all",
+    seed: int = 0,
+) -> GradientSync:
+    """A checked :class:`GradientSync`; the arguments are those of :func:`sync_gradients`.
+
+    Raises:
+      ValueError, TypeError: as :func:`sync_gradients` documents.
+    """
+    axes = check_axes(axes)
+    check_algorithm(algorithm)
+    check_topology(topology)
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
+    if compression is not None and not isinstance(compression, Compressor):
+        raise TypeError(
+            f"compression={compression!r} is not a jaxcomm.compression.Compressor; build one "
+            "with e.g. jaxcomm.compression.int8() or pass None."
+        )
+    for name, v in (("warmup_steps", warmup_steps), ("min_size", min_size), ("seed", seed)):
+        check_int(name, v, minimum=0)
+    if compress_stage not in COMPRESS_STAGES:
+        raise ValueError(
+            f"compress_stage={compress_stage!r} is not known; choose one of "
+            f"{list(COMPRESS_STAGES)}."
+        )
+    if compress_stage == "inter" and len(axes) < 2:
+        raise ValueError(
+            f"compress_stage='inter' needs an inner (intra-node) axis, but axes={axes}; use "
+            "axes=('inter', 'intra') or compress_stage='all'."
+        )
+    if compress_leaf is not None and not callable(compress_leaf):
+        raise TypeError(f"compress_leaf={compress_leaf!r} must be a callable (path, leaf) -> bool.")
+    return GradientSync(
+        axes, algorithm, topology, bucket_bytes, compression, warmup_steps, min_size,
+        compress_leaf, compress_stage, seed,
+    )  # fmt: skip
+
+
+def sync_gradients(
+    *,
+    axes: tuple[str, ...] = DATA_AXES,
+    algorithm: str = "hierarchical",
+    topology: Any = None,
+    bucket_bytes: tuple[int, int] | str | AutoBuckets | None = None,
+    compression: Compressor | None = None,
+    warmup_steps: int = 0,
+    min_size: int = DEFAULT_MIN_SIZE,
+    compress_leaf: Callable[[str, Any], bool] | None = None,
+    compress_stage: str = "all",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Averages gradients over the data-parallel mesh axes, optionally compressed.
+
+    Put it first in an ``optax.chain``; its ``update`` must run inside ``jax.shard_map``
+    (``jaxcomm.data_parallel`` does that). It is the optax adapter of
+    :class:`GradientSync`: ``init`` is the sync's ``init``, ``update`` its ``reduce``
+    (or, with ``sync_request=SyncRequest(communicate=False)``, a pass-through).
+
+    Args:
+      axes: mesh axis names to average over, outermost first.
+      algorithm: all-reduce algorithm, one of ``jaxcomm.collectives.ALGORITHMS``, for the
+        uncompressed leaves (and the all-reduce-compatible compressors: bf16, fp16,
+        random_k, PowerSGD); 'auto' picks one per packed buffer with
+        ``jaxcomm.cost.choose``.
+      topology: the ``jaxcomm.topology.Topology`` that 'auto' plans with; None:
+        ``jaxcomm.topology.detect()`` at trace time.
+      bucket_bytes: ``None``: leaves are packed as in :func:`jaxcomm.allreduce` (large
+        leaves alone, small ones concatenated per dtype; all of a dtype in one buffer for
+        'ring', 'tree', 'halving_doubling'). ``(min_bytes, max_bytes)``: the
+        leaves of each dtype, in reverse parameter order, are cut into 1-D buckets, the
+        first of ``min_bytes``, the others of ``max_bytes`` (``jaxcomm.buckets``), one
+        collective per bucket. ``'auto'`` or a ``jaxcomm.buckets.AutoBuckets``: bucket
+        sizes chosen at trace time to minimise predicted exposed communication
+        (``jaxcomm.cost.predict`` of ``algorithm`` on ``topology``). With an elementwise
+        compressor the compressed leaves are bucketed the same way, one compressed
+        collective per bucket.
+      compression: a compressor from ``jaxcomm.compression`` (``None``: no compression).
+      warmup_steps: the first ``warmup_steps`` steps are sent uncompressed (``lax.cond``
+        on the step count). With 0 no uncompressed branch is compiled.
+      min_size: leaves with fewer elements stay uncompressed (biases, norms).
+      compress_leaf: optional predicate ``(path, leaf) -> bool`` (``path`` as
+        ``jax.tree_util.keystr``, e.g. ``"['dense']['kernel']"``) that replaces the
+        ``min_size`` rule. Leaves the compressor cannot take (PowerSGD: 1-D) stay
+        uncompressed either way.
+      compress_stage: ``'all'`` compresses the whole reduction; ``'inter'`` keeps full
+        precision inside a node (reduce-scatter over the innermost axis, compressed mean
+        over the outer axes, all-gather) -- the slow inter-node links carry compressed
+        bytes, the fast intra-node links the full-precision gradient; the final intra
+        all-gather carries int8/int4's quantized means (they are the result, so no
+        precision is lost). Needs two or more axes.
+        Decisions every device must share (fp16's overflow skip, adaptive's level) are
+        still reduced over all ``axes``.
+      seed: seed of the compressors' randomness (stochastic rounding, random-k); the key
+        of a step is ``jaxcomm.compression.keys.step_key(seed, count)``. Two
+        ``sync_gradients`` in one program with the same seed draw the same stream at equal
+        counts (correlated rounding errors): give each its own seed (``local_sgd`` does,
+        per fragment: ``jaxcomm.diloco.fragment_seed``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with state :class:`SyncGradientsState`.
+
+    Raises:
+      ValueError: unknown ``algorithm`` or ``compress_stage``, malformed ``axes`` or
+        ``bucket_bytes``, a negative ``warmup_steps``/``min_size`` (at construction).
+      TypeError: ``compression`` is not a ``jaxcomm.compression.Compressor``, or
+        ``topology`` is not a Topology.
+
+    Example:
+      >>> tx = optax.chain(
+      ...     jaxcomm.sync_gradients(compression=jaxcomm.compression.int8(),
+      ...                            warmup_steps=100, min_size=1024),
+      ...     optax.adamw(1e-3))
+    """
+    sync = gradient_sync(
+        axes=axes, algorithm=algorithm, topology=topology, bucket_bytes=bucket_bytes,
+        compression=compression, warmup_steps=warmup_steps, min_size=min_size,
+        compress_leaf=compress_leaf, compress_stage=compress_stage, seed=seed,
+    )  # fmt: skip
+
+    def update(grads, state, params=None, *, sync_request=None, **extra_args):
+        del params, extra_args
+        sync_request = sync_request or _DEFAULT_REQUEST
+        if sync_request.found is not None:
+            sync_request.found.append(sync)
+        if not sync_request.communicate:
+            check_bound(sync.axes, "sync_gradients", _UNBOUND_FIX)
+            return grads, state._replace(count=state.count + 1)
+        return sync.reduce(grads, state)
+
+    return optax.GradientTransformationExtraArgs(sync.init, update)
+
+
+def accepting_requests(tx: Any) -> Any:
+    """``tx`` itself if its ``update`` takes keyword arguments (optax's extra arguments,
+    such as ``sync_request=``), else ``optax.with_extra_args_support(tx)``.
+
+    Objects with ``init``/``update`` methods that forward ``**extra_args`` themselves
+    (``optax.MultiSteps``) are kept as they are: wrapping them would drop the arguments.
+    """
     try:
-        yield value
-    finally:
-        var.reset(token)
+        params = inspect.signature(tx.update).parameters.values()
+    except (TypeError, ValueError):
+        return optax.with_extra_args_support(tx)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return tx
+    return optax.with_extra_args_support(tx)
 
 
-def sync_probe():
-    """Context manager yielding a list that gets one entry per traced ``sync_gradients``."""
-    return _scoped(_SYNC_CALLS, [])
+# -- stages ----------------------------------------------------------------------------
 
 
-def reducer_probe():
-    """Context manager yielding a list that gets the stateful reducer
-    ``(grads, SyncGradientsState) -> (reduced grads, SyncGradientsState)`` of each traced
-    ``sync_gradients`` (its own update; used by ``jaxcomm.microbatch`` in 'overlap' mode)."""
-    return _scoped(_REDUCERS, [])
+def _leaf_plan(sync: GradientSync, tree: Any) -> LeafPlan:
+    """Stage 1: which leaves are compressed and how they are packed."""
+    bounds = None if sync.bucket_bytes is None else lambda leaves: _bucket_bounds(sync, leaves)
+    return LeafPlan(
+        tree, sync.compression, sync.min_size, sync.compress_leaf, sync.compress_stage, bounds
+    )
 
 
-def pre_reduced():
-    """Context manager inside which ``sync_gradients`` passes gradients through (they were
-    reduced already, or this is the profiler's compute-only twin)."""
-    return _scoped(_PRE_REDUCED, True)
-
-
-_UNBOUND_FIX = (
-    "Call the optimizer's update inside jax.shard_map over a mesh with these axes, e.g. "
-    "through jaxcomm.data_parallel(...)."
-)
-
-
-def is_pre_reduced() -> bool:
-    """Whether :func:`pre_reduced` is active (``data_parallel`` then builds a step whose
-    params may differ across devices, so it cannot run shard_map's replication check)."""
-    return _PRE_REDUCED.get()
+def _bucket_bounds(sync: GradientSync, leaves: list) -> tuple[int, int]:
+    """``(min_bytes, max_bytes)`` of the gradient buckets (chosen by the cost model for
+    ``bucket_bytes='auto'``)."""
+    if isinstance(sync.bucket_bytes, AutoBuckets):
+        seconds = _predicted_seconds(sync.algorithm, sync.axes, sync.topology)
+        return sync.bucket_bytes.choose(leaves, seconds)
+    return sync.bucket_bytes
 
 
 def _predicted_seconds(algorithm: str, axes: tuple[str, ...], topology: Any):
@@ -152,6 +383,136 @@ def _predicted_seconds(algorithm: str, axes: tuple[str, ...], topology: Any):
     topo = fit_to_mesh(topo, int(np.prod(sizes)) // g, g)
     name = algorithm if algorithm in cost.ALGORITHMS else "auto"
     return lambda nbytes: cost.predict(name, nbytes, topo)
+
+
+def _mean_plain(sync: GradientSync, leaves: list, after: Any = ()) -> list:
+    """Full-precision mean of a list of leaves: leaves -> buckets -> all-reduce each; the
+    collectives wait for ``after`` (``jaxcomm.ordering``)."""
+    if not leaves:
+        return []
+    kw = {"axes": sync.axes, "algorithm": sync.algorithm, "op": "mean", "topology": sync.topology}
+    if sync.bucket_bytes is None:
+        return allreduce(leaves, after=after, **kw)
+    lo, hi = _bucket_bounds(sync, leaves)
+    plan = plan_buckets(leaves, min_bytes=lo, max_bytes=hi)
+    buckets = ordering.after(plan.pack(leaves), after)
+    return plan.unpack([allreduce(b, **kw) for b in buckets])
+
+
+def _mean_compressed(sync: GradientSync, plan: LeafPlan, leaves: list, cstate: Any, ctx):
+    """Stages 2-4 for the compressed leaves: ``(means, compressor state, finite, done)``,
+    ``done`` the outputs the plain leaves' collectives wait for (the reduced buffers, or
+    the exact step's conditional's outputs).
+
+    A step the compressor would send in full precision (``Compressor.exact``: adaptive's
+    'f32' rung) reduces the leaves plus the compressor's residual unpacked, as plain
+    leaves are: packing them would cost a copy of every gradient for no compression.
+    """
+    f32 = all(plan.dtypes[i] == jnp.float32 for i in plan.compressed)
+    codec = sync.compression
+    if codec.exact is None or sync.compress_stage != "all" or not f32:
+        return _mean_packed(sync, plan, leaves, cstate, ctx)
+    is_exact, residual, after = codec.exact(cstate, ctx)
+
+    def exact(cs):
+        del cs
+        extra = [None] * len(leaves)
+        if residual is not None:
+            plan.unpack(list(residual), extra)
+        xs = [leaves[i] if extra[i] is None else leaves[i] + extra[i] for i in plan.compressed]
+        return _mean_plain(sync, xs), _vary_per_device(after, sync.axes), jnp.ones((), bool)
+
+    def lossy(cs):  # both branches type the residual alike
+        means, cs, finite, _ = _mean_packed(sync, plan, leaves, cs, ctx)
+        return means, _vary_per_device(cs, sync.axes), finite
+
+    means, cstate, finite = lax.cond(is_exact, exact, lossy, cstate)
+    return means, cstate, finite, means
+
+
+def _mean_packed(sync: GradientSync, plan: LeafPlan, leaves: list, cstate: Any, ctx):
+    """Pack, the codec (behind warm-up), unpack: ``(means of the compressed leaves,
+    compressor state, finite, reduced buffers)``."""
+    buffers = plan.pack(leaves)
+    codec = _with_warmup(sync, _codec_mean(sync, ctx), ctx.step)
+    reduced, cstate, finite = codec(buffers, cstate)
+    restored = [None] * len(leaves)
+    plan.unpack(reduced, restored)
+    # What the plain leaves' collectives wait for: every reduced buffer; a matrix
+    # compressor's many matrices are represented by the first (its state covers the rest,
+    # and DataParallel.compile refuses a module whose order is still open).
+    done = reduced if plan.elementwise else reduced[:1]
+    return [restored[i] for i in plan.compressed], cstate, finite, done
+
+
+def _codec_mean(sync: GradientSync, ctx: ReduceContext) -> Callable:
+    """Stage 3: ``(buffers, state) -> (means, state, finite)`` by the compressor."""
+    codec = sync.compression
+
+    def mean(buffers, cstate):
+        if sync.compress_stage == "all":
+            means, cstate = codec.reduce(buffers, cstate, ctx)
+        else:
+            means, cstate = _codec_mean_inter(sync, buffers, cstate, ctx)
+        finite = codec.finite(cstate) if codec.finite else jnp.ones((), bool)
+        return means, cstate, finite
+
+    return mean
+
+
+def _with_warmup(sync: GradientSync, codec: Callable, step: jax.Array) -> Callable:
+    """``codec`` during the first ``warmup_steps`` steps replaced by the uncompressed mean
+    (a ``lax.cond`` on the shared step count); ``codec`` itself without warm-up."""
+    if sync.warmup_steps == 0:
+        return codec
+
+    def uncompressed(buffers, cstate):
+        kw = {"axes": sync.axes, "algorithm": sync.algorithm, "topology": sync.topology}
+        return allreduce(buffers, op="mean", **kw), cstate, jnp.ones((), bool)
+
+    return lambda buffers, cstate: lax.cond(
+        step < sync.warmup_steps, uncompressed, codec, buffers, cstate
+    )
+
+
+def _codec_mean_inter(sync: GradientSync, buffers: list, cstate: Any, ctx: ReduceContext):
+    """``compress_stage='inter'``: full precision inside the node, compressed across.
+
+    1. reduce-scatter each buffer over the inner axis (each device keeps the intra-node
+       mean of ``1/g`` of it);
+    2. the compressor's mean of the shards over the outer axes;
+    3. all-gather over the inner axis -- by the compressor itself where it can gather its
+       encoded means (``Compressor.gathers``: int8/int4 send a quarter of the f32 bytes),
+       else in f32.
+    """
+    codec = sync.compression
+    inner, outer = sync.axes[-1], sync.axes[:-1]
+    g = lax.axis_size(inner)
+    ctx = ctx._replace(axes=outer)
+    if not codec.elementwise:
+        return codec.reduce([lax.pmean(b, inner) for b in buffers], cstate, ctx)
+    shards, sizes = [], []
+    for b in buffers:
+        padded, _ = pad_to_multiple(b, g)
+        shards.append((reduce_scatter(padded, inner) / g).astype(b.dtype))
+        sizes.append(b.shape[0])
+    if not codec.gathers:
+        outs, cstate = codec.reduce(shards, cstate, ctx)
+        outs = [all_gather_invariant(o, inner)[:n] for o, n in zip(outs, sizes, strict=True)]
+        return outs, cstate
+    outs, cstate = codec.reduce(shards, cstate, ctx._replace(gather_axis=inner))
+    for o, sh in zip(outs, shards, strict=True):
+        if o.shape != (g * sh.shape[0],):
+            raise ValueError(
+                f"compressor {codec.name!r} has gathers=True but returned a mean of shape "
+                f"{o.shape} for a shard of {sh.shape[0]} elements over {g} devices; it must "
+                f"return {(g * sh.shape[0],)} (every device's mean, concatenated), or set "
+                "gathers=False."
+            )
+    return [o[:n] for o, n in zip(outs, sizes, strict=True)], cstate
+
+
+# -- state typing ----------------------------------------------------------------------
 
 
 def _vary_per_device(cstate: Any, axes: tuple[str, ...]) -> Any:
@@ -195,283 +556,3 @@ def _check_shared_state(name: str, cstate: Any, axes: tuple[str, ...]) -> None:
                 "computed from over every data axis (compression.base.decision_axes), or wrap "
                 "genuinely per-device state (error-feedback residuals) in PerDevice."
             )
-
-
-def sync_gradients(
-    *,
-    axes: tuple[str, ...] = DATA_AXES,
-    algorithm: str = "hierarchical",
-    topology: Any = None,
-    bucket_bytes: tuple[int, int] | str | AutoBuckets | None = None,
-    compression: Compressor | None = None,
-    warmup_steps: int = 0,
-    min_size: int = DEFAULT_MIN_SIZE,
-    compress_leaf: Callable[[str, Any], bool] | None = None,
-    compress_stage: str = "all",
-    seed: int = 0,
-) -> optax.GradientTransformation:
-    """Averages gradients over the data-parallel mesh axes, optionally compressed.
-
-    Put it first in an ``optax.chain``; its ``update`` must run inside ``jax.shard_map``
-    (``jaxcomm.data_parallel`` does that).
-
-    Args:
-      axes: mesh axis names to average over, outermost first.
-      algorithm: all-reduce algorithm, one of ``jaxcomm.collectives.ALGORITHMS``, for the
-        uncompressed leaves (and the all-reduce-compatible compressors: bf16, fp16,
-        random_k, PowerSGD); 'auto' picks one per packed buffer with
-        ``jaxcomm.cost.choose``.
-      topology: the ``jaxcomm.topology.Topology`` that 'auto' plans with; None:
-        ``jaxcomm.topology.detect()`` at trace time.
-      bucket_bytes: ``None``: leaves are packed as in :func:`jaxcomm.allreduce` (large
-        leaves alone, small ones concatenated per dtype; all of a dtype in one buffer for
-        'ring', 'tree', 'halving_doubling'). ``(min_bytes, max_bytes)``: the
-        leaves of each dtype, in reverse parameter order, are cut into 1-D buckets, the
-        first of ``min_bytes``, the others of ``max_bytes`` (``jaxcomm.buckets``), one
-        collective per bucket. ``'auto'`` or a ``jaxcomm.buckets.AutoBuckets``: bucket
-        sizes chosen at trace time to minimise predicted exposed communication
-        (``jaxcomm.cost.predict`` of ``algorithm`` on ``topology``). With an elementwise
-        compressor the compressed leaves are bucketed the same way, one compressed
-        collective per bucket.
-      compression: a compressor from ``jaxcomm.compression`` (``None``: no compression).
-      warmup_steps: the first ``warmup_steps`` steps are sent uncompressed (``lax.cond``
-        on the step count). With 0 no uncompressed branch is compiled.
-      min_size: leaves with fewer elements stay uncompressed (biases, norms).
-      compress_leaf: optional predicate ``(path, leaf) -> bool`` (``path`` as
-        ``jax.tree_util.keystr``, e.g. ``"['dense']['kernel']"``) that replaces the
-        ``min_size`` rule. Leaves the compressor cannot take (PowerSGD: 1-D) stay
-        uncompressed either way.
-      compress_stage: ``'all'`` compresses the whole reduction; ``'inter'`` keeps full
-        precision inside a node (reduce-scatter over the innermost axis, compressed mean
-        over the outer axes, all-gather) -- the slow inter-node links carry compressed
-        bytes, the fast intra-node links the full-precision gradient; the final intra
-        all-gather carries int8/int4's quantized means (they are the result, so no
-        precision is lost). Needs two or more axes.
-        Decisions every device must share (fp16's overflow skip, adaptive's level) are
-        still reduced over all ``axes``.
-      seed: seed of the compressors' randomness (stochastic rounding, random-k); the key
-        of a step is ``jaxcomm.compression.base.step_key(seed, count)``. Two
-        ``sync_gradients`` in one program with the same seed draw the same stream at equal
-        counts (correlated rounding errors): give each its own seed (``local_sgd`` does,
-        per fragment: ``jaxcomm.diloco.fragment_seed``).
-
-    Returns:
-      An ``optax.GradientTransformation`` with state :class:`SyncGradientsState`.
-
-    Raises:
-      ValueError: unknown ``algorithm`` or ``compress_stage``, malformed ``axes`` or
-        ``bucket_bytes``, a
-        negative ``warmup_steps``/``min_size`` (at construction).
-      TypeError: ``compression`` is not a ``jaxcomm.compression.Compressor``, or
-        ``topology`` is not a Topology.
-
-    Example:
-      >>> tx = optax.chain(
-      ...     jaxcomm.sync_gradients(compression=jaxcomm.compression.int8(),
-      ...                            warmup_steps=100, min_size=1024),
-      ...     optax.adamw(1e-3))
-    """
-    axes = check_axes(axes)
-    check_algorithm(algorithm)
-    check_topology(topology)
-    bucket_bytes = check_bucket_bytes(bucket_bytes)
-    if compression is not None and not isinstance(compression, Compressor):
-        raise TypeError(
-            f"compression={compression!r} is not a jaxcomm.compression.Compressor; build one "
-            "with e.g. jaxcomm.compression.int8() or pass None."
-        )
-    for name, v in (("warmup_steps", warmup_steps), ("min_size", min_size), ("seed", seed)):
-        check_int(name, v, minimum=0)
-    if compress_stage not in COMPRESS_STAGES:
-        raise ValueError(
-            f"compress_stage={compress_stage!r} is not known; choose one of "
-            f"{list(COMPRESS_STAGES)}."
-        )
-    if compress_stage == "inter" and len(axes) < 2:
-        raise ValueError(
-            f"compress_stage='inter' needs an inner (intra-node) axis, but axes={axes}; use "
-            "axes=('inter', 'intra') or compress_stage='all'."
-        )
-    if compress_leaf is not None and not callable(compress_leaf):
-        raise TypeError(f"compress_leaf={compress_leaf!r} must be a callable (path, leaf) -> bool.")
-
-    def bucket_bounds(leaves) -> tuple[int, int]:
-        if isinstance(bucket_bytes, AutoBuckets):
-            return bucket_bytes.choose(leaves, _predicted_seconds(algorithm, axes, topology))
-        return bucket_bytes
-
-    def reduce_plain(leaves: list) -> list:
-        """Full-precision mean of a list of leaves: leaves -> buckets -> all-reduce each."""
-        if not leaves:
-            return []
-        if bucket_bytes is None:
-            return allreduce(leaves, axes=axes, algorithm=algorithm, op="mean", topology=topology)
-        lo, hi = bucket_bounds(leaves)
-        plan = plan_buckets(leaves, min_bytes=lo, max_bytes=hi)
-        reduced = [
-            allreduce(b, axes=axes, algorithm=algorithm, op="mean", topology=topology)
-            for b in plan.pack(leaves)
-        ]
-        return plan.unpack(reduced)
-
-    def reduce_tree(grads: Any) -> Any:
-        check_float_tree(grads)
-        leaves, treedef = jax.tree.flatten(grads)
-        return jax.tree.unflatten(treedef, reduce_plain([jnp.asarray(x) for x in leaves]))
-
-    def plan_for(tree):
-        bounds = None if bucket_bytes is None else bucket_bounds
-        return LeafPlan(tree, compression, min_size, compress_leaf, compress_stage, bounds)
-
-    def init(params: Any) -> SyncGradientsState:
-        count = jnp.zeros((), jnp.int32)
-        if compression is None:
-            return SyncGradientsState(count=count)
-        plan = plan_for(params)
-        inner = None
-        if compress_stage == "inter" and plan.elementwise:
-            try:
-                inner = lax.axis_size(axes[-1])
-            except NameError as e:
-                raise ValueError(
-                    "sync_gradients(compress_stage='inter').init must run inside "
-                    f"jax.shard_map over axes {axes} (jaxcomm.data_parallel does), because "
-                    "its per-device state is one intra-node shard."
-                ) from e
-        return SyncGradientsState(
-            count, _vary_per_device(compression.init(plan.buffer_specs(inner)), axes)
-        )
-
-    def reduce_compressed(buffers, cstate, ctx: ReduceContext):
-        if compress_stage == "all":
-            return compression.reduce(buffers, cstate, ctx)
-        inner, outer = axes[-1], axes[:-1]
-        g = lax.axis_size(inner)
-        ctx = ctx._replace(axes=outer)
-        if not compression.elementwise:
-            means = [lax.pmean(b, inner) for b in buffers]
-            return compression.reduce(means, cstate, ctx)
-        # Full precision inside the node: each device keeps the intra-node mean of 1/g.
-        shards, sizes = [], []
-        for b in buffers:
-            padded, _ = pad_to_multiple(b, g)
-            shard = reduce_scatter(padded, inner)
-            shards.append((shard / g).astype(b.dtype))
-            sizes.append(b.shape[0])
-        if compression.gathers:
-            # The compressor gathers its encoded means over the node (int8: 1/4 of the f32
-            # bytes on the intra-node all-gather), then decodes.
-            outs, cstate = compression.reduce(shards, cstate, ctx._replace(gather_axis=inner))
-            for o, sh in zip(outs, shards, strict=True):
-                if o.shape != (g * sh.shape[0],):
-                    raise ValueError(
-                        f"compressor {compression.name!r} has gathers=True but returned a mean "
-                        f"of shape {o.shape} for a shard of {sh.shape[0]} elements over "
-                        f"{g} devices; it must return {(g * sh.shape[0],)} (every device's "
-                        "mean, concatenated), or set gathers=False."
-                    )
-            return [o[:n] for o, n in zip(outs, sizes, strict=True)], cstate
-        outs, cstate = compression.reduce(shards, cstate, ctx)
-        outs = [all_gather_invariant(o, inner)[:n] for o, n in zip(outs, sizes, strict=True)]
-        return outs, cstate
-
-    def update(grads: Any, state: SyncGradientsState, params: Any = None):
-        del params
-        calls = _SYNC_CALLS.get()
-        if calls is not None:
-            calls.append(axes)
-        check_bound(axes, "sync_gradients", _UNBOUND_FIX)
-        reducers = _REDUCERS.get()
-        if reducers is not None:
-            # The microbatch loop calls this very update once per microbatch, threading the
-            # state (count, compressor state) through its scan.
-            reducers.append(update)
-        if _PRE_REDUCED.get():
-            # Gradients were reduced already (microbatch loop), or this is the profiler's
-            # compute-only twin: no collective at all, compressor state untouched.
-            return grads, state._replace(count=state.count + 1)
-        if compression is None:
-            return reduce_tree(grads), SyncGradientsState(count=state.count + 1)
-
-        check_float_tree(grads)
-        plan = plan_for(grads)
-        leaves = [jnp.asarray(x) for x in jax.tree.leaves(grads)]
-        out: list = [None] * len(leaves)
-        # 2. compressed leaves (warm-up, exact steps and adaptive rungs are conditionals).
-        ok = jnp.ones((), jnp.bool_)
-        cstate = state.compression
-        if plan.compressed:
-            ctx = ReduceContext(
-                axes=axes,
-                algorithm=algorithm,
-                step=state.count,
-                key=step_key(seed, state.count),
-                data_axes=axes,
-            )
-
-            def compressed(bufs, cs):
-                reduced, cs = reduce_compressed(bufs, cs, ctx)
-                good = compression.finite(cs) if compression.finite else jnp.ones((), bool)
-                return reduced, cs, good
-
-            def packed(cs):
-                buffers = plan.pack(leaves)
-                if warmup_steps > 0:
-                    # 4. warm-up: the same leaves, uncompressed, while count < warmup_steps.
-                    def uncompressed(bufs, cs):
-                        reduced = allreduce(
-                            bufs, axes=axes, algorithm=algorithm, op="mean", topology=topology
-                        )
-                        return reduced, cs, jnp.ones((), bool)
-
-                    reduced, cs, good = lax.cond(
-                        state.count < warmup_steps, uncompressed, compressed, buffers, cs
-                    )
-                else:
-                    reduced, cs, good = compressed(buffers, cs)
-                restored = [None] * len(leaves)
-                plan.unpack(reduced, restored)
-                return [restored[i] for i in plan.compressed], cs, good
-
-            f32 = all(plan.dtypes[i] == jnp.float32 for i in plan.compressed)
-            if compression.exact is not None and compress_stage == "all" and f32:
-                # A step the compressor would send in full precision (adaptive's 'f32'
-                # rung): the leaves plus its residual, reduced unpacked as plain leaves
-                # are; packing them costs as much as the all-reduce on a CPU.
-                is_exact, residual, after = compression.exact(cstate, ctx)
-
-                def exact(cs):
-                    del cs
-                    extra = [None] * len(leaves)
-                    if residual is not None:
-                        plan.unpack(list(residual), extra)
-                    xs = [leaves[i] if extra[i] is None else leaves[i] + extra[i]
-                          for i in plan.compressed]  # fmt: skip
-                    return reduce_plain(xs), _vary_per_device(after, axes), jnp.ones((), bool)
-
-                def lossy(cs):  # both branches type the residual alike
-                    reduced, cs, good = packed(cs)
-                    return reduced, _vary_per_device(cs, axes), good
-
-                reduced, cstate, ok = lax.cond(is_exact, exact, lossy, cstate)
-            else:
-                reduced, cstate, ok = packed(cstate)
-            for i, r in zip(plan.compressed, reduced, strict=True):
-                out[i] = r
-            _check_shared_state(compression.name, cstate, axes)
-        # 3. plain leaves, full precision, after everything the compressed path computed
-        # (means, compressor state, the finiteness flag) is complete: its conditionals
-        # could still be running their collectives otherwise (jaxcomm.ordering).
-        if plan.plain:
-            done = ([out[i] for i in plan.compressed], cstate, ok)
-            plain = reduce_plain(ordering.after([leaves[i] for i in plan.plain], *done))
-            for i, r in zip(plan.plain, plain, strict=True):
-                out[i] = r
-        if compression.finite is not None:
-            # fp16 overflow: skip the whole step (all leaves), counted in the state.
-            out = [jnp.where(ok, o, jnp.zeros_like(o)) for o in out]
-        out = [o.astype(x.dtype) for o, x in zip(out, leaves, strict=True)]
-        reduced_tree = jax.tree.unflatten(plan.treedef, out)
-        return reduced_tree, SyncGradientsState(count=state.count + 1, compression=cstate)
-
-    return optax.GradientTransformation(init, update)

@@ -165,7 +165,7 @@ class Testbed:
 
     Example:
       >>> with Testbed(nodes=2, devices_per_node=2, link="1gbit") as tb:
-      ...     rc = tb.run(["python", "-m", "jaxcomm.bench", "testbed", "--worker"])
+      ...     rc = tb.run(["python", "-m", "experiments.bench", "testbed", "--worker"])
     """
 
     def __init__(
@@ -231,7 +231,7 @@ class Testbed:
         """The fabric as a ``jaxcomm.topology`` JSON dict (bandwidths per device).
 
         The node level's figure is loopback gloo between a process's devices as measured
-        by ``python -m jaxcomm.bench testbed`` on the 2-core reference machine (about 0.3
+        by ``python -m experiments.bench testbed`` on the 2-core reference machine (about 0.3
         GB/s bus bandwidth); the link levels are the shaped rates shared by the devices
         behind them.
         """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -14,16 +14,14 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm import ordering, outputs
+from jaxcomm import ordering, outputs, xla_cpu
 from jaxcomm.collectives import allreduce_floats, check_axes
-from jaxcomm.compression.adaptive import ladder_probe, with_comm_share
 from jaxcomm.compression.cast import Fp16State
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import agree, check_same_on_processes
 from jaxcomm.hlo import ordering_hazards
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate, update_with_value
-from jaxcomm.nnx import check_optimizer, check_params
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.state import (
     leaf_specs,
@@ -32,7 +30,7 @@ from jaxcomm.state import (
     unstack_leaves,
     varying_axes,
 )
-from jaxcomm.sync import SyncGradientsState, is_pre_reduced, pre_reduced, sync_probe
+from jaxcomm.sync import GradientSync, SyncGradientsState, SyncRequest, accepting_requests
 from jaxcomm.validate import check_int
 
 __all__ = ["DataParallel", "TrainState", "data_parallel"]
@@ -268,6 +266,98 @@ def _refuse_ordering_hazards(text: str) -> None:
         )
 
 
+def _refuse_drift(paths: list[str], per: list[bool], marked: list[bool]) -> None:
+    """Refuses optimizer state computed from each device's own gradients without a mark."""
+    drifting = [p for p, f, m in zip(paths, per, marked, strict=True) if f and not m]
+    if drifting:
+        more = f" (and {len(drifting) - 1} more leaves)" if len(drifting) > 1 else ""
+        raise ValueError(
+            f"data_parallel: optimizer state {drifting[0]}{more} is computed from each "
+            "device's own gradients: a stateful transform runs before "
+            "jaxcomm.sync_gradients in the chain, so every device would keep a different "
+            "copy (e.g. Adam's moments of its local gradients). Put "
+            "jaxcomm.sync_gradients() first, e.g. optax.chain(jaxcomm.sync_gradients(), "
+            "optax.adamw(1e-3)); if per-device state is what you mean, wrap it in "
+            "jaxcomm.PerDevice in the transform's init."
+        )
+
+
+def _refuse_varying_updates(updates: list[tuple[str, list]]) -> None:
+    """Refuses an update that varies over the data axes (no sync before it)."""
+    varying = [(k, v) for k, v in updates if v]
+    if varying:
+        path, vma = varying[0]
+        more = f" (and {len(varying) - 1} more leaves)" if len(varying) > 1 else ""
+        raise ValueError(
+            f"data_parallel: the optimizer's update of params{path}{more} varies over "
+            f"mesh axes {tuple(vma)}: it is "
+            "computed from each device's own gradients with no synchronising collective "
+            "after them, so params would differ across devices. Put "
+            "jaxcomm.sync_gradients() in the optax.chain before the transforms whose "
+            "output must agree, e.g. optax.chain(jaxcomm.sync_gradients(), "
+            "optax.adamw(1e-3)). If you reduce the gradients yourself, pass "
+            "require_sync=False (replication is then not proven; use check_replicas=N)."
+        )
+
+
+def _flax_kind(x: Any) -> str | None:
+    """``'Optimizer'`` or ``'Module'`` for a Flax NNX object, else None (read from the
+    class's module, so the train step needs no Flax import)."""
+    for cls in type(x).__mro__:
+        if cls.__module__.startswith("flax.nnx") and cls.__name__ in ("Optimizer", "Module"):
+            return cls.__name__
+    return None
+
+
+def _refuse_nnx_object(x: Any, where: str) -> None:
+    if _flax_kind(x) is not None:
+        raise TypeError(
+            f"{where}: got a Flax NNX {type(x).__name__}. "
+            "The NNX step is data-parallel with @jaxcomm.nnx_data_parallel(mesh) on "
+            "train_step(model, optimizer, metrics, batch); jaxcomm.data_parallel takes "
+            "a loss function, an optax transform and params (nnx.state(model, nnx.Param))."
+        )
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """Raises a clear error if ``optimizer`` is not an optax transform (e.g. an
+    ``nnx.Optimizer`` passed to :func:`data_parallel`)."""
+    if _flax_kind(optimizer) == "Optimizer":
+        raise TypeError(
+            "data_parallel(optimizer=...): got an nnx.Optimizer; data_parallel takes the optax "
+            "transform itself, e.g. optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-3)). "
+            "To keep nnx.Optimizer and the NNX train step, decorate the step with "
+            "@jaxcomm.nnx_data_parallel(mesh) instead."
+        )
+    _refuse_nnx_object(optimizer, "data_parallel(optimizer=...)")
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
+        raise TypeError(
+            f"data_parallel(optimizer=...): got {type(optimizer).__name__}, not an optax "
+            "GradientTransformation (init/update); pass e.g. "
+            "optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))."
+        )
+
+
+def _check_params(params: Any) -> None:
+    """Raises a clear error for Flax objects passed as params to ``DataParallel.init``: an
+    NNX module, or Linen ``variables`` holding mutable collections (``batch_stats``)."""
+    _refuse_nnx_object(params, "DataParallel.init(params)")
+    if isinstance(params, Mapping) and "params" in params:
+        others = sorted(str(k) for k in params if k != "params")
+        if others:
+            raise ValueError(
+                f"DataParallel.init(params): got Linen variables with collections {others} "
+                "besides 'params'. Pass them apart and build the step with "
+                "with_model_state=True: dp.init(variables['params'], "
+                f"{{k: variables[k] for k in {others}}}), with loss_fn(params, model_state, "
+                "batch) calling model.apply({'params': params, **model_state}, x, "
+                f"mutable={others}). Or keep a flax TrainState step and decorate it with "
+                "@jaxcomm.linen_data_parallel(mesh)."
+            )
+
+
 class DataParallel:
     """A compiled data-parallel train step; build it with :func:`data_parallel`.
 
@@ -276,6 +366,27 @@ class DataParallel:
       axes: data-parallel axis names.
       check_replicas: compare replicas every this many steps (0: off).
       per_device_paths: optimizer-state leaves stored per device (after ``init``).
+      syncs: the :class:`~jaxcomm.GradientSync` of each ``sync_gradients`` the optimizer
+        runs, in the order it runs them (after ``init``).
+
+    The step equals the one-device computation of the same script, or is refused:
+
+    * transforms before ``sync_gradients`` in an ``optax.chain`` must commute with the mean
+      over devices (``scale``, ``add_decayed_weights``); one that does not
+      (``clip_by_global_norm``, ``clip``, per-leaf or adaptive clipping) is found by a
+      probe at build time (two random gradients and their mean, at three scales) and
+      refused: put ``sync_gradients()`` first. (A chain inside another wrapper, e.g.
+      ``optax.MultiSteps``, is not looked into.)
+    * optimizers that read the loss (optax's extra argument ``value=``, e.g.
+      ``optax.contrib.reduce_on_plateau``) get the mean loss of the global batch.
+    * an fp16 overflow (``jaxcomm.compression.fp16``) skips the step whole: params and
+      optimizer state stay as they were, only the fp16 counters move.
+    * every process must pass the same initial params, model state and optimizer state to
+      :meth:`DataParallel.init` (compared by digest; refused naming the processes).
+    * a batch in ``jax.pmap``'s layout ``(devices, per_device, ...)`` is refused where the
+      loss tells it apart (it traces on ``(per_device, ...)`` and not on the
+      ``(1, per_device, ...)`` slice each device would get); pass the global batch,
+      ``x.reshape(-1, *x.shape[2:])``.
     """
 
     def __init__(
@@ -302,7 +413,7 @@ class DataParallel:
         )
         microbatches = check_int("microbatches", microbatches, minimum=1, fix="1 turns it off")
         check_accumulate(accumulate)
-        check_optimizer(optimizer)
+        _check_optimizer(optimizer)
         if microbatches > 1 and with_model_state:
             raise ValueError(
                 "microbatches > 1 with with_model_state=True is not supported: model state "
@@ -312,7 +423,7 @@ class DataParallel:
         check_mesh_axes("data_parallel", axes, mesh)
         self.mesh = mesh
         self.axes = axes
-        self.optimizer = optimizer
+        self.optimizer = accepting_requests(optimizer)
         self._loss_fn = loss_fn
         self._has_aux = has_aux
         self._with_model_state = with_model_state
@@ -331,6 +442,7 @@ class DataParallel:
         self._opt_paths: list[str] = []
         self._opt_local: Any = None  # this device's optimizer state shapes, from the probe
         self._local_sgd = False  # the optimizer holds jaxcomm.local_sgd (from the probe)
+        self.syncs: list[GradientSync] = []  # each sync_gradients' GradientSync (probe)
         self._calls = 0
         self._feedback: Any = None  # set_feedback: the measured share goes into each step
 
@@ -359,17 +471,50 @@ class DataParallel:
     def _infer_layout(self, params: Any) -> list[bool]:
         """Which optimizer-state leaves are per device, from shard_map's replication types.
 
-        A leaf is per device if it is marked ``PerDevice``, or if shard_map types it as
-        varying over the data axes after ``init`` or after ``update`` with per-device
-        gradients. ``update`` is traced abstractly (no compute, no compile) until the set
-        is stable, because a per-device input can make further leaves vary. The update
-        itself must come out invariant, or params would diverge: that is refused here.
+        1. ``init`` is traced: a leaf is per device if it is marked ``PerDevice`` (or is an
+           ``optax.MultiSteps`` accumulator), or typed varying over the data axes.
+        2. ``update`` with per-device gradients is traced abstractly (no compute, no
+           compile) until the set is stable, because a per-device input can make further
+           leaves vary; the trace also collects every :class:`~jaxcomm.GradientSync`.
+        3. State that varies without a mark (a stateful transform before the sync) and an
+           update that varies (no sync) are refused, naming the leaf; so is a transform
+           before the sync that does not commute with the mean.
         """
-        axes = frozenset(self.axes)
         concrete = params
         params = jax.tree.map(
             lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype, sharding=self.replicated), params
         )
+        rec = self._trace_init(params)
+        self._opt_paths = rec["paths"]
+        self._opt_local = jax.tree.unflatten(rec["treedef"], rec["local"])
+        self._local_sgd = rec["local_sgd"]
+        if rec["local_sgd"] and self._overlapped:
+            raise ValueError(
+                "data_parallel(accumulate='overlap') reduces every microbatch's gradient, but "
+                "jaxcomm.local_sgd synchronises only every sync_every steps: use "
+                "accumulate='local' (the default) with local_sgd."
+            )
+        if not self._require_sync:
+            # The user reduces (or, for a compute-only twin, skips) the gradients: nothing
+            # is proven, so only explicit marks decide (and check_replicas=N checks values).
+            return rec["marked"]
+        per = [m or v for m, v in zip(rec["marked"], rec["vary"], strict=True)]
+        for _ in range(len(per) + 1):
+            nxt, updates = self._trace_update(params, rec, per)
+            nxt = [a or b for a, b in zip(per, nxt, strict=True)]
+            if nxt == per:
+                break
+            per = nxt
+        _refuse_drift(rec["paths"], per, rec["marked"])
+        _refuse_varying_updates(updates)
+        if not self._local_sgd:
+            _refuse_nonlinear_before_sync(self.optimizer, concrete, self._opt_local)
+        return per
+
+    def _trace_init(self, params: Any) -> dict[str, Any]:
+        """Step 1 of :meth:`_infer_layout`: the optimizer state's paths, local shapes,
+        marks and replication types after ``init``."""
+        axes = frozenset(self.axes)
         rec: dict[str, Any] = {}
 
         def init_probe(p):
@@ -386,99 +531,58 @@ class DataParallel:
             return jnp.zeros(())
 
         jax.eval_shape(self._probe_map(init_probe, (P(),)), params)
-        self._opt_paths = rec["paths"]
-        self._opt_local = jax.tree.unflatten(rec["treedef"], rec["local"])
-        self._local_sgd = rec["local_sgd"]
-        if rec["local_sgd"] and self._overlapped:
-            raise ValueError(
-                "data_parallel(accumulate='overlap') reduces every microbatch's gradient, but "
-                "jaxcomm.local_sgd synchronises only every sync_every steps: use "
-                "accumulate='local' (the default) with local_sgd."
-            )
-        if not self._require_sync:
-            # The user reduces (or, for a compute-only twin, skips) the gradients: nothing
-            # is proven, so only explicit marks decide (and check_replicas=N checks values).
-            return rec["marked"]
-        per = [m or v for m, v in zip(rec["marked"], rec["vary"], strict=True)]
+        return rec
+
+    def _trace_update(self, params: Any, rec: dict, per: list[bool]):
+        """Step 2 of :meth:`_infer_layout`, one round: ``update`` traced with state laid out
+        as ``per`` says. Returns which state leaves vary after it and, per update leaf, its
+        path and the data axes it varies over; sets :attr:`syncs`."""
+        axes = frozenset(self.axes)
         local = jax.tree.unflatten(rec["treedef"], rec["local"])
-        for _ in range(len(per) + 1):
+        out: dict[str, Any] = {}
 
-            def update_probe(p, s, per=per):
-                s = unstack_leaves(s, per)
-                g = jax.tree.map(jnp.zeros_like, p)
-                if not self._overlapped:  # gradients of the local batch(es): per device
-                    g = lax.pcast(g, self.axes, to="varying")
-                with sync_probe() as calls, self._maybe_pre_reduced():
-                    u, s2 = update_with_value(
-                        self.optimizer.update, g, s, p, lambda: jnp.zeros((), jnp.float32)
-                    )
-                self._check_synced(calls)
-                rec["next"] = [bool(varying_axes(x) & axes) for x in jax.tree.leaves(s2)]
-                rec["updates"] = [
-                    (jax.tree_util.keystr(k), sorted(varying_axes(x) & axes))
-                    for k, x in jax.tree_util.tree_flatten_with_path(u)[0]
-                ]
-                return jnp.zeros(())
+        def update_probe(p, s):
+            s = unstack_leaves(s, per)
+            g = jax.tree.map(jnp.zeros_like, p)
+            if not self._overlapped:  # gradients of the local batch(es): per device
+                g = lax.pcast(g, self.axes, to="varying")
+            request = SyncRequest(communicate=not self._overlapped, found=[])
+            update = functools.partial(self.optimizer.update, sync_request=request)
+            u, s2 = update_with_value(update, g, s, p, lambda: jnp.zeros((), jnp.float32))
+            self._check_synced(request.found, s)
+            self.syncs = list({id(x): x for x in request.found}.values())
+            out["next"] = [bool(varying_axes(x) & axes) for x in jax.tree.leaves(s2)]
+            out["updates"] = [
+                (jax.tree_util.keystr(k), sorted(varying_axes(x) & axes))
+                for k, x in jax.tree_util.tree_flatten_with_path(u)[0]
+            ]
+            return jnp.zeros(())
 
-            def glob_leaf(x, f):
-                if f:
-                    shape, sharding = (self.num_devices, *x.shape), self._stacked
-                else:
-                    shape, sharding = x.shape, self.replicated
-                return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+        def glob_leaf(x, f):
+            if f:
+                shape, sharding = (self.num_devices, *x.shape), self._stacked
+            else:
+                shape, sharding = x.shape, self.replicated
+            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
 
-            glob = jax.tree.map(glob_leaf, local, jax.tree.unflatten(rec["treedef"], per))
-            specs = leaf_specs(local, per, self.axes)
-            try:
-                jax.eval_shape(self._probe_map(update_probe, (P(), specs)), params, glob)
-            except (TypeError, ValueError) as e:
-                if "manual axis types" not in str(e) and "vma" not in str(e):
-                    raise
-                raise ValueError(
-                    "data_parallel: the optimizer's update does not type-check under "
-                    "shard_map's replication check: a branch or decision depends on each "
-                    "device's own gradients, so devices could take different branches (and "
-                    "some would skip the sync's collectives). A common cause is a wrapper "
-                    "around jaxcomm.sync_gradients that decides from the raw gradients, e.g. "
-                    "optax.apply_if_finite(optax.chain(jaxcomm.sync_gradients(), ...)): put "
-                    "it after the sync instead, optax.chain(jaxcomm.sync_gradients(), "
-                    f"optax.apply_if_finite(...)). JAX says: {e}"
-                ) from e
-            nxt = [a or b for a, b in zip(per, rec["next"], strict=True)]
-            if nxt == per:
-                break
-            per = nxt
-        drifting = [
-            p for p, f, m in zip(rec["paths"], per, rec["marked"], strict=True) if f and not m
-        ]
-        if drifting:
-            more = f" (and {len(drifting) - 1} more leaves)" if len(drifting) > 1 else ""
+        glob = jax.tree.map(glob_leaf, local, jax.tree.unflatten(rec["treedef"], per))
+        specs = leaf_specs(local, per, self.axes)
+        try:
+            jax.eval_shape(self._probe_map(update_probe, (P(), specs)), params, glob)
+        except (TypeError, ValueError) as e:
+            if "manual axis types" not in str(e) and "vma" not in str(e):
+                raise
             raise ValueError(
-                f"data_parallel: optimizer state {drifting[0]}{more} is computed from each "
-                "device's own gradients: a stateful transform runs before "
-                "jaxcomm.sync_gradients in the chain, so every device would keep a different "
-                "copy (e.g. Adam's moments of its local gradients). Put "
-                "jaxcomm.sync_gradients() first, e.g. optax.chain(jaxcomm.sync_gradients(), "
-                "optax.adamw(1e-3)); if per-device state is what you mean, wrap it in "
-                "jaxcomm.PerDevice in the transform's init."
-            )
-        varying = [(k, v) for k, v in rec["updates"] if v]
-        if varying:
-            path, vma = varying[0]
-            more = f" (and {len(varying) - 1} more leaves)" if len(varying) > 1 else ""
-            raise ValueError(
-                f"data_parallel: the optimizer's update of params{path}{more} varies over "
-                f"mesh axes {tuple(vma)}: it is "
-                "computed from each device's own gradients with no synchronising collective "
-                "after them, so params would differ across devices. Put "
-                "jaxcomm.sync_gradients() in the optax.chain before the transforms whose "
-                "output must agree, e.g. optax.chain(jaxcomm.sync_gradients(), "
-                "optax.adamw(1e-3)). If you reduce the gradients yourself, pass "
-                "require_sync=False (replication is then not proven; use check_replicas=N)."
-            )
-        if not self._local_sgd:
-            _refuse_nonlinear_before_sync(self.optimizer, concrete, self._opt_local)
-        return per
+                "data_parallel: the optimizer's update does not type-check under "
+                "shard_map's replication check: a branch or decision depends on each "
+                "device's own gradients, so devices could take different branches (and "
+                "some would skip the sync's collectives). A common cause is a wrapper "
+                "around jaxcomm.sync_gradients that decides from the raw gradients, e.g. "
+                "optax.apply_if_finite(optax.chain(jaxcomm.sync_gradients(), ...)): put "
+                "it after the sync instead, optax.chain(jaxcomm.sync_gradients(), "
+                f"optax.apply_if_finite(...)). JAX says: {e}"
+            ) from e
+        return out["next"], out["updates"]
 
     def _probe_map(self, fn: Callable, in_specs: tuple) -> Callable:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P(), check_vma=True)
@@ -502,7 +606,7 @@ class DataParallel:
             replicas would train apart); or the optimizer is refused (see
             :func:`data_parallel`).
         """
-        check_params(params)
+        _check_params(params)
         # Every process must start from the same values, or the replicas train apart (a
         # per-process seed); compared by digest through the coordination service.
         check_same_on_processes(
@@ -614,26 +718,76 @@ class DataParallel:
         """
         return lax.pcast(params, self.axes, to="varying")
 
-    def _local_step(self, state: TrainState, batch: Any, comm_share: jax.Array | None = None):
+    def _local_step(
+        self,
+        state: TrainState,
+        batch: Any,
+        comm_share: jax.Array | None = None,
+        *,
+        feedback: Any = None,
+        communicate: bool = True,
+    ):
+        """One device's step inside shard_map: gradients, the optimizer (whose
+        ``sync_gradients`` reduces them), the update, then the outputs combined."""
         opt_state = unstack_leaves(state.opt_state, self._opt_layout)
         if comm_share is not None:
             # The measured communication share, an explicit input of the step (one value per
             # device, from its process's clock), averaged over the data axes so that every
-            # device decides from one value, goes into every adaptive compressor's state.
-            opt_state = with_comm_share(opt_state, lax.pmean(comm_share[0], self.axes))
+            # device decides from one value, written into the state by the feedback.
+            opt_state = feedback.write(opt_state, lax.pmean(comm_share[0], self.axes))
         # Where this device's gradient is taken: jaxcomm.local_sgd's local params (per
         # device, varying already) if the optimizer has them, else the replicated params.
         local = gradient_params(opt_state)
+        value, aux, grads, update, model_state = self._gradients(
+            state, opt_state, batch, local, communicate
+        )
+        request = SyncRequest(communicate=communicate, found=[])
+        # Optimizers that read the loss (optax's extra argument value=, e.g.
+        # reduce_on_plateau) get the loss of the global batch, as on one device.
+        updates, new_opt = update_with_value(
+            functools.partial(update, sync_request=request),
+            grads,
+            opt_state,
+            state.params,
+            lambda: lax.pmean(value, self.axes),
+        )
+        self._check_synced(request.found, opt_state)
+        params = optax.apply_updates(state.params, updates)
+        skipped = _fp16_skipped(opt_state, new_opt)
+        if skipped is not None:
+            # An fp16 sum overflowed (decided from the reduced sum: the same on every
+            # device): the step is skipped whole, as optax.apply_if_finite does. Params and
+            # optimizer state stay as they were; only the fp16 counters move.
+            params = _unless(skipped, params, state.params)
+            new_opt = _unless(skipped, new_opt, opt_state)
+        metrics = {"loss": value, **dict(aux or {})}
+        # After the update: the sync's conditionals may hold collectives still running
+        # when an independent all-reduce starts (jaxcomm.ordering).
+        synced, metrics = ordering.after(
+            (model_state if self._with_model_state else None, metrics), updates
+        )
+        synced, metrics = self._outputs(synced, metrics, local_sgd=local is not None)
+        if self._with_model_state:
+            model_state = synced
+        new_state = TrainState(
+            state.step + 1, params, stack_leaves(new_opt, self._opt_layout), model_state
+        )
+        return new_state, metrics
+
+    def _gradients(self, state, opt_state, batch, local, communicate: bool):
+        """This device's ``(loss, metrics, gradients, optimizer update, model state)``: at
+        the replicated params (typed varying) or at local_sgd's ``local`` params, over
+        microbatches where asked (their update then threads the reductions' state)."""
         at = self._varying_params(state.params) if local is None else local
-        update = self.optimizer.update
         if self._with_model_state:
 
             def loss(p):
                 return self._loss_fn(p, state.model_state, batch)
 
             (value, (model_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(at)
-        elif self.microbatches > 1:
-            value, aux, grads, update = accumulate_gradients(
+            return value, aux, grads, self.optimizer.update, model_state
+        if self.microbatches > 1:
+            acc = accumulate_gradients(
                 self._loss_fn,
                 self.optimizer,
                 state.params if local is None else local,
@@ -643,53 +797,28 @@ class DataParallel:
                 accumulate=self.accumulate,
                 has_aux=self._has_aux,
                 axes=self.axes,
+                communicate=communicate,
             )
-            model_state = state.model_state
-        else:
-            out, grads = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)(at, batch)
-            value, aux = out if self._has_aux else (out, {})
-            model_state = state.model_state
-        old_opt = opt_state
-        with sync_probe() as calls:
-            # Optimizers that read the loss (optax's extra argument value=, e.g.
-            # reduce_on_plateau) get the loss of the global batch, as on one device.
-            updates, opt_state = update_with_value(
-                update, grads, opt_state, state.params, lambda: lax.pmean(value, self.axes)
-            )
-        self._check_synced(calls)
-        params = optax.apply_updates(state.params, updates)
-        skipped = _fp16_skipped(old_opt, opt_state)
-        if skipped is not None:
-            # An fp16 sum overflowed (decided from the reduced sum: the same on every
-            # device): the step is skipped whole, as optax.apply_if_finite does. Params and
-            # optimizer state stay as they were; only the fp16 counters move.
-            params = _unless(skipped, params, state.params)
-            opt_state = _unless(skipped, opt_state, old_opt)
-        metrics = {"loss": value, **dict(aux or {})}
-        # The model state the loss returned (batch statistics) is averaged in the same
-        # all-reduce as the metrics' means (one buffer per dtype, not one per leaf).
-        synced = model_state if self._with_model_state else None
-        # After the update: the sync's conditionals may hold collectives still running
-        # when an independent all-reduce starts (jaxcomm.ordering).
-        synced, metrics = ordering.after((synced, metrics), updates)
-        if local is None:
-            synced, metrics = self._combine(synced, _float_metrics(metrics))
-        else:
-            synced = allreduce_floats(synced, self.axes, "mean")
-            # jaxcomm.local_sgd: each device's own value (at its own params), one row per
-            # device. Averaging here would put a collective on every local step, the very
-            # cost local steps avoid; the caller averages the rows when it reads them.
-            metrics = jax.tree.map(
-                lambda m: jnp.asarray(m.value if isinstance(m, outputs.Reduced) else m)[None],
-                _float_metrics(metrics),
-                is_leaf=lambda x: isinstance(x, outputs.Reduced),
-            )
-        if self._with_model_state:
-            model_state = synced
-        new_state = TrainState(
-            state.step + 1, params, stack_leaves(opt_state, self._opt_layout), model_state
+            return acc.value, acc.aux, acc.grads, acc.update, state.model_state
+        out, grads = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)(at, batch)
+        value, aux = out if self._has_aux else (out, {})
+        return value, aux, grads, self.optimizer.update, state.model_state
+
+    def _outputs(self, synced: Any, metrics: Any, *, local_sgd: bool) -> tuple[Any, Any]:
+        """The model state averaged and the metrics combined over the devices; with
+        local_sgd the metrics stay one row per device."""
+        if not local_sgd:
+            return self._combine(synced, _float_metrics(metrics))
+        synced = allreduce_floats(synced, self.axes, "mean")
+        # jaxcomm.local_sgd: each device's own value (at its own params), one row per
+        # device. Averaging here would put a collective on every local step, the very
+        # cost local steps avoid; the caller averages the rows when it reads them.
+        metrics = jax.tree.map(
+            lambda m: jnp.asarray(m.value if isinstance(m, outputs.Reduced) else m)[None],
+            _float_metrics(metrics),
+            is_leaf=lambda x: isinstance(x, outputs.Reduced),
         )
-        return new_state, metrics
+        return synced, metrics
 
     def _combine(self, synced: Any, metrics: Any) -> tuple[Any, Any]:
         """The model state averaged and the metrics combined over the devices by their kind
@@ -704,23 +833,33 @@ class DataParallel:
             flat[i] = x
         return jax.tree.unflatten(treedef, flat), out["metrics"]
 
-    def _check_synced(self, calls: list) -> None:
-        if self._require_sync and not calls:
+    def _check_synced(self, found: list, opt_state: Any) -> None:
+        """Refuses an optimizer whose update ran no ``sync_gradients`` (``found``: the
+        syncs its trace reported through ``SyncRequest``)."""
+        if not self._require_sync or found:
+            return
+        if _has_sync(opt_state):
             raise ValueError(
-                "the optimizer passed to data_parallel never synchronises gradients, so "
-                "params would drift apart across devices. Put jaxcomm.sync_gradients() first "
-                "in the optax.chain, or pass require_sync=False if you reduce them yourself."
+                "data_parallel: the optimizer state holds a SyncGradientsState, but no "
+                "sync_gradients reported itself through optax's extra argument "
+                "sync_request=: a wrapper in the optimizer does not forward extra "
+                "arguments to the transforms it wraps. Forward **extra_args in its update "
+                "(optax's own wrappers do), or wrap it with optax.with_extra_args_support."
             )
+        raise ValueError(
+            "the optimizer passed to data_parallel never synchronises gradients, so "
+            "params would drift apart across devices. Put jaxcomm.sync_gradients() first "
+            "in the optax.chain, or pass require_sync=False if you reduce them yourself."
+        )
 
     @property
     def _overlapped(self) -> bool:
         """Whether the gradients reach the optimizer reduced already ('overlap' mode)."""
         return self.microbatches > 1 and self.accumulate == "overlap"
 
-    def _maybe_pre_reduced(self):
-        return pre_reduced() if self._overlapped else contextlib.nullcontext()
-
-    def step_fn(self, state: TrainState, *, feedback: bool = False) -> Callable:
+    def step_fn(
+        self, state: TrainState, *, feedback: Any = None, communicate: bool = True
+    ) -> Callable:
         """The jitted ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
         Runs under ``jax.shard_map(..., check_vma=True)``: every output typed replicated
@@ -730,20 +869,25 @@ class DataParallel:
 
         Args:
           state: an example state (its shapes and layout).
-          feedback: the step takes a third input, the measured communication share (f32,
-            one value per device, split over the data axes like the batch); its mean over
-            the devices is written into every ``AdaptiveState`` before the update
-            (``jaxcomm.compression.with_comm_share``).
+          feedback: None, or the feedback of :meth:`set_feedback`: the step then takes a
+            third input, the measured communication share (f32, one value per device,
+            split over the data axes like the batch), and writes its mean over the
+            devices into the optimizer state with ``feedback.write(opt_state, share)``
+            before the update.
+          communicate: False builds the compute-only twin: every ``sync_gradients`` passes
+            the gradients through (no gradient collective; params drift, so no
+            replication check).
         """
         specs = self.state_specs(state)
+        local_step = functools.partial(self._local_step, feedback=feedback, communicate=communicate)
         mapped = jax.shard_map(
-            self._local_step,
+            local_step,
             mesh=self.mesh,
             in_specs=(specs, P(self.axes), *((P(self.axes),) if feedback else ())),
             out_specs=(specs, P(self.axes) if self._local_sgd else P()),
             # Off only where params are meant to drift: require_sync=False (the user's own
             # reduction, or an experiment's compute-only twin) and the profiler's twin.
-            check_vma=self._require_sync and not is_pre_reduced(),
+            check_vma=self._require_sync and communicate,
         )
         return jax.jit(
             mapped,
@@ -756,25 +900,28 @@ class DataParallel:
 
         From now on each call passes ``feedback.before_step()`` (an f32 array of one value
         per device, sharded like the batch: the measured communication share; the step
-        averages it over the devices) as the step's third input and hands the new state to
-        ``feedback.after_step(state)``. ``jaxcomm.CommProfiler.drive`` is
-        the feedback that measures the share; users call that.
+        averages it over the devices and writes it into the optimizer state with
+        ``feedback.write(opt_state, share)``, inside the step) as the step's third input
+        and hands the new state to ``feedback.after_step(state)``.
+        ``jaxcomm.CommProfiler.drive`` is the feedback that measures the share; users call
+        that.
 
         Args:
-          feedback: an object with ``before_step() -> jax.Array`` and
+          feedback: an object with ``before_step() -> jax.Array``,
+            ``write(opt_state, share) -> opt_state`` (traced) and
             ``after_step(state) -> None``.
           state, batch: example inputs (the step is compiled for their shapes).
 
         Returns:
-          ``(compiled step, ladders)``: the ``jax.stages.Compiled`` step and the rung names
-          of each adaptive compressor traced in it (in trace order).
+          The ``jax.stages.Compiled`` step.
         """
-        with ladder_probe() as ladders:
-            self._compiled_step = self.compile(state, batch, feedback=True)
+        self._compiled_step = self.compile(state, batch, feedback=feedback)
         self._feedback = feedback
-        return self._compiled_step, list(ladders)
+        return self._compiled_step
 
-    def compile(self, state: TrainState, batch: Any, *, feedback: bool = False) -> Any:
+    def compile(
+        self, state: TrainState, batch: Any, *, feedback: Any = None, communicate: bool = True
+    ) -> Any:
         """The step compiled for these inputs, ready to run on every process.
 
         In a job of several processes, each compiles on its own, and a collective of the
@@ -789,8 +936,8 @@ class DataParallel:
 
         Args:
           state, batch: example inputs (the step is compiled for their shapes).
-          feedback: compile the step that takes the measured communication share as a
-            third input (:meth:`set_feedback`).
+          feedback, communicate: as :meth:`step_fn` says (the feedback of
+            :meth:`set_feedback`; the compute-only twin).
 
         Returns:
           A ``jax.stages.Compiled`` step: ``compiled(state, batch[, share])``.
@@ -801,15 +948,16 @@ class DataParallel:
         """
         self._refuse_pmap_layout(state, batch)
         args: tuple = (state, self.shard_batch(batch))
-        if feedback:
+        if feedback is not None:
             share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self._stacked)
             args += (share,)
+        step = self.step_fn(state, feedback=feedback, communicate=communicate)
         if jax.process_count() == 1:
-            return self.step_fn(state, feedback=feedback).lower(*args).compile()
+            return step.lower(*args).compile()
         compiled, error = None, None
         try:
-            compiled = self.step_fn(state, feedback=feedback).lower(*args).compile()
-            if self.mesh.devices.flat[0].platform == "cpu":
+            compiled = step.lower(*args).compile()
+            if self.mesh.devices.flat[0].platform == "cpu":  # gloo pairs ops by order
                 _refuse_ordering_hazards(compiled.as_text())
         except Exception as e:  # every process learns of it: none runs the step alone
             error = e
@@ -834,11 +982,7 @@ class DataParallel:
             self._compiled_step = self.compile(state, batch) if many else self.step_fn(state)
         extra = () if self._feedback is None else (self._feedback.before_step(),)
         out = self._compiled_step(state, self.shard_batch(batch), *extra)
-        if jax.default_backend() == "cpu":
-            # XLA:CPU: several queued executions of a program with collectives can deadlock
-            # the in-process rendezvous (seen on 2-core machines with 8 fake devices: a
-            # 40 s termination abort), so CPU runs keep one step in flight. GPU and TPU
-            # keep asynchronous dispatch.
+        if xla_cpu.one_step_in_flight(self.mesh):
             jax.block_until_ready(out)
         self._calls += 1
         if self.check_replicas and self._calls % self.check_replicas == 0:
@@ -881,24 +1025,8 @@ def data_parallel(
     invariant across devices; an optimizer whose update is not (no sync before it) is
     refused with an error naming the leaf.
 
-    The step equals the one-device computation of the same script, or is refused:
-
-    * transforms before ``sync_gradients`` in an ``optax.chain`` must commute with the mean
-      over devices (``scale``, ``add_decayed_weights``); one that does not
-      (``clip_by_global_norm``, ``clip``, per-leaf or adaptive clipping) is found by a
-      probe at build time (two random gradients and their mean, at three scales) and
-      refused: put ``sync_gradients()`` first. (A chain inside another wrapper, e.g.
-      ``optax.MultiSteps``, is not looked into.)
-    * optimizers that read the loss (optax's extra argument ``value=``, e.g.
-      ``optax.contrib.reduce_on_plateau``) get the mean loss of the global batch.
-    * an fp16 overflow (``jaxcomm.compression.fp16``) skips the step whole: params and
-      optimizer state stay as they were, only the fp16 counters move.
-    * every process must pass the same initial params, model state and optimizer state to
-      :meth:`DataParallel.init` (compared by digest; refused naming the processes).
-    * a batch in ``jax.pmap``'s layout ``(devices, per_device, ...)`` is refused where the
-      loss tells it apart (it traces on ``(per_device, ...)`` and not on the
-      ``(1, per_device, ...)`` slice each device would get); pass the global batch,
-      ``x.reshape(-1, *x.shape[2:])``.
+    The step equals the one-device computation of the same script, or is refused
+    (:class:`DataParallel` lists what is refused and why).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``-> (loss, metrics)`` with
@@ -919,14 +1047,11 @@ def data_parallel(
         rules hold over the microbatches (sums summed, not divided by their number).
         With ``jaxcomm.local_sgd`` the loss and metrics are not averaged: each has shape
         ``(devices,)``, one value per device at its own params (an average would be a
-        collective on every local step); average them when you read them, e.g.
-        ``float(metrics['loss'].mean())`` (with several processes a collective of its own:
-        read them every so often, not every step).
-      with_model_state: ``loss_fn`` takes and returns model state (batch statistics);
-        its float leaves are averaged across devices every step (with ``local_sgd`` too:
-        a collective on every step).
+        collective on every local step): ``float(metrics['loss'].mean())`` when read.
+      with_model_state: ``loss_fn`` takes and returns model state (batch statistics),
+        whose float leaves are averaged across devices every step.
       compiler_options: XLA options for this step only (``jaxcomm.xla`` builds them).
-      donate: donate the input state's buffers to the output.
+      donate: donate the input state's buffers.
       require_sync: raise if the optimizer never calls ``sync_gradients``. ``False`` (you
         reduce gradients yourself, or time a compute-only twin) also runs the step without
         shard_map's replication check and takes per-device state from ``PerDevice`` marks
@@ -938,12 +1063,9 @@ def data_parallel(
         'local' mode). Not supported with ``with_model_state``.
       accumulate: how microbatch gradients reach the optimizer (``jaxcomm.microbatch``):
         ``'local'`` (default) sums them on each device in f32 and synchronises once per
-        step -- the bytes of ``microbatches=1``, with any compressor, error feedback and
-        warm-up; ``'overlap'`` reduces microbatch i while microbatch i+1 computes -- ``N``
-        reductions per step (``N`` times the bytes, compressor state threaded through the
-        scan, ``SyncGradientsState.count`` advancing per reduction), one extra gradient of
-        memory, and never a shorter step than 'local' in the simple model (``N C + R``
-        vs ``C + (N-1) max(C, R) + R``), hence the default.
+        step (the bytes of ``microbatches=1``, any compressor); ``'overlap'`` reduces
+        microbatch i while i+1 computes (``N`` times the bytes; never a shorter step than
+        'local' in the simple model: ``N C + R`` vs ``C + (N-1) max(C, R) + R``).
       check_replicas: every this many steps, compare every replicated leaf of the state
         across devices by its bits (hashes exchanged between processes) and raise
         ``jaxcomm.ReplicaDivergenceError`` naming the leaf and the devices that differ.

@@ -194,8 +194,8 @@ def overlap_options(
 
 
 # Spellings of "on" for the enum flags xla_gpu_pipeline_<kind>: XLA_FLAGS takes 'on', but
-# jax.jit's compiler_options set the proto field, whose enum value names differ ('on' was
-# refused by jaxlib 0.11.2 on an H200: "'on' is not a valid enum value").
+# jax.jit's compiler_options set the proto field, whose enum value names differ (jaxlib
+# 0.11.2 refuses 'on' there: "'on' is not a valid enum value").
 _PIPELINE_ON = ("on", "PIPELINE_ON", "PIPELINE_MODE_ON", "ON")
 
 

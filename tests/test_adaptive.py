@@ -1,5 +1,6 @@
 """Adaptive compression: the error signal against numpy, the controller on a synthetic
-network, sparse rungs, and the measured network in the loop (``CommProfiler.drive``)."""
+network, the ladder's names and wire fractions, and the measured network in the loop
+(``CommProfiler.drive``)."""
 
 import functools
 import os
@@ -15,7 +16,7 @@ import jaxcomm
 from jaxcomm.state import stack_local
 
 C = jaxcomm.compression
-N = 1 << 16  # 64k elements, as in issue 11's measurement
+N = 1 << 16  # 64k elements per device
 
 
 @functools.cache
@@ -60,7 +61,7 @@ def _one_step(p: int, stage: str, n: int = N, ladder: tuple[str, ...] = ("int8",
 
 
 def _signals(kind: str, p: int, stage: str = "all", n: int = N, ladder=("int8",)):
-    """(the adaptive error signal, the true error of the mean, the old bookkeeping)."""
+    """(the adaptive error signal, the true error of the mean, the per-device signal)."""
     g = _grads(kind, p, n=n)
     out, state = _one_step(p, stage, n, ladder)(per_device(_mesh(p), g))
     out = np.asarray(out)
@@ -70,10 +71,11 @@ def _signals(kind: str, p: int, stage: str = "all", n: int = N, ladder=("int8",)
     cs = state.compression
     assert int(cs.window_steps) == 1
     signal = float(cs.error_sum)
-    # The old signal: the mean over devices of each device's ||c - sent|| / ||c||.
+    # The per-device signal: the mean over devices of each device's ||c - sent|| / ||c||,
+    # which counts every device's quantization error in full although the mean averages them.
     res = np.asarray(cs.residual.value[0]).reshape(p, -1)
-    old = np.mean(np.linalg.norm(res, axis=1) / np.linalg.norm(g, axis=1))
-    return signal, true, old
+    naive = np.mean(np.linalg.norm(res, axis=1) / np.linalg.norm(g, axis=1))
+    return signal, true, naive
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])
@@ -86,12 +88,12 @@ def test_error_signal_is_the_error_of_the_mean(kind, p):
 
 def test_error_signal_does_not_grow_with_the_device_count():
     # Identical gradients: the true error of the mean is the same at p = 2, 4, 8 (0.010,
-    # int8); the old bookkeeping read 0.014, 0.020, 0.028 (sqrt(1 + p) times one rounding).
+    # int8); the per-device signal reads 0.014, 0.020, 0.028 (sqrt(1 + p) times one rounding).
     got = {p: _signals("identical", p) for p in (2, 4, 8)}
     signals = [s for s, _, _ in got.values()]
     assert max(signals) / min(signals) < 1.15, got
-    signal, true, old = got[8]
-    assert old > 2.5 * true  # what the per-device sum of errors reported
+    signal, true, naive = got[8]
+    assert naive > 2.5 * true  # what the per-device signal reads
 
 
 @pytest.mark.parametrize("kind", ["identical", "independent"])
@@ -255,6 +257,43 @@ def test_controller_error_guard_backs_off_instead_of_oscillating():
     gaps = np.diff(tops)
     # 1 window at the top, then the hold (2, 4, 8, 16 windows) and the window that climbs
     assert list(gaps[:4]) == [4, 6, 10, 18], tops
+
+
+# -- the ladder: rung names and wire fractions ---------------------------------------------
+def test_ladder_names_the_rungs_and_their_wire_fractions():
+    comp = C.adaptive(
+        0.5, min_compression=0.0, ladder=("f32", "bf16", "int8", "topk:0.05"), block=64
+    )
+    got = C.ladder(comp, 4)
+    assert got == ("f32", "bf16", "int8", "topk:0.05")
+    assert got.wire == pytest.approx((1.0, 0.5, (1 + 4 / 64) / 4, 4 * 0.05))
+    # top-k's all-gather grows with the devices; the other rungs' fractions do not
+    assert C.ladder(comp, 8).wire == pytest.approx((1.0, 0.5, (1 + 4 / 64) / 4, 8 * 0.05))
+    # the rungs outside [min_compression, max_compression] are not in it
+    assert C.ladder(C.adaptive(), 8) == ("bf16", "int8", "int4") == C.DEFAULT_LADDER[1:]
+    # what the compressor carries once in a sync (no trace needed)
+    assert C.ladder(comp._replace(gathers=False), 2) == got
+    for other in (C.int8(), C.bf16(), C.topk(0.1), None):
+        assert C.ladder(other, 8) is None
+    with pytest.raises(ValueError, match="devices=0"):
+        C.ladder(comp, 0)
+
+
+def test_state_scalars_through_one_vector_keep_their_bits():
+    # On a CPU mesh the new scalar fields are read back out of one int32 vector (an
+    # XLA:CPU compile-time workaround): every value, NaN and -0.0 included, is unchanged.
+    from jaxcomm.compression.adaptive import _scalars_in_one_vector
+
+    f, i = jnp.float32, jnp.int32
+    state = C.AdaptiveState(
+        level=i(2), residual=(), error_sum=f(-0.0), window_steps=i(7), hold=i(-3),
+        strikes=i(6), comm_share=f(0.25), last_error=f(np.nan), last_reason=i(1),
+        window=i(100),
+    )  # fmt: skip
+    got = jax.jit(_scalars_in_one_vector)(state)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(got), strict=True):
+        assert a.dtype == b.dtype
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
 # -- the measured network in the loop: CommProfiler.drive ---------------------------------

@@ -1,8 +1,8 @@
-"""The pure pieces of ``python -m jaxcomm.bench adaptive`` (no testbed, no training)."""
+"""The pure pieces of ``python -m experiments.bench adaptive`` (no testbed, no training)."""
 
 import pytest
 
-from jaxcomm.bench import adaptive as B
+from experiments.bench import adaptive as B
 from jaxcomm.testbed import parse_rate
 
 DROP = {"t": 10.0, "link": "100mbit", "bps": 100e6, "from_bps": 1e9}

@@ -1,4 +1,4 @@
-"""python -m jaxcomm.bench collectives: rows, correctness, busbw convention, alpha-beta fit."""
+"""python -m experiments.bench collectives: rows, correctness, busbw convention, alpha-beta fit."""
 
 import json
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxcomm.bench import collectives as sweep
+from experiments.bench import collectives as sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def test_sweep_across_processes():
     env.update(XLA_FLAGS="", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "jaxcomm.launch", "--nprocs", "2", "--local-devices", "2"]
-    cmd += ["--", sys.executable, "-m", "jaxcomm.bench", "collectives", "--max-bytes", "4K"]
+    cmd += ["--", sys.executable, "-m", "experiments.bench", "collectives", "--max-bytes", "4K"]
     cmd += ["--reps", "1", "--mpi"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -1,4 +1,4 @@
-"""python -m jaxcomm.bench compile: structure of the results, table and JSON; op counts."""
+"""python -m experiments.bench compile: structure of the results, table and JSON; op counts."""
 
 import json
 import re
@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from jaxcomm.bench import compile as bc
+from experiments.bench import compile as bc
 
 KEYS = {"trace_s", "lower_s", "compile_s", "total_s", "cpu_s"}
 KEYS |= {"jaxpr_eqns", "hlo_ops_pre", "hlo_ops_post", "kernels"}

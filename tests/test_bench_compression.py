@@ -1,13 +1,13 @@
-"""``python -m jaxcomm.bench compression --calibration``: the codec figures of the cost model,
+"""``python -m experiments.bench compression --calibration``: the codec figures of the cost model,
 measured on the devices present, in the calibration file format."""
 
 import json
 
 import pytest
 
+from experiments.bench import compression as bc
 from jaxcomm import calibration as cal
 from jaxcomm import cost
-from jaxcomm.bench import compression as bc
 
 
 def test_codec_calibration_writes_a_loadable_codec_section():

@@ -1,4 +1,4 @@
-"""``python -m jaxcomm.bench gpu``: what can be checked without a GPU.
+"""``python -m experiments.bench gpu``: what can be checked without a GPU.
 
 The no-GPU exit, the part registry and its time plan, the report formatting and the schedule
 goals on synthetic results, the option sets of the mocked-schedule part, a part that fails
@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from jaxcomm.bench import gpu
-from jaxcomm.bench import schedule as sched
+from experiments.bench import gpu
+from experiments.bench import schedule as sched
 
 MiB = 1 << 20
 
@@ -352,7 +352,7 @@ ENTRY %main (e0: (s32[], f32[4]), k: s32[]) -> f32[4] {
 
 
 def test_host_round_trips_rule():
-    from jaxcomm.bench import gpu_options as go
+    from experiments.bench import gpu_options as go
 
     rt = go.host_round_trips(_HLO)
     # w1: 3 known iterations x (its conditional: 1) = 3; w2 (trip count unknown): 1; the
@@ -374,7 +374,7 @@ def test_host_round_trips_rule():
 
 
 def test_count_kernels_skips_fused_and_reducer_bodies():
-    from jaxcomm.bench import gpu_options as go
+    from experiments.bench import gpu_options as go
 
     # fusion in branch_a (1), compare in body (1), compare in cond (1), multiply in
     # plain_body (1); fused_add's and add_reducer's adds are not launches, the all-reduce
@@ -394,7 +394,7 @@ def test_count_kernels_skips_fused_and_reducer_bodies():
 def test_repeat_bits_catches_a_nondeterministic_step():
     import numpy as np
 
-    from jaxcomm.bench import gpu_options as go
+    from experiments.bench import gpu_options as go
 
     state = {"w": np.zeros(5, np.float32), "n": np.zeros((), np.int32)}
     batches = [np.ones(5, np.float32)] * 3
@@ -414,7 +414,7 @@ def test_repeat_bits_catches_a_nondeterministic_step():
 
 
 def test_options_summary_computes_goals():
-    from jaxcomm.bench import gpu_options as go
+    from experiments.bench import gpu_options as go
 
     def comp(trips, n, n_async):
         rows = [{"async": i < n_async, "ops_between": 5 if i < n_async else None}
@@ -450,7 +450,7 @@ def test_options_summary_computes_goals():
 def test_options_dry_run_on_cpu(tmp_path, capsys):
     """The options part end to end on CPU (``--allow-cpu``): compiled for the 8 fake CPU
     devices in a 2 x 4 mesh, run on one; every figure read back is recomputed here."""
-    from jaxcomm.bench import gpu_options as go
+    from experiments.bench import gpu_options as go
 
     assert gpu.main(["--out", str(tmp_path), "--allow-cpu", "--parts", "options"]) == 0
     printed = capsys.readouterr().out
@@ -492,7 +492,7 @@ def test_options_dry_run_on_cpu(tmp_path, capsys):
 def test_options_not_started_past_the_deadline():
     import jax
 
-    from jaxcomm.bench import gpu_options as go
+    from experiments.bench import gpu_options as go
 
     seen = []
     out = go.run_options(["flat", "int8"], go.TINY, jax.devices()[0], on_result=seen.append,

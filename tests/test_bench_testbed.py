@@ -1,9 +1,9 @@
-"""``python -m jaxcomm.bench testbed``'s table: link bounds and efficiencies from the run's data
+"""``python -m experiments.bench testbed``'s table: link bounds and efficiencies from the run's data
 (the networked run itself is exercised by tests/test_testbed.py's jobs and docs/benchmarks.md)."""
 
 import pytest
 
-from jaxcomm.bench import testbed as bench
+from experiments.bench import testbed as bench
 
 
 def test_table_puts_each_method_beside_its_link_bound():

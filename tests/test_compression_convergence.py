@@ -4,7 +4,7 @@ runs within 2 points of test accuracy of the uncompressed run."""
 import pytest
 
 import jaxcomm
-from jaxcomm.bench.digits import digits_accuracy
+from experiments.bench.digits import digits_accuracy
 
 C = jaxcomm.compression
 STEPS = 300

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomm.compression.quantize import quantize, uniform_dither
+from jaxcomm.compression.keys import uniform_dither
+from jaxcomm.compression.quantize import quantize
 
 N = 1 << 18
 

@@ -233,7 +233,7 @@ def test_overlapped_microbatches_are_refused(mesh, params):
 
 
 def test_bench_rows_report_sync_and_average_bytes():
-    from jaxcomm.bench.localsgd import _table, run
+    from experiments.bench.localsgd import _table, run
 
     res = run([4], ["int8"], steps=8, hidden=128, batch=64)  # a narrower MLP, 8 per device
     r, base = res["rows"]["H=4 int8"], res["baseline"]
@@ -270,7 +270,7 @@ def test_digits_quality_guard_at_h50_int8(mesh):
     # (lr 1, Nesterov momentum 0.5) moves 174x fewer bytes per step and was 0.8 points
     # below per-step sync on seed 0 (at most 0.8 on six seeds; DiLoCo's 0.7/0.9: up to
     # 2.0). The bound leaves room for one or two test images of numerical drift.
-    from jaxcomm.bench.digits import LEARNING_RATE, digits_accuracy
+    from experiments.bench.digits import LEARNING_RATE, digits_accuracy
 
     base = digits_accuracy(None, steps=300, seed=0, mesh=mesh)
     tx = jaxcomm.local_sgd(

@@ -91,12 +91,14 @@ def test_indivisible_batch(mesh, batches):
 
 
 def _run_readme(section: str) -> dict:
-    """Runs the README's quick start, then the first python block of ``section``."""
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    """Runs the README's quick start, then the first python block of ``section`` of the
+    overlap guide (docs/overlap.md)."""
+    root = pathlib.Path(__file__).parent.parent
     namespace: dict = {}
-    for title in ("Quick start", section):
+    for path, title in (("README.md", "Quick start"), ("docs/overlap.md", section)):
+        text = (root / path).read_text()
         block = re.search(rf"## {re.escape(title)}.*?```python\n(.*?)```", text, re.S).group(1)
-        exec(compile(block, "README.md", "exec"), namespace)
+        exec(compile(block, path, "exec"), namespace)
     return namespace
 
 
@@ -296,8 +298,11 @@ def _typed_step(monkeypatch, dp, state, check_vma):
         return dp.step_fn(state)
 
 
-@pytest.mark.parametrize("compressor", list(COMPRESSORS))
-@pytest.mark.parametrize("algorithm", ["flat", "hierarchical"])
+# Every compressor on the hierarchical path; flat (one psum) with the plain and int8 syncs.
+@pytest.mark.parametrize(
+    ("algorithm", "compressor"),
+    [("hierarchical", c) for c in COMPRESSORS] + [("flat", "none"), ("flat", "int8")],
+)
 def test_microbatch_step_type_checks_where_plain_step_does(
     monkeypatch, mesh, batches, algorithm, compressor
 ):

@@ -35,7 +35,9 @@ def test_allreduce_and_sync_gradients_under_mpirun():
 
 
 def test_sweep_compares_mpi_with_gloo():
-    p = _mpirun(["-m", "jaxcomm.bench", "collectives", "--max-bytes", "4K", "--reps", "1", "--mpi"])
+    p = _mpirun(
+        ["-m", "experiments.bench", "collectives", "--max-bytes", "4K", "--reps", "1", "--mpi"]
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     rows = [line.split() for line in p.stdout.splitlines()]
     mpi_rows = [r for r in rows if len(r) == 6 and r[1] == "mpi4jax"]

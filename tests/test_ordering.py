@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import AX, abstract_per_device, sharded
 from jax import lax
+from jax.sharding import AbstractDevice, NamedSharding
 
 import jaxcomm
 from jaxcomm.hlo import ordering_hazards
@@ -25,21 +26,33 @@ BITS = {
 
 
 @pytest.mark.parametrize("dtype", sorted(BITS))
-def test_after_keeps_every_bit(dtype):
+def test_after_keeps_every_bit(mesh, dtype):
     x = BITS[dtype]
     deps = (jnp.float32(np.nan), jnp.arange(3, dtype=jnp.int8), jnp.array([True]))
-    got = np.asarray(jax.jit(after)(x, *deps))
+    with jax.set_mesh(mesh):  # a CPU mesh: the dependency is added
+        f = jax.jit(after)
+        assert "sort" in f.trace(x, *deps).lower().as_text()
+        got = np.asarray(f(x, *deps))
     assert got.dtype == x.dtype
     assert got.tobytes() == x.tobytes()
 
 
-def test_after_adds_a_dependency_on_cpu_only():
-    f = jax.jit(lambda x, d: after(x, d))
-    x, d = jnp.ones(4), jnp.zeros(3)
-    cpu = f.trace(x, d).lower(lowering_platforms=("cpu",)).as_text()
-    gpu = f.trace(x, d).lower(lowering_platforms=("cuda",)).as_text()
-    assert "sort" in cpu  # the runtime zero read out of d
-    assert "sort" not in gpu and "bitcast_convert" not in gpu  # the plain program
+def test_after_adds_a_dependency_on_a_cpu_mesh_only(mesh):
+    def body(x, d):
+        return after(x, d)
+
+    def lowered(m, platform):
+        f = jax.jit(jax.shard_map(body, mesh=m, in_specs=(jax.P(AX),) * 2, out_specs=jax.P(AX)))
+        args = [jax.ShapeDtypeStruct((8 * k,), np.float32, sharding=NamedSharding(m, jax.P(AX)))
+                for k in (4, 3)]  # fmt: skip
+        return f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+    gpu = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    cpu_text = lowered(mesh, "cpu")
+    gpu_text = lowered(mesh.abstract_mesh.update(abstract_device=gpu), "cuda")
+    assert "sort" in cpu_text  # the runtime zero read out of d
+    assert "sort" not in gpu_text and "bitcast_convert" not in gpu_text  # the plain program
+    assert "sort" not in jax.jit(body).trace(jnp.ones(4), jnp.zeros(3)).lower().as_text()  # no mesh
 
 
 def _program(mesh, tie: bool):

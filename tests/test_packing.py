@@ -11,7 +11,7 @@ from helpers import AX, per_device, replicated, shard
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives.base import allreduce_plan
-from jaxcomm.packing import plan_groups, plan_streams, runtime_ints
+from jaxcomm.packing import plan_groups, plan_streams
 from jaxcomm.state import varying_axes
 
 
@@ -122,9 +122,10 @@ def test_packing_keeps_replication_types(mesh):
     np.testing.assert_array_equal(got[2], np.ones(3))
 
 
-def test_pack_and_unpack_add_no_per_leaf_ops():
+def test_pack_and_unpack_add_no_per_leaf_ops(mesh):
     """One concatenate per multi-leaf buffer, no slice of a leaf kept whole, one ravel per
-    leaf even when buckets cut it (issue 17: compile time grows with traced ops)."""
+    leaf even when buckets cut it (compile time grows with traced ops). Unpacking cuts
+    by static slices, on a CPU mesh at runtime offsets (jaxcomm.xla_cpu)."""
     leaves = _leaves()
 
     def prims(plan):
@@ -133,10 +134,12 @@ def test_pack_and_unpack_add_no_per_leaf_ops():
         return {k: names.count(k) for k in ("concatenate", "slice", "dynamic_slice", "reshape")}
 
     whole = plan_groups(leaves, [[0], [1, 3, 4], [2, 5]])
-    # 2 concatenates (packing the two multi-leaf buffers); 5 dynamic slices (unpacking
-    # them, at runtime offsets: one static slice per distinct offset takes it out of
-    # runtime_ints' sort); the single-leaf buffer neither.
+    # 2 concatenates (packing the two multi-leaf buffers); 5 slices unpacking them; the
+    # single-leaf buffer neither.
     got = prims(whole)
+    assert got["concatenate"] == 2 and got["slice"] == 5 and got["dynamic_slice"] == 0, got
+    with jax.set_mesh(mesh):  # a CPU mesh: the 5 pieces at runtime offsets, one static
+        got = prims(whole)  # slice per distinct offset takes it out of runtime_ints' sort
     offsets = {0, leaves[1].size, leaves[1].size + leaves[3].size, leaves[2].size}
     assert got["concatenate"] == 2 and got["dynamic_slice"] == 5, got
     assert got["slice"] == len(offsets), got
@@ -147,26 +150,27 @@ def test_pack_and_unpack_add_no_per_leaf_ops():
     assert got["reshape"] <= 2, got  # one ravel of leaf 0, one reshape back
 
 
-def test_unpack_cuts_leaves_of_one_size_with_one_kernel():
-    """Unpacking slices at runtime offsets (runtime_ints): the 12 leaves of one size share
-    one compiled kernel (at constant offsets each would be a kernel of its own; issue 17)."""
+def _kernel_bodies(text: str, op: str) -> set[str]:
+    """The distinct bodies of the non-entry computations of ``text`` that hold ``op``."""
+    bodies = set()
+    for block in text.split("\n\n"):
+        if f"{op}(" in block and not block.lstrip().startswith("ENTRY"):
+            body = re.sub(r"%[\w.\-]+", "%", block.split("\n", 1)[1])
+            bodies.add(re.sub(r", metadata=\{[^}]*\}", "", body))
+    return bodies
+
+
+def test_unpack_cuts_leaves_of_one_size_with_one_kernel(mesh):
+    """On a CPU mesh unpacking slices at runtime offsets (jaxcomm.xla_cpu): the 12 leaves
+    of one size share one compiled kernel (at constant offsets each would be a kernel of
+    its own). The same values either way."""
     leaves = [jnp.full((3, 5), float(i)) for i in range(12)] + [jnp.arange(7.0)]
     plan = plan_groups(leaves, [list(range(13))])
     buf = plan.pack(leaves)[0]
-    fn = jax.jit(lambda b: plan.unpack([b]))
-    _assert_same_bits(fn(buf), leaves)
-    bodies = set()
-    for block in fn.lower(buf).compile().as_text().split("\n\n"):
-        if "dynamic-slice(" in block and not block.lstrip().startswith("ENTRY"):
-            body = re.sub(r"%[\w.\-]+", "%", block.split("\n", 1)[1])
-            bodies.add(re.sub(r", metadata=\{[^}]*\}", "", body))
-    assert len(bodies) == 2, bodies  # one per leaf size (15 and 7 elements)
-
-
-def test_runtime_ints_values_and_range():
-    got = jax.jit(lambda: runtime_ints([5, 0, 5, 2**31 - 1] + list(range(70))))()
-    assert [int(x) for x in got] == [5, 0, 5, 2**31 - 1] + list(range(70))
-    assert all(x.dtype == jnp.int32 and x.shape == () for x in got)
-    assert runtime_ints([]) == []
-    with pytest.raises(ValueError, match=r"\[0, 2\*\*31\)"):
-        runtime_ints([-1, 3])
+    plain = jax.jit(lambda b: plan.unpack([b]))
+    _assert_same_bits(plain(buf), leaves)
+    with jax.set_mesh(mesh):
+        fn = jax.jit(lambda b: plan.unpack([b]))
+        _assert_same_bits(fn(buf), leaves)
+        text = fn.lower(buf).compile().as_text()
+    assert len(_kernel_bodies(text, "dynamic-slice")) == 2  # one per leaf size (15 and 7)

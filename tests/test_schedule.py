@@ -130,7 +130,7 @@ def test_report_on_compiled_cpu_step(mesh):
 def test_bench_cpu_variant_runs(tmp_path, capsys):
     import json
 
-    from jaxcomm.bench import schedule as bench
+    from experiments.bench import schedule as bench
 
     out = tmp_path / "s.json"
     argv = ["--model", "mlp", "--width", "64", "--depth", "3", "--algorithm", "flat"]

@@ -166,7 +166,7 @@ def test_fabric_topology_order_halves_the_spine_bytes(tmp_path):
     # spine at all 4 hops, one ordered by the testbed's topology file at 2 (the minimum for
     # a ring). Each crossing hop carries what a rank sends in a ring all-reduce, 2(p-1)/p S.
     out = tmp_path / "fabric.json"
-    cmd = [sys.executable, "-m", "jaxcomm.bench", "fabric", "--nodes", "4", "--leaves", "2",
+    cmd = [sys.executable, "-m", "experiments.bench", "fabric", "--nodes", "4", "--leaves", "2",
            "--link", "1gbit", "--spine", "200mbit", "--sizes-mib", "1", "--reps", "0",
            "--json", str(out)]  # fmt: skip
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)

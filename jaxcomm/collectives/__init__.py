@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxcomm import ordering
 from jaxcomm.collectives import auto as _auto  # noqa: F401  (registers 'auto')
 from jaxcomm.collectives import flat as _flat  # noqa: F401  (registers 'flat')
 from jaxcomm.collectives import halving_doubling as _hd  # noqa: F401  (registers 'halving_doubling')
@@ -66,6 +67,7 @@ def allreduce(
     algorithm: str = "hierarchical",
     op: str = "mean",
     topology: Any = None,
+    after: Any = (),
 ) -> Any:
     """All-reduces every leaf of ``tree`` over the data-parallel mesh axes.
 
@@ -85,6 +87,9 @@ def allreduce(
         Other algorithms ignore it. Every algorithm's result is typed invariant over
         ``axes`` by shard_map's replication check (``check_vma=True``), so it may leave a
         ``shard_map`` with ``out_specs=P()``.
+      after: a pytree of arrays the collectives must wait for (``jaxcomm.ordering.after``
+        on each packed buffer: on a CPU mesh, where a conditional holding collectives may
+        still be running them; the values are unchanged).
 
     Returns:
       A pytree of the same structure, shapes and dtypes holding the reduced values.
@@ -115,16 +120,14 @@ def allreduce(
     if not leaves:
         return tree
     leaves = [jnp.asarray(x) for x in leaves]
-    with _auto.use_topology(topology):
-        # 'auto' picks per buffer of the leaf plan, before the buffers of each packed
-        # algorithm are merged (allreduce_plan).
-        if algorithm == "auto":
-            plan, names = allreduce_plan(leaves, algorithm=lambda b: _auto.resolve(b, axes))
-        else:
-            plan, names = allreduce_plan(leaves, algorithm=lambda _: algorithm)
-        reduced = [
-            ALGORITHMS[a](buf, axes) for a, buf in zip(names, plan.pack(leaves), strict=True)
-        ]
+    # 'auto' picks per buffer of the leaf plan, before the buffers of each packed
+    # algorithm are merged (allreduce_plan).
+    if algorithm == "auto":
+        plan, names = allreduce_plan(leaves, algorithm=lambda b: _auto.resolve(b, axes, topology))
+    else:
+        plan, names = allreduce_plan(leaves, algorithm=lambda _: algorithm)
+    buffers = ordering.after(plan.pack(leaves), after)
+    reduced = [ALGORITHMS[a](buf, axes) for a, buf in zip(names, buffers, strict=True)]
     if op == "mean":
         n = axes_size(axes)
         reduced = [(r / n).astype(r.dtype) for r in reduced]
@@ -139,8 +142,7 @@ def allreduce_floats(tree: Any, axes: tuple[str, ...], op: str) -> Any:
     they are packed into one buffer per dtype, so the step runs one all-reduce for them,
     not one per leaf. XLA combines per-leaf all-reduces into a tuple, and gloo (XLA:CPU's
     multi-process collectives) runs a tuple one operand after the other, each paying a
-    ring's latency: ResNet-18's 40 batch statistics and 2 metrics took about 100 ms of a
-    step that way on the testbed, 21 ms packed (docs/benchmarks.md).
+    ring's latency; one packed buffer pays it once.
 
     Args:
       tree: a pytree (inside ``jax.shard_map``).

@@ -15,8 +15,6 @@ fitted to the mesh: the innermost axis ('intra') is the node, the outer axes the
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 
 import jax
@@ -28,11 +26,7 @@ from jaxcomm.collectives.base import ALGORITHMS, register_algorithm
 from jaxcomm.mesh import INTRA
 from jaxcomm.topology import Topology, detect
 
-__all__ = ["auto_allreduce", "check_topology", "resolve", "use_topology"]
-
-_TOPOLOGY: contextvars.ContextVar[Topology | None] = contextvars.ContextVar(
-    "jaxcomm_topology", default=None
-)
+__all__ = ["auto_allreduce", "check_topology", "resolve"]
 
 
 def check_topology(topology) -> Topology | None:
@@ -43,16 +37,6 @@ def check_topology(topology) -> Topology | None:
             "jaxcomm.topology.fat_tree(...), .dgx_h100(...), .load(path), .detect()) or None."
         )
     return topology
-
-
-@contextlib.contextmanager
-def use_topology(topology: Topology | None):
-    """Within this context, ``algorithm='auto'`` plans with ``topology`` (None: detect)."""
-    token = _TOPOLOGY.set(check_topology(topology))
-    try:
-        yield
-    finally:
-        _TOPOLOGY.reset(token)
 
 
 def fit_to_mesh(topology: Topology, nodes: int, devices_per_node: int) -> Topology:
@@ -78,12 +62,12 @@ def resolve(nbytes: int, axes: tuple[str, ...], topology: Topology | None = None
     Args:
       nbytes: bytes of the buffer on each device.
       axes: the mesh axes of the all-reduce.
-      topology: the cluster; default the one set by :func:`use_topology`, else detected.
+      topology: the cluster; None: ``jaxcomm.topology.detect()``.
 
     Returns:
       An algorithm name from ``jaxcomm.cost.CANDIDATES``.
     """
-    topo = topology or _TOPOLOGY.get() or detect()
+    topo = topology or detect()
     sizes = [int(lax.axis_size(a)) for a in axes]
     if axes[-1] == INTRA:
         g, m = sizes[-1], int(np.prod(sizes[:-1]))
@@ -94,6 +78,8 @@ def resolve(nbytes: int, axes: tuple[str, ...], topology: Topology | None = None
 
 @register_algorithm("auto")
 def auto_allreduce(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Sums ``x`` over ``axes`` with the algorithm :func:`resolve` picks for its size."""
+    """Sums ``x`` over ``axes`` with the algorithm :func:`resolve` picks for its size on
+    the detected topology (``jaxcomm.allreduce`` resolves 'auto' per buffer itself, with
+    its ``topology=``)."""
     name = resolve(int(x.size) * x.dtype.itemsize, axes)
     return ALGORITHMS[name](x, axes)

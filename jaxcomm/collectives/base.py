@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomm import xla_cpu
 from jaxcomm.packing import BufferPlan, plan_groups
 
 AlgorithmFn = Callable[[jax.Array, tuple[str, ...]], jax.Array]
@@ -121,28 +122,24 @@ def axes_size(axes: tuple[str, ...]) -> int:
     return int(np.prod([lax.axis_size(a) for a in axes]))
 
 
-def gloo_reduce_scatter_unsafe() -> bool:
-    """True where XLA's reduce-scatter runs through gloo (CPU with ``jax.distributed``).
-
-    jax-ml/jax#40830: gloo's ``ReduceScatterHalvingDoubling`` (which XLA:CPU calls for
-    ``psum_scatter`` once ``jax.distributed`` is initialised) intermittently returns wrong
-    values at the end of rank 0's chunk for chunks above ~256 KiB, with no error. Measured
-    here too (2 processes x 2 devices, 16 MiB: 2-16 of 60 device results wrong).
-    """
-    return jax.default_backend() == "cpu" and jax.process_count() > 1
-
-
 def reduce_scatter(x: jax.Array, axis: str) -> jax.Array:
     """``psum_scatter(x, axis, tiled=True)`` on a 1-D ``x`` whose length divides by the
     axis size, correct on every backend.
 
-    Where the backend's reduce-scatter is known to be wrong (see
-    :func:`gloo_reduce_scatter_unsafe`) it is computed as a ring of ``lax.ppermute`` s
-    (:func:`ring_reduce_scatter`): the bytes of a reduce-scatter, correct, and on gloo 2-3x
-    faster than the ``psum`` plus slice used before (2 devices of one process, 32 MiB:
-    74-113 ms against 210-253 ms; docs/benchmarks.md).
+    Where gloo's reduce-scatter is known to return wrong values (a CPU mesh in a program
+    of several processes: ``jaxcomm.xla_cpu.gloo_reduce_scatter_unsafe``, jax-ml/jax#40830)
+    it is computed as a ring of ``lax.ppermute`` s (:func:`ring_reduce_scatter`): the same
+    sum and the bytes of a reduce-scatter.
+
+    Args:
+      x: 1-D per-device array (inside ``jax.shard_map``), length a multiple of the size
+        of ``axis``.
+      axis: a mesh axis name.
+
+    Returns:
+      This device's chunk of the sum over ``axis``, length ``len(x) / size``.
     """
-    if gloo_reduce_scatter_unsafe():
+    if xla_cpu.gloo_reduce_scatter_unsafe():
         return ring_reduce_scatter(x, (axis,))
     return lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
 

@@ -10,7 +10,7 @@ with jax 0.10.2 and mpi4jax 0.9). So this backend is *not* a ``jaxcomm.allreduce
 (those run inside ``jax.shard_map`` over the whole mesh); it reduces each process's local
 arrays inside a single-device ``jax.jit``. XLA never combines or overlaps these calls
 (mpi4jax#309: its author advises sharding for performance); use it where MPI is the only
-fabric, or to compare with gloo (``python -m jaxcomm.bench collectives --mpi``).
+fabric, or to compare with gloo (``python -m experiments.bench collectives --mpi``).
 
 mpi4py is imported on first use, not with jaxcomm: importing it initialises MPI.
 """

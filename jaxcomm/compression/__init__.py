@@ -27,6 +27,7 @@ from jaxcomm.compression.adaptive import (
     Ladder,
     adaptive,
     adaptive_states,
+    ladder,
     with_comm_share,
 )
 from jaxcomm.compression.base import Compressor, ReduceContext
@@ -52,6 +53,7 @@ __all__ = [
     "fp16",
     "int4",
     "int8",
+    "ladder",
     "powersgd",
     "quantized",
     "random_k",

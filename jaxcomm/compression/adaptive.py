@@ -1,92 +1,26 @@
-"""Adaptive compression: a ladder of levels, chosen from the error and the measured network.
+"""Adaptive compression: a ladder of codecs, one rung per step, chosen from the error and
+the measured network.
 
-The compressor holds one level index (the *rung*); every step it compresses with that
-rung through ``lax.switch`` (one compiled branch per rung, no host round trip, works under
-``jit`` and inside ``lax.scan``; ``jaxcomm.wire_bytes`` counts the largest branch).
+The compressor holds a level index (the *rung*) into a ladder of codecs, least compression
+first (default :data:`DEFAULT_LADDER`: ``('f32', 'bf16', 'int8', 'int4')``). Every step
+it runs that rung through ``lax.switch``: one compiled branch per rung, no host round trip,
+so it works under ``jit`` and inside ``lax.scan`` (``jaxcomm.wire_bytes`` counts the
+largest branch). Every ``adjustment_step`` steps a :class:`Controller` moves the level by
+at most one rung, from two signals that are the same on every device:
 
-**Ladder**, least compression first (``ladder=``, names below; default
-:data:`DEFAULT_LADDER` ``('f32', 'bf16', 'int8', 'int4')``). Each rung has a nominal
-*compression* (fraction of f32 bytes saved) and a *wire fraction* (bytes relative to an
-f32 all-reduce on ``p`` devices, used by the network model):
+* the **error of the mean** the optimizer receives, estimated by a count sketch
+  (:func:`error_of_mean`: one small all-reduce, no gradient moved);
+* the **communication share** of the step time, measured outside the step
+  (``jaxcomm.CommProfiler.drive``) and written into the state between steps by
+  :func:`with_comm_share` (``-1``: unknown).
 
-========================  =================  ==========================================
-rung                      compression        wire fraction on ``p`` devices
-========================  =================  ==========================================
-``'f32'``                 0                  1
-``'bf16'``                0.5                0.5
-``'int8'`` / ``'int4'``   0.75 / 0.875       ``(bits/8 + 4/block) / 4`` (two-phase)
-``'topk:R'``              ``1 - 2R``         ``p R`` (all-gather of index/value pairs)
-``'random_k:R'``          ``1 - R``          ``R`` (all-reduce of shared-seed values)
-========================  =================  ==========================================
+All rungs share one per-device error-feedback residual ``e``: every rung sends
+``C(g + e)`` and keeps ``e <- g + e - sent``, so switching rungs never drops gradient.
 
-The rungs whose compression lies in ``[min_compression, max_compression]`` form the ladder
-(the seed's range 0.1-0.9 with e.g. ``ladder=('bf16', 'int8', 'int4', 'random_k:0.1')``);
-the start is the one nearest ``initial_compression_ratio``. All rungs share one
-per-device error-feedback residual ``e``: every rung sends ``C(g + e)`` and keeps
-``e <- g + e - sent``, so switching rungs never drops gradient.
-
-**Error signal** (every step; one value on every device): the relative error of the mean
-the optimizer receives, ``||out - mean_dev(c)|| / ||mean_dev(c)||`` with ``c = g + e``,
-estimated without moving the gradient (an exact ``mean_dev(c)`` would be an f32
-all-reduce, the traffic compression avoids):
-
-1. Each device folds its ``out - c`` and its ``c`` into ``sketch_size`` buckets: element
-   ``j`` goes to bucket ``j mod sketch_size`` with a random sign ``s_j = +-1`` (hashed
-   from a seed shared by all devices, :func:`~jaxcomm.compression.quantize.dither_seed`).
-   A buffer of more than ``64 x sketch_size`` elements is folded on a strided sample of
-   its rows of ``sketch_size`` (one in up to 8; the same rows for ``out - c`` and ``c``):
-   the ratio of step 3 is then that of the sample.
-2. One all-reduce of the ``2 x sketch_size`` sums over every data axis (8 KiB): the
-   sketch is linear, so the sums are the sketches of ``out - mean_dev(c)`` and
-   ``mean_dev(c)``.
-3. ``E ||sketch(x)||^2 = ||x||^2`` (independent signs), so the ratio of the two sketch
-   norms estimates the error; its relative spread is about ``sqrt(2/sketch_size)``
-   (0.04 at 1021), and the window mean averages it further.
-
-The ``'f32'`` rung's mean is exact (to f32 rounding), so its signal is 0 and it skips the
-sketch: on a CPU the sketch's signs cost about as much as a 1 Gbit/s all-reduce. Under
-``sync_gradients`` (``compress_stage='all'``, f32 leaves) it skips the packing and the
-``lax.switch`` too (``Compressor.exact``): a ``lax.cond`` on the rung all-reduces the
-leaves plus the residual as ``sync_gradients()`` without compression does, and the
-residual is zero after it. That step costs what a plain f32 step costs; through the
-switch it cost ~1.6x on a CPU (the copy of the leaves into one buffer is an elementwise
-``concatenate`` there, slower than the all-reduce itself; docs/benchmarks.md, issue 11).
-
-The old signal, the mean over devices of each device's own ``||c - sent|| / ||c||``,
-counted every device's quantization error in full although the mean averages them
-(for identical gradients on 8 devices it read 2.8x the true error).
-
-**Network signal**: ``comm_share``, the exposed communication share of the step time
-(``-1``: unknown), an input of the step written into the state between steps by
-:func:`with_comm_share`; ``jaxcomm.CommProfiler.drive`` measures it (step time of each
-window against the compute-only twin) and passes it, with no code of the user's.
-
-**Rule** (:class:`Controller`), applied at the first step of every window of
-``adjustment_step`` steps, from the window-mean error ``e`` and the last measured share
-``s`` (measured over the previous window, at the current rung):
-
-1. ``e > error_high``: one rung down (reason *error*); no climbing for
-   ``cooldown * 2**strikes`` windows, then ``strikes += 1`` (at most 6): a rung that is
-   too lossy is retried ever more rarely.
-2. else, ``s`` known and the share predicted one rung down is ``< comm_low``: one rung
-   down (reason *network*; ``strikes`` reset). The prediction scales the measured
-   communication time by the rungs' wire fractions:
-   ``s' = s r / (s r + 1 - s)``, ``r = wire[level - 1] / wire[level]``.
-3. else, ``e < error_low``, no hold, and (``s > comm_high`` (reason *network*) or ``s``
-   unknown (reason *error*)): one rung up.
-4. else stay. ``hold`` decreases by one every window.
-
-**Hysteresis**: the error band ``[error_low, error_high]`` and the comm band
-``[comm_low, comm_high]`` are dead zones, and the down move compares the *predicted*
-share of the rung below with ``comm_low``: after a climb (``s > comm_high``) the rung
-below is predicted at about ``s``, above ``comm_low``, so the controller does not step
-straight back; after a descent the share is about its prediction, below ``comm_high``, so
-it does not climb straight back. It holds while the prediction errs by less than
-``comm_high / comm_low`` (3x by default).
-
-Sparse rungs lose most of each step's gradient by design (error feedback delivers it
-later): their error is 0.3-0.95, so a ladder with them needs ``error_low``/``error_high``
-above it, or the error guard steps down at once.
+Reading order: :func:`adaptive` (the factory), ``_reduce`` (one step: decision, rung
+switch, error of the mean, new state), :class:`Controller` (the rule),
+:func:`error_of_mean` (the signal), :func:`ladder` (rung names and wire fractions, for
+drivers and logs).
 
 References:
   Agarwal et al., "Accordion: Adaptive Gradient Communication via Critical Learning
@@ -96,13 +30,12 @@ References:
   the count sketch); Seide et al., "1-Bit Stochastic Gradient Descent and its Application
   to Data-Parallel Distributed Training of Speech DNNs" (Interspeech 2014) and Karimireddy
   et al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes" (ICML 2019:
-  biased rounding with error feedback, ``stochastic=False``).
+  error feedback, and biased rounding with it, ``stochastic=False``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -110,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomm import xla_cpu
 from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
@@ -121,14 +55,9 @@ from jaxcomm.compression.base import (
     sum_over,
 )
 from jaxcomm.compression.cast import bf16_mean
-from jaxcomm.compression.quantize import (
-    dither_seed,
-    seeded_uniform,
-    two_phase_mean,
-    two_phase_seeds,
-)
+from jaxcomm.compression.keys import dither_seed, seeded_uniform, two_phase_seeds
+from jaxcomm.compression.quantize import two_phase_mean
 from jaxcomm.compression.sparse import random_k_mean, topk_mean
-from jaxcomm.packing import runtime_ints
 from jaxcomm.state import PerDevice
 from jaxcomm.validate import check_int
 
@@ -142,7 +71,8 @@ __all__ = [
     "adaptive",
     "adaptive_states",
     "error_of_mean",
-    "ladder_probe",
+    "error_sketch",
+    "ladder",
     "with_comm_share",
 ]
 
@@ -159,16 +89,10 @@ SPARSE = ("topk", "random_k")
 REASONS = ("none", "error", "network")
 _MAX_STRIKES = 6
 
-# Trace-time record of the ladders of traced adaptive compressors, in trace order (for
-# logging level names; the state holds indices only).
-_LADDERS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxcomm_ladders", default=None
-)
-
 
 class Ladder(tuple):
-    """The rung names of one traced adaptive compressor (a tuple), with ``wire``: each
-    rung's wire fraction on the compressor's reduce axes."""
+    """The rung names of one adaptive compressor (a tuple), with ``wire``: each rung's wire
+    fraction (bytes relative to an f32 all-reduce) on the compressor's reduce axes."""
 
     wire: tuple[float, ...]
 
@@ -176,18 +100,6 @@ class Ladder(tuple):
         out = super().__new__(cls, names)
         out.wire = tuple(float(w) for w in wire)
         return out
-
-
-@contextlib.contextmanager
-def ladder_probe():
-    """Context manager yielding a list that gets the :class:`Ladder` (rung names and wire
-    fractions) of each adaptive compressor whose ``reduce`` is traced inside it (in trace
-    order)."""
-    token = _LADDERS.set([])
-    try:
-        yield _LADDERS.get()
-    finally:
-        _LADDERS.reset(token)
 
 
 class AdaptiveState(NamedTuple):
@@ -221,8 +133,29 @@ class AdaptiveState(NamedTuple):
 
 
 class Controller(NamedTuple):
-    """The decision rule of :func:`adaptive` (module docstring, steps 1-4), in ``jnp`` so
-    that it runs inside the step and, for tests, on its own.
+    """The decision rule of :func:`adaptive`, in ``jnp`` so that it runs inside the step
+    and, for tests, on its own.
+
+    At the first step of every window, from the window-mean error ``e`` and the share
+    ``s`` measured over the previous window (at the current rung):
+
+    1. ``e > error_high``: one rung down (reason *error*); no climbing for
+       ``cooldown * 2**strikes`` windows, then ``strikes += 1`` (at most 6): a rung that
+       is too lossy is retried ever more rarely.
+    2. else, ``s`` known and the share predicted one rung down is ``< comm_low``: one
+       rung down (reason *network*; ``strikes`` reset). The prediction scales the
+       measured communication time by the rungs' wire fractions:
+       ``s' = s r / (s r + 1 - s)``, ``r = wire[level - 1] / wire[level]``.
+    3. else, ``e < error_low``, no hold, and ``s > comm_high`` (reason *network*) or
+       ``s`` unknown (reason *error*): one rung up.
+    4. else stay. ``hold`` decreases by one every window.
+
+    Hysteresis: both bands are dead zones, and the down move compares the *predicted*
+    share of the rung below with ``comm_low``. After a climb (``s > comm_high``) the rung
+    below is predicted at about ``s``, above ``comm_low``, so the controller does not step
+    straight back; after a descent the share is about its prediction, below
+    ``comm_high``, so it does not climb straight back. This holds while the prediction
+    errs by less than ``comm_high / comm_low`` (3x by default).
 
     Attributes:
       error_low, error_high: the error band.
@@ -245,7 +178,7 @@ class Controller(NamedTuple):
         share: jax.Array,
         wire: jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """One decision.
+        """One decision (steps 1-4 of the class docstring).
 
         Args:
           level, hold, strikes: as in :class:`AdaptiveState`.
@@ -256,6 +189,12 @@ class Controller(NamedTuple):
         Returns:
           ``(level, hold, strikes, reason)``, int32 scalars; ``reason`` indexes
           :data:`REASONS`.
+
+        Example:
+          >>> control = Controller(0.05, 0.25, 0.1, 0.3, cooldown=3)
+          >>> level, hold, strikes, reason = control.decide(
+          ...     jnp.int32(1), jnp.int32(0), jnp.int32(0), jnp.float32(0.01),
+          ...     jnp.float32(0.6), jnp.asarray([1.0, 0.5, 0.25]))   # climbs to 2
         """
         top = wire.shape[0] - 1
         known = share >= 0
@@ -291,12 +230,87 @@ class Controller(NamedTuple):
         )
 
 
+# -- the rungs --------------------------------------------------------------------------
+#: ``mean(c, ctx, i, seeds) -> (mean, sent)`` of buffer ``i``: ``c`` is ``g + e`` (f32),
+#: ``seeds`` its two-phase dither seeds (int rungs, stochastic) or None; ``sent`` is what
+#: this device contributed (``mean_devices(sent) == mean``), for the residual.
+_RungMean = Callable[[jax.Array, ReduceContext, int, Any], tuple[jax.Array, jax.Array]]
+
+
 class _Rung(NamedTuple):
+    """One rung of the ladder: a codec's per-buffer mean and what it costs.
+
+    Attributes:
+      name: as written in the ladder (ratios normalised, e.g. ``'topk:0.1'``).
+      compression: nominal fraction of the f32 bytes saved (orders the ladder).
+      wire: ``wire(p)``, the bytes relative to an f32 all-reduce on ``p`` devices.
+      mean: the codec's per-buffer mean, :data:`_RungMean`.
+      gathers: ``mean`` honours ``ctx.gather_axis`` itself (gathers its encoded payload);
+        the other rungs' f32 means are all-gathered after it.
+    """
+
     name: str
     compression: float
-    wire: Callable[[int], float]  # p -> wire fraction
-    mean: Callable  # (c, ctx, key, i, seeds) -> (mean, sent); seeds: two_phase_seeds or None
-    gathers: bool = False  # mean honours ctx.gather_axis (gathers its encoded payload)
+    wire: Callable[[int], float]
+    mean: _RungMean
+    gathers: bool = False
+
+
+def _f32_rung() -> _Rung:
+    """No compression: an f32 all-reduce of ``c``, which is sent whole."""
+
+    def mean(c, ctx, i, seeds):
+        return sum_over(c, ctx.axes, ctx.algorithm) / axes_size(ctx.axes), c
+
+    return _Rung("f32", 0.0, lambda p: 1.0, mean)
+
+
+def _bf16_rung() -> _Rung:
+    """``jaxcomm.compression.bf16()``'s mean (``via='auto'``), with what it sent."""
+
+    def mean(c, ctx, i, seeds):
+        return bf16_mean(c, ctx.axes, ctx.algorithm, "auto")
+
+    return _Rung("bf16", 0.5, lambda p: 0.5, mean)
+
+
+def _int_rung(bits: int, block: int, switched: bool) -> _Rung:
+    """``int8()``/``int4()``'s two-phase mean; stochastic rounding when it gets dither
+    seeds, to nearest without. ``switched``: it runs as a ``lax.switch`` branch, whose
+    outputs are buffers already, so the mean is not copied into one again."""
+
+    def mean(c, ctx, i, seeds):
+        # with ctx.gather_axis the means travel over it quantized
+        m, sent = two_phase_mean(
+            c.reshape(-1), ctx.axes, bits=bits, block=block, seeds=seeds,
+            gather_axis=ctx.gather_axis, materialize=not switched,
+        )  # fmt: skip
+        return m.reshape(c.shape if ctx.gather_axis is None else (-1,)), sent.reshape(c.shape)
+
+    frac = (bits / 8 + 4 / block) / 4  # values and one f32 scale per block, two phases
+    return _Rung(f"int{bits}", dict(LADDER)[f"int{bits}"], lambda p: frac, mean, gathers=True)
+
+
+def _topk_rung(ratio: float, method: str) -> _Rung:
+    """``topk(ratio)``'s mean: an all-gather of (index, value) pairs, ``p`` times the
+    pairs of one device on the wire."""
+
+    def mean(c, ctx, i, seeds):
+        seed = dither_seed(ctx.key, lax.axis_index(ctx.axes), i)  # as topk() seeds it
+        return topk_mean(c, ctx.axes, ratio=ratio, method=method, sample_ratio=0.01, seed=seed)
+
+    compression = max(0.0, 1.0 - 2 * ratio)  # an int32 index beside every value
+    return _Rung(f"topk:{ratio:g}", compression, lambda p: p * ratio, mean)
+
+
+def _random_k_rung(ratio: float) -> _Rung:
+    """``random_k(ratio)``'s mean: an all-reduce of the values at shared positions."""
+
+    def mean(c, ctx, i, seeds):
+        key = jax.random.fold_in(ctx.key, i)  # shared: the same positions on every device
+        return random_k_mean(c, ctx.axes, ctx.algorithm, ratio=ratio, key=key)
+
+    return _Rung(f"random_k:{ratio:g}", 1.0 - ratio, lambda p: ratio, mean)
 
 
 def _parse_ratio(name: str, kind: str) -> float:
@@ -309,73 +323,41 @@ def _parse_ratio(name: str, kind: str) -> float:
     return check_range(f"ladder rung {name!r}: ratio", r, 0.0, 1.0, low_open=True)
 
 
-def _rung(name: str, block: int, method: str, switched: bool = True) -> _Rung:
-    """Rung ``name``; ``switched``: it runs as a ``lax.switch`` branch, whose outputs are
-    buffers already (a one-rung ladder has no switch: JAX inlines it). The int rungs
-    round stochastically when their ``mean`` gets dither seeds, to nearest without."""
+def _rung(name: str, block: int, topk_method: str, switched: bool = True) -> _Rung:
+    """The rung named ``name`` (``'f32'``, ``'bf16'``, ``'int8'``, ``'int4'``,
+    ``'topk:R'``, ``'random_k:R'``)."""
     if name == "f32":
-        return _Rung(
-            name, 0.0, lambda p: 1.0, lambda c, ctx, key, i, seeds: (
-                sum_over(c, ctx.axes, ctx.algorithm) / axes_size(ctx.axes), c)
-        )  # fmt: skip
+        return _f32_rung()
     if name == "bf16":
-        return _Rung(
-            name, 0.5, lambda p: 0.5,
-            lambda c, ctx, key, i, seeds: bf16_mean(c, ctx.axes, ctx.algorithm, "auto"),
-        )  # fmt: skip
+        return _bf16_rung()
     if name in ("int8", "int4"):
-        bits = int(name[3:])
-
-        def quant(c, ctx, key, i, seeds):
-            # with ctx.gather_axis the int8/int4 means travel over it quantized (gathers)
-            mean, local = two_phase_mean(
-                c.reshape(-1), ctx.axes, bits=bits, block=block, seeds=seeds,
-                gather_axis=ctx.gather_axis, materialize=not switched,
-            )  # fmt: skip
-            return mean.reshape(c.shape if ctx.gather_axis is None else (-1,)), local.reshape(
-                c.shape
-            )
-
-        frac = (bits / 8 + 4 / block) / 4
-        return _Rung(name, dict(LADDER)[name], lambda p: frac, quant, gathers=True)
+        return _int_rung(int(name[3:]), block, switched)
     kind = name.split(":", 1)[0]
     if kind == "topk":
-        r = _parse_ratio(name, kind)
-
-        def top(c, ctx, key, i, seeds):
-            seed = dither_seed(key, lax.axis_index(ctx.axes), i)  # as topk() seeds it
-            return topk_mean(c, ctx.axes, ratio=r, method=method, sample_ratio=0.01, seed=seed)
-
-        return _Rung(f"topk:{r:g}", max(0.0, 1.0 - 2 * r), lambda p: p * r, top)
+        return _topk_rung(_parse_ratio(name, kind), topk_method)
     if kind == "random_k":
-        r = _parse_ratio(name, kind)
-
-        def rand(c, ctx, key, i, seeds):
-            k = jax.random.fold_in(key, i)  # shared: the same positions on every device
-            return random_k_mean(c, ctx.axes, ctx.algorithm, ratio=r, key=k)
-
-        return _Rung(f"random_k:{r:g}", 1.0 - r, lambda p: r, rand)
+        return _random_k_rung(_parse_ratio(name, kind))
     raise ValueError(
         f"ladder rung {name!r} is not known; use {list(DEFAULT_LADDER)} or "
         f"{[f'{k}:R' for k in SPARSE]} (R the fraction sent, e.g. 'topk:0.1')."
     )
 
 
+# -- the error of the mean --------------------------------------------------------------
 #: The sketch reads one row of ``sketch_size`` values in every ``_SKETCH_STRIDE``,
 _SKETCH_STRIDE = 8
 #: but keeps at least this many rows (a smaller buffer is sketched whole).
 _SKETCH_MIN_ROWS = 64
 
 
-def _sketch(x: jax.Array, seed: jax.Array, size: int) -> jax.Array:
+def error_sketch(x: jax.Array, seed: jax.Array, size: int) -> jax.Array:
     """``size`` signed bucket sums of a flat ``x``: bucket ``j mod size``, sign hashed from
-    ``seed`` (a :func:`~jaxcomm.compression.quantize.dither_seed`).
+    ``seed`` (a :func:`~jaxcomm.compression.keys.dither_seed`).
 
     ``x`` is viewed as rows of ``size``; a large ``x`` is sketched on every
     ``_SKETCH_STRIDE``-th row only (at least ``_SKETCH_MIN_ROWS`` rows kept). The error
     is a ratio of two norms over the same rows, and a strided sample of a packed gradient
-    covers every leaf in proportion; the whole sketch cost about 70 ms of a 1 s ResNet-18
-    step on a CPU (docs/benchmarks.md, issue 12), the sample an eighth of that.
+    covers every leaf in proportion, at a fraction of the cost of the whole sketch.
     """
     x = x.reshape(-1)
     rows = -(-x.shape[0] // size)
@@ -392,8 +374,20 @@ def error_of_mean(
     *,
     sketch_size: int = 1021,
 ) -> jax.Array:
-    """Estimated ``||out - mean_dev(c)|| / ||mean_dev(c)||`` over all buffers (module
-    docstring, steps 1-3), the same on every device.
+    """Estimated ``||out - mean_dev(c)|| / ||mean_dev(c)||`` over all buffers, the same on
+    every device, without moving the gradient (an exact ``mean_dev(c)`` would be the f32
+    all-reduce that compression avoids).
+
+    1. Each device folds its ``out - c`` and its ``c`` into ``sketch_size`` buckets:
+       element ``j`` goes to bucket ``j mod sketch_size`` with a random sign ``+-1``
+       hashed from a seed shared by all devices (:func:`error_sketch`; a buffer of more than
+       ``64 x sketch_size`` elements is folded on a strided sample of its rows, the same
+       rows for both).
+    2. One all-reduce of the ``2 x sketch_size`` sums over every data axis: the sketch is
+       linear, so the sums are the sketches of ``out - mean_dev(c)`` and ``mean_dev(c)``.
+    3. ``E ||sketch(x)||^2 = ||x||^2`` (independent signs), so the ratio of the two
+       sketch norms estimates the error, with a relative spread of about
+       ``sqrt(2 / sketch_size)`` (Charikar et al. 2002).
 
     Args:
       cs: per-device f32 buffers that were reduced (``g + e``).
@@ -418,8 +412,8 @@ def error_of_mean(
     den = jnp.zeros((sketch_size,), jnp.float32)
     for i, (c, o) in enumerate(zip(cs, outs, strict=True)):
         seed = dither_seed(ctx.key, *salts, i)
-        num = num + _sketch(o.astype(jnp.float32) - c, seed, sketch_size)
-        den = den + _sketch(c, seed, sketch_size)
+        num = num + error_sketch(o.astype(jnp.float32) - c, seed, sketch_size)
+        den = den + error_sketch(c, seed, sketch_size)
     both = lax.psum(jnp.concatenate([num, den]), dec) / axes_size(ctx.axes)
     num, den = both[:sketch_size], both[sketch_size:]
     # Divide by max |den| so that huge finite gradients do not overflow the squares.
@@ -428,6 +422,413 @@ def error_of_mean(
     n2 = jnp.sum(jnp.square(num / scale))
     d2 = jnp.sum(jnp.square(den / scale))
     return jnp.where(d2 > 0, jnp.sqrt(n2 / jnp.where(d2 > 0, d2, 1.0)), 0.0)
+
+
+# -- the compressor ---------------------------------------------------------------------
+class _Config(NamedTuple):
+    """One adaptive compressor: the checked arguments of :func:`adaptive`.
+
+    ``Compressor.init``/``reduce``/``exact`` are ``functools.partial`` s of ``_init``,
+    ``_reduce`` and ``_exact`` over it, so that :func:`ladder` can read it back.
+    """
+
+    rungs: tuple[_Rung, ...]  # the ladder within [min_compression, max_compression]
+    start: int  # the first level
+    window: int  # adjustment_step
+    control: Controller
+    stochastic: bool
+    sketch_size: int
+
+
+def _check_ladder(ladder: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(ladder, str) or not isinstance(ladder, Sequence) or not ladder:
+        raise ValueError(
+            f"ladder={ladder!r} must be a non-empty sequence of rung names, least "
+            f"compression first, e.g. {DEFAULT_LADDER}."
+        )
+    return tuple(ladder)
+
+
+def _levels(
+    ladder: Sequence[str], lo: float, hi: float, block: int, topk_method: str
+) -> tuple[_Rung, ...]:
+    """The rungs of ``ladder`` whose compression lies in ``[lo, hi]``.
+
+    Raises:
+      ValueError: an unknown or out-of-order rung, or none in ``[lo, hi]``.
+    """
+    rungs = [_rung(n, block, topk_method) for n in _check_ladder(ladder)]
+    for a, b in zip(rungs, rungs[1:], strict=False):
+        if not a.compression < b.compression:
+            raise ValueError(
+                f"ladder={tuple(ladder)!r}: rung {b.name!r} (compression {b.compression:g}) "
+                f"does not compress more than {a.name!r} ({a.compression:g}); list the rungs "
+                "least compression first."
+            )
+    levels = [r for r in rungs if lo <= r.compression <= hi]
+    if not levels:
+        raise ValueError(
+            f"no compression level lies in [min_compression={lo}, max_compression={hi}]; "
+            f"the ladder is {dict((r.name, r.compression) for r in rungs)}. Widen the range."
+        )
+    if len(levels) == 1:  # no lax.switch: the rung's result must be made a buffer itself
+        levels = [_rung(levels[0].name, block, topk_method, switched=False)]
+    return tuple(levels)
+
+
+def _check_compression(initial: float, low: float, high: float) -> tuple[float, float, float]:
+    """``(min_compression, max_compression, initial_compression_ratio)`` as floats, checked:
+    ``0 <= low <= initial <= high <= 1``."""
+    lo = check_range("min_compression", low, 0.0, 1.0)
+    hi = check_range("max_compression", high, 0.0, 1.0)
+    if lo > hi:
+        raise ValueError(
+            f"min_compression={low} > max_compression={high}; "
+            "need 0 <= min_compression <= max_compression <= 1."
+        )
+    init_c = check_range(
+        "initial_compression_ratio", initial, lo, hi,
+        fix="It must lie between min_compression and max_compression.",
+    )  # fmt: skip
+    return lo, hi, init_c
+
+
+def _check_bands(
+    error_low: float, error_high: float, comm_low: float, comm_high: float, cooldown: int
+) -> Controller:
+    check_range("error_low", error_low, 0.0, float("inf"), low_open=True)
+    check_range("error_high", error_high, error_low, float("inf"), low_open=True)
+    check_range("comm_low", comm_low, 0.0, 1.0)
+    check_range("comm_high", comm_high, comm_low, 1.0)
+    cooldown = check_int("cooldown", cooldown, minimum=0)
+    return Controller(float(error_low), float(error_high), float(comm_low), float(comm_high),
+                      cooldown)  # fmt: skip
+
+
+def _check_codecs(block: int, topk_method: str) -> None:
+    if check_int("block", block, minimum=2, fix="an even number, e.g. 256") % 2:
+        raise ValueError(f"block={block!r} must be an even int >= 2, e.g. 256.")
+    if topk_method not in ("auto", "exact", "sampled"):
+        raise ValueError(
+            f"topk_method={topk_method!r} is not known; choose one of ['auto', 'exact', 'sampled']."
+        )
+
+
+def adaptive(
+    initial_compression_ratio: float = 0.5,
+    *,
+    min_compression: float = 0.1,
+    max_compression: float = 0.9,
+    adjustment_step: int = 100,
+    ladder: Sequence[str] = DEFAULT_LADDER,
+    error_low: float = 0.05,
+    error_high: float = 0.25,
+    comm_low: float = 0.1,
+    comm_high: float = 0.3,
+    cooldown: int = 3,
+    block: int = 256,
+    stochastic: bool = True,
+    topk_method: str = "auto",
+    sketch_size: int = 1021,
+) -> Compressor:
+    """Adaptive compressor that walks a ladder of codecs (see the module docstring).
+
+    The rungs, each with its nominal *compression* (fraction of the f32 bytes saved) and
+    its *wire fraction* (bytes relative to an f32 all-reduce on ``p`` devices, which the
+    network rule uses):
+
+    ========================  =================  ==========================================
+    rung                      compression        wire fraction on ``p`` devices
+    ========================  =================  ==========================================
+    ``'f32'``                 0                  1
+    ``'bf16'``                0.5                0.5
+    ``'int8'`` / ``'int4'``   0.75 / 0.875       ``(bits/8 + 4/block) / 4`` (two-phase)
+    ``'topk:R'``              ``1 - 2R``         ``p R`` (all-gather of index/value pairs)
+    ``'random_k:R'``          ``1 - R``          ``R`` (all-reduce of shared-seed values)
+    ========================  =================  ==========================================
+
+    Each rung reduces as the fixed compressor of that name does (``bf16()``,
+    ``int8(block, stochastic)``, ``topk(R, method=topk_method)``, ...), with the shared
+    residual as its error feedback. Under ``sync_gradients`` (``compress_stage='all'``)
+    the ``'f32'`` rung's steps are an uncompressed sync of the leaves plus the residual
+    (``Compressor.exact``). Sparse rungs leave most of each step's gradient in the
+    residual by design: their error reads 0.3-0.95, so a ladder with them needs
+    ``error_low``/``error_high`` above that, or the error rule steps down at once.
+
+    Args:
+      initial_compression_ratio: start at the rung nearest this compression, in
+        ``[min_compression, max_compression]``.
+      min_compression: least compression allowed, in [0, 1].
+      max_compression: most compression allowed, in [min_compression, 1].
+      adjustment_step: steps per decision window (>= 1); ``CommProfiler.drive`` measures
+        the step time over the same windows.
+      ladder: rung names, least compression first (nominal compression strictly
+        increasing), from the table above (``R`` the fraction of entries sent). The rungs
+        outside ``[min_compression, max_compression]`` are dropped.
+      error_low: below this window-mean error the ladder may be climbed.
+      error_high: above it the compressor steps down; ``0 < error_low < error_high``.
+      comm_low: step down when the share predicted for the rung below is under this.
+      comm_high: a measured share above this climbs; ``0 <= comm_low <= comm_high <= 1``.
+      cooldown: windows without climbing after a step down for error (>= 0), doubled
+        for every further step down for error (up to 64x).
+      block: quantization block of the int8/int4 rungs (even, >= 2).
+      stochastic: the int8/int4 rungs round stochastically (unbiased, keyed per device
+        and step); ``False`` rounds to nearest. The shared residual feeds every rounding
+        error into the next step, so nearest rounding loses nothing (Seide et al. 2014;
+        Karimireddy et al. 2019), and its error of the mean is about ``1/sqrt(2)`` of the
+        stochastic one (variance ``d^2/12`` against up to ``d^2/6`` for a step ``d``).
+      topk_method: selection of the top-k rungs ('auto', 'exact', 'sampled'; see
+        :func:`~jaxcomm.compression.topk`).
+      sketch_size: buckets of the error estimate (>= 16; relative spread about
+        ``sqrt(2 / sketch_size)``).
+
+    Returns:
+      A :class:`~jaxcomm.compression.Compressor` named ``adaptive[<rungs>]`` with state
+      :class:`AdaptiveState`.
+
+    Raises:
+      ValueError: a value out of range, an unknown or out-of-order rung,
+        ``min_compression > max_compression``, or no rung inside
+        ``[min_compression, max_compression]``.
+
+    Example:
+      >>> c = jaxcomm.compression.adaptive(
+      ...     0.5, adjustment_step=20, ladder=('bf16', 'int8', 'int4', 'random_k:0.1'),
+      ...     error_low=0.95, error_high=1.0)
+      >>> tx = jaxcomm.sync_gradients(compression=c)
+    """
+    lo, hi, init_c = _check_compression(initial_compression_ratio, min_compression,
+                                        max_compression)  # fmt: skip
+    adjustment_step = check_int("adjustment_step", adjustment_step, minimum=1)
+    control = _check_bands(error_low, error_high, comm_low, comm_high, cooldown)
+    sketch_size = check_int("sketch_size", sketch_size, minimum=16, fix="e.g. 1021")
+    _check_codecs(block, topk_method)
+    levels = _levels(ladder, lo, hi, block, topk_method)
+    start = min(range(len(levels)), key=lambda i: abs(levels[i].compression - init_c))
+    cfg = _Config(levels, start, adjustment_step, control, bool(stochastic), sketch_size)
+    names = [r.name for r in levels]
+    exact = functools.partial(_exact, cfg) if "f32" in names else None
+    init, reduce = functools.partial(_init, cfg), functools.partial(_reduce, cfg)
+    return Compressor(f"adaptive[{','.join(names)}]", init, reduce, gathers=True, exact=exact)
+
+
+def _init(cfg: _Config, specs: Sequence[Any]) -> AdaptiveState:
+    """``Compressor.init``: the start level, zero residuals, an empty window."""
+    f0, i0 = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+    return AdaptiveState(
+        level=jnp.asarray(cfg.start, jnp.int32),
+        residual=ef.init_residuals(specs),
+        error_sum=f0,
+        window_steps=i0,
+        hold=i0,
+        strikes=i0,
+        comm_share=jnp.asarray(-1.0, jnp.float32),
+        last_error=f0,
+        last_reason=i0,
+        window=jnp.asarray(cfg.window, jnp.int32),
+    )
+
+
+class _Decision(NamedTuple):
+    """This step's decision (every field replicated: one switch branch everywhere)."""
+
+    decide: jax.Array  # bool: the step opens a window, the controller decided
+    level: jax.Array  # the rung this step runs
+    hold: jax.Array  # the controller's outputs (used where ``decide``)
+    strikes: jax.Array
+    reason: jax.Array
+    mean_error: jax.Array  # the closed window's mean error
+
+
+def _decision(cfg: _Config, state: AdaptiveState, p: int) -> _Decision:
+    """The decision at the first step of a window, from the last window's mean error and
+    the share measured over it (``p``: devices over the reduce axes, for the wire
+    fractions); the current level on the other steps."""
+    wire = jnp.asarray([r.wire(p) for r in cfg.rungs], jnp.float32)
+    decide = state.window_steps >= cfg.window
+    mean_err = state.error_sum / jnp.maximum(state.window_steps, 1).astype(jnp.float32)
+    level, hold, strikes, reason = cfg.control.decide(
+        state.level, state.hold, state.strikes, mean_err, state.comm_share, wire
+    )
+    level = jnp.where(decide, level, state.level)
+    return _Decision(decide, level, hold, strikes, reason, mean_err)
+
+
+def _advance(
+    state: AdaptiveState, d: _Decision, residual: PerDevice, err: jax.Array
+) -> AdaptiveState:
+    """The state after a step that took decision ``d`` and measured error ``err``: a new
+    window where ``d.decide``, else this step's error added to the current one."""
+    new = AdaptiveState(
+        level=d.level.astype(jnp.int32),
+        residual=residual,
+        error_sum=(jnp.where(d.decide, 0.0, state.error_sum) + err).astype(jnp.float32),
+        window_steps=jnp.where(d.decide, 0, state.window_steps) + 1,
+        hold=jnp.where(d.decide, d.hold, state.hold),
+        strikes=jnp.where(d.decide, d.strikes, state.strikes),
+        comm_share=state.comm_share,
+        last_error=jnp.where(d.decide, d.mean_error, state.last_error).astype(jnp.float32),
+        last_reason=jnp.where(d.decide, d.reason, state.last_reason),
+        window=state.window,
+    )
+    return _scalars_in_one_vector(new) if xla_cpu.active() else new
+
+
+_SCALARS = ("level", "error_sum", "window_steps", "hold", "strikes", "last_error", "last_reason")
+
+
+def _scalars_in_one_vector(state: AdaptiveState) -> AdaptiveState:
+    """``state`` with the same values, its new scalars read back out of one int32 vector at
+    runtime indices (``jaxcomm.xla_cpu`` workaround 1): XLA:CPU compiles every scalar
+    output of a step as a kernel of its own, the vector as one and its reads as one. The
+    f32 fields travel bit-cast, exactly."""
+    f32, i32 = jnp.float32, jnp.int32
+    fields = [getattr(state, k) for k in _SCALARS]
+    words = jnp.stack([
+        lax.bitcast_convert_type(x, i32) if x.dtype == f32 else x.astype(i32) for x in fields
+    ])  # fmt: skip
+    assert words.dtype == i32, words.dtype  # a float would promote and round the words
+    reads = [
+        lax.dynamic_index_in_dim(words, k, keepdims=False)
+        for k in xla_cpu.runtime_ints(range(len(fields)))
+    ]
+    back = {
+        k: lax.bitcast_convert_type(w, f32) if x.dtype == f32 else w
+        for k, x, w in zip(_SCALARS, fields, reads, strict=True)
+    }
+    return state._replace(**back)
+
+
+def _on_f32(cfg: _Config, level: jax.Array) -> jax.Array:
+    """Whether rung ``level`` is the exact ``'f32'`` rung (a replicated bool)."""
+    return jnp.asarray([r.name == "f32" for r in cfg.rungs])[level]
+
+
+def _dither_seeds(cfg: _Config, n: int, ctx: ReduceContext) -> list:
+    """The int rungs' dither seeds of ``n`` buffers (None each when they round to
+    nearest), hashed once before the switch as ``int8()``/``int4()`` hash them: a fixed
+    rung sends the fixed compressor's integers, and the branches get them as operands."""
+    if not (cfg.stochastic and any(r.name in ("int8", "int4") for r in cfg.rungs)):
+        return [None] * n
+    device = lax.axis_index(ctx.axes)
+    return [two_phase_seeds(ctx.key, device, i) for i in range(n)]
+
+
+def _switch(
+    cfg: _Config, level: jax.Array, cs: list[jax.Array], ctx: ReduceContext
+) -> tuple[list[jax.Array], PerDevice]:
+    """Rung ``level``'s means of ``cs`` (``g + e``) and the new shared residual.
+
+    1. Hash the int rungs' dither seeds (:func:`_dither_seeds`).
+    2. ``lax.switch`` over the rungs; each branch computes every buffer's
+       ``(mean, sent)`` with its codec, all-gathers the f32 means over
+       ``ctx.gather_axis`` unless the codec gathers its encoded payload itself (so every
+       branch returns the same shapes), and returns the residual ``c - sent``. The
+       residual is computed inside the branch, where it fuses with the kernel that
+       computes ``sent``.
+    """
+    seeds = _dither_seeds(cfg, len(cs), ctx)
+
+    def branch(rung: _Rung) -> Callable:
+        def run(cs):
+            pairs = [rung.mean(c, ctx, i, seeds[i]) for i, c in enumerate(cs)]
+            means = [m for m, _ in pairs]
+            if ctx.gather_axis is not None and not rung.gathers:
+                means = [all_gather_invariant(m, ctx.gather_axis) for m in means]
+            return means, ef.new_residuals(cs, [s for _, s in pairs])
+
+        return run
+
+    return lax.switch(level, [branch(r) for r in cfg.rungs], cs)
+
+
+def _own_means(outs: list[jax.Array], cs: list[jax.Array], ctx: ReduceContext) -> list:
+    """This device's own means in ``outs`` (with ``ctx.gather_axis`` each holds every
+    device of that axis: the slice at this device's index), to compare with its ``cs``."""
+    if ctx.gather_axis is None:
+        return outs
+    at = lax.axis_index(ctx.gather_axis)
+    return [lax.dynamic_slice_in_dim(o, at * c.size, c.size) for o, c in zip(outs, cs, strict=True)]
+
+
+def _reduce(
+    cfg: _Config, xs: list[jax.Array], state: AdaptiveState, ctx: ReduceContext
+) -> tuple[list[jax.Array], AdaptiveState]:
+    """``Compressor.reduce``: one step.
+
+    1. The decision (at the first step of a window; :func:`_decision`).
+    2. Compress ``c = g + e`` with this step's rung (:func:`_switch`); one shared residual.
+    3. The error of the mean (:func:`error_of_mean`), once after the switch, over every
+       data axis (not ``ctx.axes``, the outer axes only with ``compress_stage='inter'``):
+       every device must take the same decision. The ``'f32'`` rung's mean is exact (to
+       f32 rounding), so its error is 0 and its steps skip the sketch (a ``lax.cond``).
+    4. The new state (:func:`_advance`); the means cast back to the buffers' dtypes.
+    """
+    d = _decision(cfg, state, axes_size(ctx.axes))
+    cs = ef.corrected(xs, state.residual)
+    out, residual = _switch(cfg, d.level, cs, ctx)
+    own = _own_means(out, cs, ctx)
+
+    def sketched() -> jax.Array:
+        return error_of_mean(cs, own, ctx, sketch_size=cfg.sketch_size)
+
+    if any(r.name == "f32" for r in cfg.rungs):
+        err = lax.cond(_on_f32(cfg, d.level), lambda: jnp.zeros((), jnp.float32), sketched)
+    else:
+        err = sketched()
+    new = _advance(state, d, residual, err)
+    out = [o.astype(jnp.result_type(x)) for o, x in zip(out, xs, strict=True)]
+    return out, new
+
+
+def _exact(
+    cfg: _Config, state: AdaptiveState, ctx: ReduceContext
+) -> tuple[jax.Array, list[jax.Array], AdaptiveState]:
+    """``Compressor.exact``: whether this step runs the ``'f32'`` rung, which sends
+    ``g + e`` whole (the residual to add), and the state after such a step (its mean is
+    exact, its error 0, the residual after it zero)."""
+    d = _decision(cfg, state, axes_size(ctx.axes))
+    zeros = ef.init_residuals(state.residual.value)
+    return (
+        _on_f32(cfg, d.level),
+        list(state.residual.value),
+        _advance(state, d, zeros, jnp.zeros(())),
+    )
+
+
+# -- for drivers and logs ---------------------------------------------------------------
+def ladder(compressor: Compressor, devices: int) -> Ladder | None:
+    """The rung names and wire fractions of an adaptive compressor; None for any other.
+
+    The state holds the level as an index; this names it, and gives the wire fractions
+    that ``jaxcomm.CommProfiler.drive`` scales measured times with.
+
+    Args:
+      compressor: any :class:`~jaxcomm.compression.Compressor` (e.g. the one passed as
+        ``sync_gradients(compression=...)``).
+      devices: devices over the axes the compressor reduces over (with
+        ``compress_stage='inter'``, the outer axes only); the top-k rungs' wire fraction
+        grows with it.
+
+    Returns:
+      A :class:`Ladder` (the rung names, with ``wire``), or None when ``compressor`` was
+      not made by :func:`adaptive`.
+
+    Raises:
+      ValueError: ``devices < 1``.
+
+    Example:
+      >>> ladder(adaptive(), 8)
+      ('bf16', 'int8', 'int4')
+      >>> ladder(adaptive(), 8).wire
+      (0.5, 0.25390625, 0.12890625)
+    """
+    reduce = getattr(compressor, "reduce", None)
+    if not (isinstance(reduce, functools.partial) and reduce.func is _reduce):
+        return None
+    devices = check_int("devices", devices, minimum=1)
+    cfg: _Config = reduce.args[0]
+    return Ladder([r.name for r in cfg.rungs], [r.wire(devices) for r in cfg.rungs])
 
 
 def adaptive_states(opt_state: Any) -> list[AdaptiveState]:
@@ -466,262 +867,3 @@ def with_comm_share(opt_state: Any, share: jax.Array) -> Any:
         return node
 
     return jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, AdaptiveState))
-
-
-def _check_ladder(ladder: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(ladder, str) or not isinstance(ladder, Sequence) or not ladder:
-        raise ValueError(
-            f"ladder={ladder!r} must be a non-empty sequence of rung names, least "
-            f"compression first, e.g. {DEFAULT_LADDER}."
-        )
-    return tuple(ladder)
-
-
-def adaptive(
-    initial_compression_ratio: float = 0.5,
-    *,
-    min_compression: float = 0.1,
-    max_compression: float = 0.9,
-    adjustment_step: int = 100,
-    ladder: Sequence[str] = DEFAULT_LADDER,
-    error_low: float = 0.05,
-    error_high: float = 0.25,
-    comm_low: float = 0.1,
-    comm_high: float = 0.3,
-    cooldown: int = 3,
-    block: int = 256,
-    stochastic: bool = True,
-    topk_method: str = "auto",
-    sketch_size: int = 1021,
-) -> Compressor:
-    """Adaptive compressor that walks a ladder of rungs (see the module docstring).
-
-    Args:
-      initial_compression_ratio: start at the rung nearest this compression (fraction of
-        f32 bytes saved), in ``[min_compression, max_compression]``.
-      min_compression: least compression allowed, in [0, 1].
-      max_compression: most compression allowed, in [min_compression, 1].
-      adjustment_step: steps per decision window (>= 1); ``CommProfiler.drive`` measures
-        the step time over the same windows.
-      ladder: rung names, least compression first (nominal compression strictly
-        increasing): ``'f32'``, ``'bf16'``, ``'int8'``, ``'int4'``, ``'topk:R'``,
-        ``'random_k:R'`` (``R`` the fraction of entries sent). Default
-        :data:`DEFAULT_LADDER`; the rungs outside ``[min_compression,
-        max_compression]`` are dropped.
-      error_low: below this window-mean error the ladder may be climbed.
-      error_high: above it the compressor steps down; ``0 < error_low < error_high``.
-      comm_low: step down when the share predicted for the rung below is under this.
-      comm_high: a measured share above this climbs; ``0 <= comm_low <= comm_high <= 1``.
-      cooldown: windows without climbing after a step down for error (>= 0), doubled
-        for every further step down for error (up to 64x).
-      block: quantization block of the int8/int4 rungs (even, >= 2).
-      stochastic: the int8/int4 rungs round stochastically (unbiased, keyed per device
-        and step); ``False`` rounds to nearest. The shared residual feeds every rounding
-        error into the next step, so nearest rounding loses nothing (error feedback,
-        Seide et al. 2014; Karimireddy et al. 2019) and its error of the mean is about
-        ``1/sqrt(2)`` of the stochastic one (variance ``d^2/12`` against up to ``d^2/6``
-        for a step ``d``): on ResNet-18, int4 with ``block=64`` reads 0.18 against 0.27
-        stochastic (0.34 at ``block=256``), inside the default ``error_high``
-        (docs/benchmarks.md, issue 12).
-      topk_method: selection of the top-k rungs ('auto', 'exact', 'sampled'; see
-        :func:`~jaxcomm.compression.topk`).
-      sketch_size: buckets of the error estimate (>= 16; relative spread about
-        ``sqrt(2 / sketch_size)``).
-
-    Returns:
-      A :class:`~jaxcomm.compression.Compressor` with state :class:`AdaptiveState`.
-
-    Raises:
-      ValueError: a value out of range, an unknown or out-of-order rung,
-        ``min_compression > max_compression``, or no rung inside
-        ``[min_compression, max_compression]``.
-
-    Example:
-      >>> c = jaxcomm.compression.adaptive(
-      ...     0.5, adjustment_step=20, ladder=('bf16', 'int8', 'int4', 'random_k:0.1'),
-      ...     error_low=0.95, error_high=1.0)
-      >>> tx = jaxcomm.sync_gradients(compression=c)
-    """
-    lo = check_range("min_compression", min_compression, 0.0, 1.0)
-    hi = check_range("max_compression", max_compression, 0.0, 1.0)
-    if lo > hi:
-        raise ValueError(
-            f"min_compression={min_compression} > max_compression={max_compression}; "
-            "need 0 <= min_compression <= max_compression <= 1."
-        )
-    init_c = check_range(
-        "initial_compression_ratio", initial_compression_ratio, lo, hi,
-        fix="It must lie between min_compression and max_compression.",
-    )  # fmt: skip
-    adjustment_step = check_int("adjustment_step", adjustment_step, minimum=1)
-    check_range("error_low", error_low, 0.0, float("inf"), low_open=True)
-    check_range("error_high", error_high, error_low, float("inf"), low_open=True)
-    check_range("comm_low", comm_low, 0.0, 1.0)
-    check_range("comm_high", comm_high, comm_low, 1.0)
-    cooldown = check_int("cooldown", cooldown, minimum=0)
-    sketch_size = check_int("sketch_size", sketch_size, minimum=16, fix="e.g. 1021")
-    if check_int("block", block, minimum=2, fix="an even number, e.g. 256") % 2:
-        raise ValueError(f"block={block!r} must be an even int >= 2, e.g. 256.")
-    if topk_method not in ("auto", "exact", "sampled"):
-        raise ValueError(
-            f"topk_method={topk_method!r} is not known; choose one of ['auto', 'exact', 'sampled']."
-        )
-    rungs = [_rung(n, block, topk_method) for n in _check_ladder(ladder)]
-    for a, b in zip(rungs, rungs[1:], strict=False):
-        if not a.compression < b.compression:
-            raise ValueError(
-                f"ladder={tuple(ladder)!r}: rung {b.name!r} (compression {b.compression:g}) "
-                f"does not compress more than {a.name!r} ({a.compression:g}); list the rungs "
-                "least compression first."
-            )
-    levels = [r for r in rungs if lo <= r.compression <= hi]
-    if not levels:
-        raise ValueError(
-            f"no compression level lies in [min_compression={lo}, max_compression={hi}]; "
-            f"the ladder is {dict((r.name, r.compression) for r in rungs)}. Widen the range."
-        )
-    if len(levels) == 1:  # no lax.switch: the rung's result must be made a buffer itself
-        levels = [_rung(levels[0].name, block, topk_method, switched=False)]
-    start = min(range(len(levels)), key=lambda i: abs(levels[i].compression - init_c))
-    names = tuple(r.name for r in levels)
-    control = Controller(float(error_low), float(error_high), float(comm_low), float(comm_high),
-                         cooldown)  # fmt: skip
-
-    def init(specs):
-        f0, i0 = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
-        return AdaptiveState(
-            level=jnp.asarray(start, jnp.int32),
-            residual=ef.init_residuals(specs),
-            error_sum=f0,
-            window_steps=i0,
-            hold=i0,
-            strikes=i0,
-            comm_share=jnp.asarray(-1.0, jnp.float32),
-            last_error=f0,
-            last_reason=i0,
-            window=jnp.asarray(adjustment_step, jnp.int32),
-        )
-
-    def decision(state: AdaptiveState, p: int):
-        """This step's ``(decide, level, hold, strikes, reason, window-mean error)``: the
-        decision at the first step of a window, from the last window's error and the share
-        measured over it (every input is replicated: one branch everywhere)."""
-        wire = jnp.asarray([r.wire(p) for r in levels], jnp.float32)
-        decide = state.window_steps >= adjustment_step
-        mean_err = state.error_sum / jnp.maximum(state.window_steps, 1).astype(jnp.float32)
-        level, hold, strikes, reason = control.decide(
-            state.level, state.hold, state.strikes, mean_err, state.comm_share, wire
-        )
-        return decide, jnp.where(decide, level, state.level), hold, strikes, reason, mean_err
-
-    def advance(state: AdaptiveState, d, residual: PerDevice, err: jax.Array) -> AdaptiveState:
-        """The state after a step that took decision ``d`` and measured ``err``."""
-        decide, level, hold, strikes, reason, mean_err = d
-        f32, i32 = jnp.float32, jnp.int32
-        zero_f, zero_i = jnp.zeros((), f32), jnp.zeros((), i32)
-        as_i32 = lambda x: lax.bitcast_convert_type(x.astype(f32), i32)  # noqa: E731
-        # The new scalar fields as one int32 vector (the f32 ones bit-cast, exactly), read
-        # back at runtime indices: XLA:CPU compiles every scalar output as a kernel of its
-        # own (~25 ms each), the vector as one, and its reads share one (issue 17).
-        fields = jnp.stack([
-            level.astype(i32),
-            as_i32(jnp.where(decide, zero_f, state.error_sum) + err),
-            jnp.where(decide, zero_i, state.window_steps) + 1,
-            jnp.where(decide, hold, state.hold),
-            jnp.where(decide, strikes, state.strikes),
-            as_i32(jnp.where(decide, mean_err, state.last_error)),
-            jnp.where(decide, reason, state.last_reason),
-        ])  # fmt: skip
-        # every entry is int32 (a float among them would promote the vector and round the
-        # bit-cast floats)
-        assert fields.dtype == i32, fields.dtype
-        (lvl, err_sum, steps, hold, strikes, last_err, last_reason) = (
-            lax.dynamic_index_in_dim(fields, k, keepdims=False) for k in runtime_ints(range(7))
-        )
-        as_f32 = lambda x: lax.bitcast_convert_type(x, f32)  # noqa: E731
-        return AdaptiveState(
-            level=lvl,
-            residual=residual,
-            error_sum=as_f32(err_sum),
-            window_steps=steps,
-            hold=hold,
-            strikes=strikes,
-            comm_share=state.comm_share,
-            last_error=as_f32(last_err),
-            last_reason=last_reason,
-            window=state.window,
-        )
-
-    def on_f32(level: jax.Array) -> jax.Array:
-        """Whether rung ``level`` is the exact ``'f32'`` rung (a replicated bool)."""
-        return jnp.asarray([r.name == "f32" for r in levels])[level]
-
-    def reduce(xs, state: AdaptiveState, ctx: ReduceContext):
-        # 1. The decision (at the first step of a window).
-        p = axes_size(ctx.axes)
-        probe = _LADDERS.get()
-        if probe is not None:
-            probe.append(Ladder(names, [r.wire(p) for r in levels]))
-        d = decision(state, p)
-        # 2. Compress g + e with the rung; one shared residual.
-        cs = ef.corrected(xs, state.residual)
-        # The int rungs dither from the same seeds, hashed once before the switch (as
-        # int8()/int4() hash them: a fixed rung sends the fixed compressor's bits).
-        seeds = [None] * len(cs)
-        if stochastic and any(r.name in ("int8", "int4") for r in levels):
-            device = lax.axis_index(ctx.axes)
-            seeds = [two_phase_seeds(ctx.key, device, i) for i in range(len(cs))]
-
-        def branch(rung):
-            def run(cs):
-                pairs = [rung.mean(c, ctx, ctx.key, i, seeds[i]) for i, c in enumerate(cs)]
-                means = [m for m, _ in pairs]
-                if ctx.gather_axis is not None and not rung.gathers:
-                    # gathers=True: every rung returns the node's means; the int rungs
-                    # gather theirs quantized inside two_phase_mean, the others in f32
-                    means = [all_gather_invariant(m, ctx.gather_axis) for m in means]
-                # the residual inside the branch: it fuses with the kernel that computes
-                # what was sent, where a ``sent`` output would be one more buffer pass
-                return means, ef.new_residuals(cs, [s for _, s in pairs])
-
-            return run
-
-        out, residual = lax.switch(d[1], [branch(r) for r in levels], cs)
-        # this device's own means (the sketch compares them with its own c)
-        own = out
-        if ctx.gather_axis is not None:
-            at = lax.axis_index(ctx.gather_axis)
-            own = [
-                lax.dynamic_slice_in_dim(o, at * c.size, c.size)
-                for o, c in zip(out, cs, strict=True)
-            ]
-
-        # 3. The error of the mean, over every data axis (not ctx.axes, the outer axes only
-        #    with compress_stage='inter'): all devices must pick the same branch. Once,
-        #    after the switch: a sketch per rung would be compiled once per rung (issue 17).
-        #    The f32 rung's mean is exact (to f32 rounding, ~1e-7), so it skips the sketch,
-        #    whose signs cost as much as a 1 Gbit/s all-reduce on a CPU (docs/benchmarks.md,
-        #    issue 11).
-        def sketched():
-            return error_of_mean(cs, own, ctx, sketch_size=sketch_size)
-
-        if "f32" in names:
-            err = lax.cond(on_f32(d[1]), lambda: jnp.zeros((), jnp.float32), sketched)
-        else:
-            err = sketched()
-        new = advance(state, d, residual, err)
-        out = [o.astype(jnp.result_type(x)) for o, x in zip(out, xs, strict=True)]
-        return out, new
-
-    def exact(state: AdaptiveState, ctx: ReduceContext):
-        # The 'f32' rung sends g + e whole: its mean is exact, the residual after it zero.
-        d = decision(state, axes_size(ctx.axes))
-        zeros = ef.init_residuals(state.residual.value)
-        return on_f32(d[1]), list(state.residual.value), advance(state, d, zeros, jnp.zeros(()))
-
-    return Compressor(
-        f"adaptive[{','.join(names)}]", init, reduce,
-        wire_fraction=1.0 - levels[0].compression,
-        gathers=True,
-        exact=exact if "f32" in names else None,
-    )  # fmt: skip

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomm import xla_cpu
 from jaxcomm.collectives import ALGORITHMS
-from jaxcomm.packing import runtime_ints
 
 __all__ = [
     "Compressor",
@@ -34,8 +34,6 @@ __all__ = [
     "axes_size",
     "check_range",
     "decision_axes",
-    "lowbias32",
-    "step_key",
     "sum_over",
     "sum_rows",
 ]
@@ -50,7 +48,7 @@ class ReduceContext(NamedTuple):
       step: int32 scalar, the number of synchronised steps before this one.
       key: a PRNG key that is the **same on every device** (derived from the sync seed and
         ``step``); hash it with the device's index for per-device randomness
-        (``quantize.dither_seed(key, lax.axis_index(axes), ...)``: no threefry).
+        (``keys.dither_seed(key, lax.axis_index(axes), ...)``: no threefry).
       data_axes: every data-parallel axis of the step (``()``: the same as ``axes``). With
         ``compress_stage='inter'``, ``axes`` are the outer axes only and each device of a
         node holds a different shard, so a decision that must be the same on every
@@ -98,9 +96,6 @@ class Compressor(NamedTuple):
       supports: ``supports(shape) -> bool``; leaves it refuses stay uncompressed.
       finite: optional ``finite(state) -> bool scalar``, False when the last ``reduce``
         overflowed (fp16); ``sync_gradients`` then zeroes the whole step's update.
-      wire_fraction: nominal payload this device contributes, relative to the f32 buffer
-        (0.5 for bf16, 2 x ratio for top-k's index + value pairs, NaN where it depends on
-        shapes); documentation only -- measured bytes come from ``jaxcomm.wire_bytes``.
       gathers: ``reduce`` honours ``ctx.gather_axis``: each returned mean is then the
         concatenation of the means of every device of that axis (``g`` times the length of
         the input shard), identical on every device of ``axes`` and ``gather_axis``.
@@ -121,7 +116,6 @@ class Compressor(NamedTuple):
     elementwise: bool = True
     supports: Callable[[tuple[int, ...]], bool] = _any_shape
     finite: Callable[[Any], jax.Array] | None = None
-    wire_fraction: float = 1.0
     gathers: bool = False
     exact: Callable[[Any, ReduceContext], tuple[jax.Array, list | None, Any]] | None = None
 
@@ -155,61 +149,25 @@ def all_to_all_rows(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """``lax.all_to_all(x, axes, 0, 0, tiled=True)`` of a ``(p, ...)`` payload: device ``i``
     receives row ``i`` of every device, in device order.
 
-    XLA:CPU runs an all-to-all as one operand per device, each cut from ``x`` by a slice
-    at a constant offset, and compiles every such slice as a kernel of its own: 8 kernels
-    per payload shape on 8 devices, 24 of adaptive's 131 on ResNet-152 (issue 17). On the
-    CPU backend the rows are therefore cut at runtime offsets
-    (:func:`jaxcomm.packing.runtime_ints`: one ``dynamic_slice`` kernel for all rows) and
-    concatenated; XLA's own cuts of that concatenation fold back to the rows. The same
-    collective, operands and bytes; other backends run the plain all-to-all.
+    On a CPU mesh the rows are first cut at runtime offsets, so that XLA:CPU compiles its
+    per-device operands as one kernel (``jaxcomm.xla_cpu``, workaround 2): the same
+    collective, operands and bytes.
+
+    Args:
+      x: per-device payload (inside ``jax.shard_map``), ``p`` rows over ``axes``.
+      axes: mesh axes of the exchange.
+
+    Returns:
+      ``(p, ...)``: row ``j`` is row ``i`` of device ``j``'s payload on device ``i``.
     """
-    if jax.default_backend() == "cpu" and x.shape[0] > 1:
-        size = (1, *x.shape[1:])
-        starts = runtime_ints(range(x.shape[0]))
-        zeros = (0,) * (x.ndim - 1)
-        x = jnp.concatenate(
-            [lax.dynamic_slice(x, (i, *zeros), size, allow_negative_indices=False) for i in starts]
-        )
+    if xla_cpu.active():
+        x = xla_cpu.rows_at_runtime_offsets(x)
     return lax.all_to_all(x, axes, 0, 0, tiled=True)
 
 
 def axes_size(axes: tuple[str, ...]) -> int:
     """Number of devices over ``axes`` (inside shard_map)."""
     return int(np.prod([lax.axis_size(a) for a in axes]))
-
-
-def lowbias32(h: jax.Array) -> jax.Array:
-    """An integer hash with a low avalanche bias on uint32 (Wellons, "Prospecting for hash
-    functions", 2018: the ``lowbias32`` constants); a bijection on uint32."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x7FEB352D)
-    h = h ^ (h >> 15)
-    h = h * jnp.uint32(0x846CA68B)
-    return h ^ (h >> 16)
-
-
-def step_key(seed: int, step: jax.Array) -> jax.Array:
-    """The PRNG key of ``sync_gradients``' step ``step`` (:attr:`ReduceContext.key`).
-
-    The words of ``jax.random.key(seed)`` (no generator runs) each hashed with the step
-    and their lane: ``w_l = lowbias32(lowbias32(w_l ^ lowbias32(step ^ 0x9E3779B9)) ^ l)``,
-    wrapped as a key of the default implementation. ``jax.random.fold_in`` would run
-    threefry (20 rounds), which XLA:CPU compiles into a few scalar kernels of its own in
-    every compressed sync (issue 17); a key only needs words that differ per step and look
-    independent, and whatever draws from it (``jax.random`` or
-    :func:`~jaxcomm.compression.quantize.dither_seed`) mixes them further.
-
-    Args:
-      seed: ``sync_gradients``' seed.
-      step: int32 scalar, the number of synchronised steps before this one.
-
-    Returns:
-      A PRNG key (``jax.random.key``'s implementation), the same on every device.
-    """
-    base = jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32)
-    mix = lowbias32(jnp.asarray(step).astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))
-    lanes = lax.iota(jnp.uint32, base.size).reshape(base.shape)
-    return jax.random.wrap_key_data(lowbias32(lowbias32(base ^ mix) ^ lanes))
 
 
 def sum_over(x: jax.Array, axes: tuple[str, ...], algorithm: str) -> jax.Array:
@@ -225,17 +183,15 @@ def sum_rows(x: jax.Array) -> jax.Array:
     """Sum over the first axis as ``len(x) - 1`` elementwise adds, in index order, the axis
     kept (of size 1).
 
-    ``jnp.sum(x, axis=0)`` over a few long rows is a reduction kernel on XLA:CPU (a
-    YNNPACK fusion) that does not fuse its producer: it was the largest kernel of an int8
-    step (2 rows of 2.9M dequantized values: 24-36 ms against 3.9 ms for the adds, which
-    fuse with the dequantization and the re-quantization after it), and on rows received
-    by an all-to-all it needs them concatenated first (a copy of the payload), where the
-    adds read each received row where it lies.
+    ``jnp.sum(x, axis=0)`` over a few long rows is a reduction kernel on XLA:CPU that
+    does not fuse its producer, while the adds fuse with the dequantization before them
+    and the re-quantization after them; and on rows received by an all-to-all a
+    reduction needs them concatenated first (a copy of the payload), where the adds read
+    each received row where it lies.
 
     The rows are added as ``(1, ...)`` slices, never squeezed: with ``x[r]`` every add
-    met a reshape, which XLA's reshape-mover moves past one add per round of its
-    simplification pipeline, so the pipeline ran once more per row (7 more rounds of
-    every simplification pass per int8/int4 mean on 8 devices, issue 17).
+    meets a reshape, which XLA's reshape-mover moves past one add per round of its
+    simplification pipeline, so the pipeline would run once more per row.
 
     Args:
       x: array ``(p, ...)`` with ``p >= 1``.

@@ -4,14 +4,15 @@ Both halve the bytes of an f32 all-reduce and stay all-reduce compatible, so the
 through any registered algorithm (flat, hierarchical, ...) in the low precision.
 
 * **bf16** keeps f32's exponent range, so it cannot overflow; it loses mantissa bits
-  (relative error <= 2^-8 per element before the sum). XLA:CPU has no bf16 reductions:
-  it promotes a bf16 all-reduce to f32 (the HLO shows ``f32`` all-reduces with
-  ``*_promoted`` reducers), so the wire would carry 32 bits. On the CPU backend
-  (``via='auto'``) bf16 therefore takes the two-phase route of the quantizers: an
-  all-to-all of bf16 chunks (as raw 16-bit words), a local f32 sum, and an all-gather of
-  the bf16 mean: the same ``(p-1)/p 2N`` bytes as a bf16 all-reduce, really in 16 bits.
-  Elsewhere (GPU: NCCL sums bf16 natively) it is a bf16 all-reduce through the
-  configured algorithm.
+  (relative error <= 2^-8 per element before the sum). It is a bf16 all-reduce through
+  the configured algorithm (NCCL sums bf16 natively). XLA:CPU has no bf16 reductions: it
+  promotes a bf16 all-reduce to f32 (the HLO shows ``f32`` all-reduces with
+  ``*_promoted`` reducers), so the wire would carry 32 bits. On a CPU mesh
+  (``jaxcomm.xla_cpu.active``, workaround 4) ``via='auto'`` therefore takes the
+  two-phase route of the quantizers: an all-to-all of bf16 chunks (as raw 16-bit words),
+  a local f32 sum, and an all-gather of the bf16 mean: the same ``(p-1)/p 2N`` bytes as
+  a bf16 all-reduce, really in 16 bits. The two routes round differently (the two-phase
+  mean is rounded to bf16 once, after an f32 sum), within bf16's precision.
 * **fp16** has 3 more mantissa bits but a maximum of 65504. Following Horovod's
   ``gradient_predivide_factor``, each device divides by the world size *before* the cast,
   so the sum is the mean and only a mean above 65504 (or one pre-divided value above it)
@@ -42,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomm import xla_cpu
 from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression.base import (
     Compressor,
@@ -79,8 +81,7 @@ def bf16_exchange_mean(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, 
     lo = xf.reshape(p, m).astype(jnp.bfloat16)
     words = all_to_all_rows(lax.bitcast_convert_type(lo, jnp.uint16), axes)
     # (1, m) from here on; the rows summed by adds (sum_rows), which fuse with their
-    # decoding straight from the received rows (a sum(0) reduction needs them
-    # concatenated first: a copy of the payload and a kernel more, issue 17)
+    # decoding straight from the received rows
     chunk = sum_rows(as_f32(lax.bitcast_convert_type(words, jnp.bfloat16))) / p
     chunk_lo = chunk.astype(jnp.bfloat16)
     full = all_gather_invariant(lax.bitcast_convert_type(chunk_lo[0], jnp.uint16), axes)
@@ -100,8 +101,8 @@ def bf16_mean(
       ``(mean, sent)``; with ``via='allreduce'`` the bf16 sum's own rounding is not in
       ``sent`` (the backend sums in bf16), so error feedback is then approximate.
     """
-    if via == "auto":
-        via = "all_to_all" if jax.default_backend() == "cpu" else "allreduce"
+    if via == "auto":  # XLA:CPU would sum a bf16 all-reduce in f32 (module docstring)
+        via = "all_to_all" if xla_cpu.active() else "allreduce"
     if via == "all_to_all":
         mean, sent = bf16_exchange_mean(jnp.ravel(x), axes)
         return mean.reshape(jnp.shape(x)), sent.reshape(jnp.shape(x))
@@ -116,7 +117,7 @@ def bf16(*, via: str = "auto") -> Compressor:
     Args:
       via: ``'allreduce'`` (bf16 all-reduce through the configured algorithm),
         ``'all_to_all'`` (all-to-all + all-gather of bf16 words), or ``'auto'``
-        (all_to_all on the CPU backend, whose bf16 all-reduce runs in f32; allreduce
+        (all_to_all on a CPU mesh, whose bf16 all-reduce runs in f32; allreduce
         elsewhere).
 
     Returns:
@@ -137,7 +138,7 @@ def bf16(*, via: str = "auto") -> Compressor:
         out = [bf16_mean(x, ctx.axes, ctx.algorithm, via)[0].astype(jnp.result_type(x)) for x in xs]
         return out, state
 
-    return Compressor("bf16", init, reduce, wire_fraction=0.5)
+    return Compressor("bf16", init, reduce)
 
 
 class Fp16State(NamedTuple):
@@ -184,4 +185,4 @@ def fp16() -> Compressor:
         new = Fp16State(state.overflow_steps + (~finite).astype(jnp.int32), finite)
         return out, new
 
-    return Compressor("fp16", init, reduce, finite=lambda s: s.finite, wire_fraction=0.5)
+    return Compressor("fp16", init, reduce, finite=lambda s: s.finite)

@@ -31,15 +31,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import xla_cpu
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
     Compressor,
     ReduceContext,
+    axes_size,
     check_range,
     decision_axes,
     sum_over,
 )
-from jaxcomm.packing import plan_groups, runtime_ints
+from jaxcomm.packing import plan_groups
 from jaxcomm.validate import check_int
 
 __all__ = ["PowerSGDState", "matrix_shape", "orthogonalize", "powersgd", "shape_groups"]
@@ -52,9 +54,8 @@ class PowerSGDState(NamedTuple):
     appearance): a group holds matrices of one rank ``r``, zero-padded to the group's
     largest ``(N, M)``; the state holds one entry per group, its ``g`` matrices stacked in
     leaf order, so that a step reads and writes one array per group rather than one per
-    leaf. Checkpoints of an earlier layout (one entry per leaf, or per exact shape before
-    ``max_padding``) do not restore into this one, nor those of another ``max_padding``:
-    before 2026-12-02 the default was 0.05 (``powersgd(max_padding=0.05)`` restores them).
+    leaf. A checkpoint restores only into the same layout: the same compressed leaves,
+    ``rank`` and ``max_padding``.
 
     Attributes:
       q: tuple of f32 ``(g, M, r)`` stacks, one per group, rows past a matrix's own ``m``
@@ -164,8 +165,8 @@ def _pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 # Zero rows the stacked QRs of _orthogonalize_batches may add, as a fraction of the real
 # rows: a QR of (n, r) costs O(n r^2), r / m of a product's O(n m r), so doubling its rows
-# is noise, while each batch's QR is a custom call, a masking kernel and ~0.1 s of
-# lowering (ResNet-152: the 11 batches' QRs in 2 stacks).
+# is noise, while each batch's QR is a custom call and a masking kernel of its own, to
+# lower and compile.
 _QR_PADDING = 1.0
 
 
@@ -191,6 +192,104 @@ def _orthogonalize_batches(ps: list[jax.Array]) -> list[jax.Array]:
     return out
 
 
+class _Layout(NamedTuple):
+    """How one step's matrices are batched (:func:`shape_groups`).
+
+    Attributes:
+      groups: leaf indices of each batch.
+      dims: each leaf's ``(n, m, r)``.
+      pads: each batch's padded ``(N, M, r)``.
+    """
+
+    groups: list[list[int]]
+    dims: list[tuple[int, int, int]]
+    pads: list[tuple[int, int, int]]
+
+
+def _layout(shapes: list[tuple[int, ...]], rank: int, max_padding: float) -> _Layout:
+    """The batches of leaves of ``shapes`` at ``rank`` (capped per matrix)."""
+    nm = [matrix_shape(tuple(sh)) for sh in shapes]
+    dims = [(n, m, min(rank, n, m)) for n, m in nm]
+    groups = shape_groups(dims, max_padding=max_padding)
+    pads = [(max(dims[i][0] for i in g), max(dims[i][1] for i in g), dims[g[0]][2]) for g in groups]
+    return _Layout(groups, dims, pads)
+
+
+def _first_q(key: jax.Array, lay: _Layout) -> list[jax.Array]:
+    """Each batch's initial ``Q`` ``(g, M, r)``: leaf ``i``'s drawn from
+    ``fold_in(key, i)`` (the numbers do not depend on the batching), its rows past its own
+    ``m`` zero (they would meet zero columns of ``M`` anyway)."""
+    return [
+        jnp.stack(
+            [
+                _pad_to(
+                    jax.random.normal(jax.random.fold_in(key, i), lay.dims[i][1:], jnp.float32),
+                    (big_m, r),
+                )
+                for i in g
+            ]
+        )
+        for g, (_, big_m, r) in zip(lay.groups, lay.pads, strict=True)
+    ]
+
+
+def _stacked(xs: list[jax.Array], lay: _Layout) -> list[jax.Array]:
+    """Each batch's matrices as one ``(g N, M)`` array: the leaves viewed as ``(n, m)``,
+    zero-padded to ``(N, M)``, stacked along rows."""
+    return [
+        jnp.concatenate([_pad_to(jnp.reshape(xs[i], lay.dims[i][:2]), (n, m)) for i in g])
+        for g, (n, m, _) in zip(lay.groups, lay.pads, strict=True)
+    ]
+
+
+def _mean_all(parts: list[jax.Array], axes: tuple[str, ...], algorithm: str) -> list[jax.Array]:
+    """The mean over ``axes`` of every array of ``parts``, in one all-reduce of them
+    packed into one buffer (``jaxcomm.packing``)."""
+    plan = plan_groups(parts, [range(len(parts))])
+    (flat,) = plan.pack(parts)
+    return plan.unpack([sum_over(flat, axes, algorithm) / axes_size(axes)])
+
+
+def _power_iteration(
+    mats: list[jax.Array], qs: list[jax.Array], axes: tuple[str, ...], algorithm: str
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+    """Steps 2-4 of the module docstring on batches ``(g, N, M)``.
+
+    Returns:
+      ``(p_hat, q_local, q_mean)`` per batch: the orthogonalized mean of ``P = M Q``,
+      this device's ``M^T P_hat`` and its mean over ``axes``.
+    """
+    ps = _orthogonalize_batches(
+        _mean_all([mt @ q for mt, q in zip(mats, qs, strict=True)], axes, algorithm)
+    )
+    q_local = [jnp.einsum("gnm,gnr->gmr", mt, p) for mt, p in zip(mats, ps, strict=True)]
+    return ps, q_local, _mean_all(q_local, axes, algorithm)
+
+
+def _unbatched(approx: list[jax.Array], xs: list[jax.Array], lay: _Layout) -> list[jax.Array]:
+    """Each leaf's matrix cut out of its batch's ``(g, N, M)`` product, unpadded, in the
+    leaf's shape and dtype.
+
+    Static slices; on a CPU mesh at runtime indices, so that XLA:CPU compiles the cuts
+    of one shape as one kernel (``jaxcomm.xla_cpu``, workaround 1).
+    """
+    index = None
+    if xla_cpu.active():
+        index = xla_cpu.runtime_ints(range(max(len(g) for g in lay.groups)))
+    out: list = [None] * len(xs)
+    for g, a in zip(lay.groups, approx, strict=True):
+        for j, i in enumerate(g):
+            n, m, _ = lay.dims[i]
+            if index is None:
+                block = a[j : j + 1, :n, :m]
+            else:
+                block = jax.lax.dynamic_slice(
+                    a, (index[j], 0, 0), (1, n, m), allow_negative_indices=False
+                )
+            out[i] = block.reshape(xs[i].shape).astype(jnp.result_type(xs[i]))
+    return out
+
+
 def powersgd(
     rank: int = 4,
     *,
@@ -207,7 +306,8 @@ def powersgd(
     one (zero-padded rows, at most doubling the QR's rows). A batch may hold matrices of
     different shapes, zero-padded to its largest ``(n, m)``; the result is the unpadded
     one: zero rows and columns add nothing to the products and stay zero through the QR
-    (the padded rows of ``P`` and ``Q`` go over the wire, zeros).
+    (the padded rows of ``P`` and ``Q`` go over the wire, zeros). All ``P`` of a step
+    travel in one all-reduce, all ``Q`` in a second.
 
     Args:
       rank: approximation rank ``r`` (>= 1); capped at ``min(n, m)`` per matrix.
@@ -219,10 +319,8 @@ def powersgd(
       max_padding: zero padding allowed to merge shapes into fewer batches, as a
         fraction of the compressed matrices' elements (>= 0; 0: a batch per shape). It
         costs up to that much more memory in the residual and compute in the products,
-        sends the padded rows of ``P`` and ``Q`` too, and cuts compile time. ResNet-152's
-        21 shapes: 11 batches at 0.05 (3.3 % more elements, 2.9 % more factor bytes), 9
-        at the default 0.1 (9.0 %, 9.5 %), whose sync compiles in 0.86-0.92 of 0.05's
-        CPU time (84 -> 77 XLA kernels; two runs side by side, issue 17).
+        sends the padded rows of ``P`` and ``Q`` too, and cuts compile time (fewer
+        batches, fewer kernels).
 
     Returns:
       A :class:`~jaxcomm.compression.Compressor` (``elementwise=False``) with state
@@ -245,90 +343,40 @@ def powersgd(
         r = min(rank, n, m)
         return n * m >= min_rate * r * (n + m)
 
-    def layout(shapes):
-        """The batches, each leaf's ``(n, m, r)`` and each batch's padded ``(N, M, r)``."""
-        nm = [matrix_shape(tuple(sh)) for sh in shapes]
-        dims = [(n, m, min(rank, n, m)) for n, m in nm]
-        groups = shape_groups(dims, max_padding=max_padding)
-        pads = [
-            (max(dims[i][0] for i in g), max(dims[i][1] for i in g), dims[g[0]][2]) for g in groups
-        ]
-        return groups, dims, pads
-
-    def first_q(key, groups, dims, pads):
-        # Leaf i's Q from fold_in(key, i), as before batching (the same numbers); the
-        # rows past its own m are zero (they would meet zero columns of M anyway).
-        return [
-            jnp.stack(
-                [_pad_to(jax.random.normal(jax.random.fold_in(key, i), dims[i][1:], jnp.float32),
-                         (big_m, r)) for i in g]
-            )
-            for g, (_, big_m, r) in zip(groups, pads, strict=True)
-        ]  # fmt: skip
-
     def init(specs):
-        groups, dims, pads = layout([jnp.shape(s) for s in specs])
-        q = first_q(jax.random.key(seed), groups, dims, pads)
+        lay = _layout([jnp.shape(s) for s in specs], rank, max_padding)
         res = ()
         if error_feedback:
             res = ef.init_residuals(
-                [jax.ShapeDtypeStruct((len(g) * n, m), jnp.float32)
-                 for g, (n, m, _) in zip(groups, pads, strict=True)]
-            )  # fmt: skip
-        return PowerSGDState(tuple(q), res)
+                [
+                    jax.ShapeDtypeStruct((len(g) * n, m), jnp.float32)
+                    for g, (n, m, _) in zip(lay.groups, lay.pads, strict=True)
+                ]
+            )
+        return PowerSGDState(tuple(_first_q(jax.random.key(seed), lay)), res)
 
     def reduce(xs, state: PowerSGDState, ctx: ReduceContext):
-        # One batch (g, N, M) per group: one batched product per batch (and one QR per
-        # stack of batches) instead of one per matrix (compile time and kernel count grow
-        # with the number of batches, not of leaves; PyTorch's hook batches likewise).
-        groups, dims, pads = layout([x.shape for x in xs])
-        rows = [
-            jnp.concatenate([_pad_to(jnp.reshape(xs[i], dims[i][:2]), (n, m)) for i in g])
-            for g, (n, m, _) in zip(groups, pads, strict=True)
+        lay = _layout([x.shape for x in xs], rank, max_padding)
+        # Step 1, on (g N, M) batches: one batched product per batch instead of one per
+        # matrix (PyTorch's hook batches likewise).
+        cs = ef.corrected(_stacked(xs, lay), state.residual if error_feedback else None)
+        mats = [
+            c.reshape(len(g), n, m)
+            for c, g, (n, m, _) in zip(cs, lay.groups, lay.pads, strict=True)
         ]
-        cs = ef.corrected(rows, state.residual if error_feedback else None)  # (g N, M) each
-        mats = [c.reshape(len(g), n, m) for c, g, (n, m, _) in zip(cs, groups, pads, strict=True)]
-        qs = list(state.q) if warm_start else first_q(ctx.key, groups, dims, pads)
+        qs = list(state.q) if warm_start else _first_q(ctx.key, lay)
         # Over every data axis: with compress_stage='inter' the matrices arrive averaged
         # over the inner axis (equal within a node, but typed varying there through the
         # per-device residual), and a mean over the outer axes alone would leave P and Q
         # typed varying. The mean over all axes has the same value and is provably
         # replicated; through 'hierarchical' its inter-node share is 1/g of the factors.
-        axes = decision_axes(ctx)
-        n_dev = int(np.prod([jax.lax.axis_size(a) for a in axes]))
-
-        def mean_all(parts):  # one all-reduce for all batches of this phase
-            plan = plan_groups(parts, [range(len(parts))])  # cut back at runtime offsets
-            (flat,) = plan.pack(parts)
-            return plan.unpack([sum_over(flat, axes, ctx.algorithm) / n_dev])
-
-        ps = _orthogonalize_batches(mean_all([mt @ q for mt, q in zip(mats, qs, strict=True)]))
-        q_local = [jnp.einsum("gnm,gnr->gmr", mt, p) for mt, p in zip(mats, ps, strict=True)]
-        q_mean = mean_all(q_local)
-        # Each matrix is cut out of its batch at a runtime index (jaxcomm.packing's
-        # runtime_ints), so that the matrices of one shape share one compiled kernel; at
-        # constant offsets every matrix would be a kernel of its own.
-        index = runtime_ints(range(max(len(g) for g in groups)))
-        out: list = [None] * len(xs)
-        for g, p, q in zip(groups, ps, q_mean, strict=True):
-            approx = jnp.einsum("gnr,gmr->gnm", p, q)
-            for j, i in enumerate(g):
-                n, m, _ = dims[i]
-                block = jax.lax.dynamic_slice(
-                    approx, (index[j], 0, 0), (1, n, m), allow_negative_indices=False
-                )
-                out[i] = block.reshape(xs[i].shape).astype(jnp.result_type(xs[i]))
+        ps, q_local, q_mean = _power_iteration(mats, qs, decision_axes(ctx), ctx.algorithm)
+        approx = [jnp.einsum("gnr,gmr->gnm", p, q) for p, q in zip(ps, q_mean, strict=True)]
+        out = _unbatched(approx, xs, lay)  # step 5
         res = state.residual
         if error_feedback:
             sent = [jnp.einsum("gnr,gmr->gnm", p, q) for p, q in zip(ps, q_local, strict=True)]
             res = ef.new_residuals(cs, [s.reshape(c.shape) for s, c in zip(sent, cs, strict=True)])
         return out, PowerSGDState(tuple(q_mean), res)
 
-    return Compressor(
-        f"powersgd(rank={rank})",
-        init,
-        reduce,
-        elementwise=False,
-        supports=supports,
-        wire_fraction=float("nan"),  # depends on the matrix shapes
-    )
+    return Compressor(f"powersgd(rank={rank})", init, reduce, elementwise=False, supports=supports)

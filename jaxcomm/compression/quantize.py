@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomm import xla_cpu
 from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
@@ -39,11 +40,9 @@ from jaxcomm.compression.base import (
     ReduceContext,
     all_to_all_rows,
     axes_size,
-    lowbias32,
     sum_rows,
 )
-from jaxcomm.packing import runtime_ints
-from jaxcomm.state import varying_axes
+from jaxcomm.compression.keys import dither_seed, seeded_uniform, two_phase_seeds
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -52,90 +51,10 @@ __all__ = [
     "int8",
     "quantize",
     "quantized",
-    "dither_seed",
-    "seeded_uniform",
     "two_phase_mean",
-    "two_phase_seeds",
-    "uniform_dither",
 ]
 
 _QMAX = {8: 127, 4: 7}
-
-
-def dither_seed(key: jax.Array, *salts: int | jax.Array) -> jax.Array:
-    """A uint32 dither seed from a PRNG key and integer salts (device, buffer, phase).
-
-    Also top-k's sample offset (``sparse.select_topk``) and the error sketch's signs
-    (``adaptive.error_of_mean``): any per-device, per-step scalar that only has to look
-    random.
-
-    1. ``h = lowbias32(w0 ^ lowbias32(w1 ^ 0x9E3779B9))`` over the key's raw words
-       (``jax.random.key_data``: no generator runs);
-    2. ``h = lowbias32(h ^ s)`` for each salt ``s`` in order.
-
-    ``jax.random.fold_in``/``split``/``bits`` run threefry (20 rounds) for each derived
-    key: on XLA:CPU a few scalar kernels each, 18 of adaptive's 110 on ResNet-152 (issue
-    17). A dither only needs seeds that differ per device, buffer and phase and look
-    independent; ``lowbias32`` is a bijection on uint32, so distinct salts give distinct
-    seeds, and the per-element hash of :func:`uniform_dither` decorrelates the streams.
-
-    Args:
-      key: a PRNG key (``jax.random.key`` or a raw ``uint32`` key).
-      *salts: ints or integer scalars (e.g. ``lax.axis_index``), at most ``2**32 - 1``.
-
-    Returns:
-      uint32 scalar.
-    """
-    words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
-    h = jnp.uint32(0x9E3779B9)  # the golden ratio's bits: a nonzero start for a zero key
-    for w in words[::-1]:
-        h = lowbias32(w ^ h)
-    for s in salts:
-        h = lowbias32(h ^ jnp.asarray(s).astype(jnp.uint32))
-    return h
-
-
-def seeded_uniform(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """:func:`uniform_dither`'s steps 2-3 from a :func:`dither_seed` (uint32 scalar)."""
-    n = int(np.prod(shape))
-    if n > 2**32:
-        raise ValueError(f"uniform_dither: {n} elements; at most 2**32 have distinct indices.")
-    index = lax.iota(jnp.uint32, n).reshape(shape)
-    h = lowbias32(lowbias32(index) ^ seed)
-    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
-
-
-def uniform_dither(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniform ``[0, 1)`` f32 values for stochastic rounding: one integer hash per element.
-
-    ``jax.random.uniform`` (threefry, 20 rounds per pair of words) cost twice the blockwise
-    quantization it serves on an H200 (0.335 vs 0.158 ms for 60.2M f32, docs/benchmarks.md)
-    and most of it on CPU. Stochastic rounding needs values that are uniform and independent
-    of the data, not a cryptographic stream, so each element hashes its index with a seed
-    drawn once from ``key``; the hash fuses into the quantization kernel.
-
-    1. ``seed = dither_seed(key)``: the key's raw words hashed, one uint32 per call.
-    2. ``h = lowbias32(lowbias32(index) ^ seed)`` for each element's flat index.
-    3. The top 24 bits of ``h`` times ``2**-24``: exact f32 multiples of ``2**-24`` in
-       ``[0, 1)``, so ``floor(v + u)`` is unbiased to within ``2**-24``.
-
-    Args:
-      key: a PRNG key (per device and step in the compressors).
-      shape: the output shape; at most ``2**32`` elements.
-
-    Returns:
-      f32 array of ``shape``.
-
-    Example:
-      >>> u = uniform_dither(jax.random.key(0), (4, 256))
-    """
-    return seeded_uniform(dither_seed(key), shape)
-
-
-def two_phase_seeds(key: jax.Array, *salts: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The dither seeds of :func:`two_phase_mean`'s two phases: ``dither_seed(key, *salts,
-    phase)`` for phase 1 and 2 (salts: the device's index and the buffer's)."""
-    return dither_seed(key, *salts, 1), dither_seed(key, *salts, 2)
 
 
 def _quantize_blocks(
@@ -144,12 +63,12 @@ def _quantize_blocks(
     """:func:`quantize` on blocks: ``xb`` f32 ``(rows, blocks, block)`` -> ``q`` int8
     ``(rows, blocks, block)`` (uint8 ``(rows, blocks, block // 2)`` for 4 bits) and the
     scales ``(rows, blocks)``; ``inv_qmax``: ``1 / qmax`` as a runtime f32 scalar
-    (:func:`_runtime_inv_qmax`), or None for the constant.
+    (``jaxcomm.xla_cpu.runtime_f32``), or None for the constant.
 
     Every kernel of the two-phase mean runs on this 3-D block layout. XLA:CPU indexes a
-    fused kernel through each reshape and slice inside it (a division per element), and a
+    fused kernel through each reshape and slice inside it (a division per element), so a
     kernel mixing the flat ``(rows, m)`` view with the blocks (decode, sum, re-quantize)
-    ran 4-5x slower than the same kernel on blocks (2.9M values: 31 against 8 ms).
+    is several times slower than the same kernel on blocks.
     """
     qmax = _QMAX[bits]
     absmax = jnp.max(jnp.abs(xb), axis=-1)
@@ -175,15 +94,6 @@ def _inv_qmax(bits: int) -> np.float32:
     return np.float32(1) / np.float32(_QMAX[bits])
 
 
-def _runtime_inv_qmax(bits: int) -> jax.Array:
-    """:func:`_inv_qmax` as a runtime f32 scalar (its bits through
-    ``jaxcomm.packing.runtime_ints``). The scale kernels of int8 and int4 differ only in
-    this constant: as a value XLA cannot fold, adaptive's two int rungs share those four
-    kernels (issue 17)."""
-    (word,) = runtime_ints([int(_inv_qmax(bits).view(np.uint32))])
-    return lax.bitcast_convert_type(word, jnp.float32)
-
-
 def _dequantize_blocks(q: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
     """Inverse of :func:`_quantize_blocks`: f32 ``(rows, blocks, block)``."""
     if bits == 8:
@@ -191,8 +101,7 @@ def _dequantize_blocks(q: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
     else:
         # value j sits in byte j // 2, its low nibble for an even j: each byte read twice
         # and shifted by 4 (j % 2), which fuses into the decoding (a stack of the two
-        # nibbles was a kernel, and a transposing copy, of its own: 26 ms of a 140 ms int4
-        # sync on 4 devices)
+        # nibbles would be a kernel, and a transposing copy, of its own)
         width = q.shape[-1] * 2
         b = jnp.broadcast_to(q[..., None], (*q.shape, 2)).reshape(*q.shape[:-1], width)
         shift = (lax.iota(jnp.uint8, width) & 1) << 2
@@ -216,7 +125,7 @@ def quantize(
       nibbles per byte) for 4 bits; ``scales`` f32 ``(rows, m // block)``.
     """
     rows, m = x.shape
-    seed = None if key is None else _materialized(lambda s: s, dither_seed(key))  # see there
+    seed = None if key is None else _in_buffers(lambda s: s, dither_seed(key))
     q, scales = _quantize_blocks(x.reshape(rows, m // block, block), bits, seed)
     return q.reshape(rows, -1), scales
 
@@ -247,39 +156,18 @@ def _from_bytes(buf: jax.Array, shape: tuple[int, int], bits: int) -> tuple[jax.
     return q, lax.bitcast_convert_type(sb, jnp.float32)
 
 
-def _materialized(f: Callable[..., Any], *args: jax.Array) -> Any:
-    """``f(*args)`` (an array or a tuple of arrays), each computed into a buffer of its own.
+def _in_buffers(f: Callable[..., Any], *args: jax.Array) -> Any:
+    """``f(*args)``; on a CPU mesh computed into buffers of its own
+    (``jaxcomm.xla_cpu.materialized``, workaround 3).
 
-    XLA:CPU fuses a cheap elementwise producer (the decoding of the gathered means) into
-    every consumer, and the consumers of the mean are the slices that cut it into
-    gradient leaves, each at a runtime offset through the row padding: the decoding then
-    runs once per leaf with a division chain per element (unpacking ResNet-18's 46.8 MB
-    took 3-4x a copy). A conditional's output is a buffer, so ``f`` runs once, linearly,
-    as the root of the taken branch, straight into that buffer (an identity branch on a
-    decoded operand would copy it once more); the predicate is a runtime value (never
-    folded) that is always true. Only on CPU: a GPU conditional reads its predicate on the
-    host, and GPU kernels index cheaply.
-
-    The dither seeds go through it too: XLA fuses a scalar's producers into its consumer,
-    so a seed's ``lowbias32`` chain (the key's words, device, buffer, phase) sat inside the
-    encoding kernel of every element, where LLVM did not hoist it out of int4's loop: that
-    kernel took 688 ms per device-call, 145 ms with the seeds in buffers (ResNet-18, 8
-    devices; the int4 sync 2.6x faster, docs/benchmarks.md, issue 17).
+    XLA:CPU fuses a cheap elementwise producer into every consumer: the decoding of the
+    gathered means would run once per gradient leaf cut from them (with a division per
+    element through the row padding), and a dither seed's ``lowbias32`` chain (the key's
+    words, device, buffer, phase) inside the encoding loop of every element. GPU kernels
+    index cheaply, and a GPU conditional reads its predicate on the host: there ``f``
+    runs plainly.
     """
-    if jax.default_backend() != "cpu":
-        return f(*args)
-    (one,) = runtime_ints([1])
-    out = jax.eval_shape(f, *args)
-
-    def zeros(spec):  # typed as f's result (shard_map's varying axes included)
-        z = jnp.zeros(spec.shape, spec.dtype)
-        axes = tuple(varying_axes(spec))
-        return lax.pcast(z, axes, to="varying") if axes else z
-
-    def unused(*_):  # never runs
-        return jax.tree.map(zeros, out)
-
-    return lax.cond(one == 1, f, unused, *args)
+    return xla_cpu.materialized(f, *args) if xla_cpu.active() else f(*args)
 
 
 def two_phase_mean(
@@ -308,7 +196,7 @@ def two_phase_mean(
         of every device of ``gather_axis`` (in its index order), bit for bit what an f32
         all-gather of each device's mean would give.
       materialize: decode the mean into a buffer of its own, and compute the seeds into
-        buffers before the encoding (on CPU, see ``_materialized``); False where the
+        buffers before the encoding (on a CPU mesh, see ``_in_buffers``); False where the
         caller's result is a buffer already (a ``lax.switch`` branch's output, whose
         seeds come in as operands), which would copy it once more.
 
@@ -324,10 +212,12 @@ def two_phase_mean(
     blocks = -(-n // (p * block))  # per chunk; every kernel below runs on (rows, blocks, block)
     chunk = (blocks, block if bits == 8 else block // 2)  # value bytes of one chunk
     xb = jnp.pad(x, (0, p * blocks * block - n)).reshape(p, blocks, block)
-    if seeds is not None and materialize:  # into buffers: see _materialized (a switch
-        seeds = _materialized(lambda *s: s, *seeds)  # branch gets them as operands)
+    if seeds is not None and materialize:  # into buffers: see _in_buffers (a switch
+        seeds = _in_buffers(lambda *s: s, *seeds)  # branch gets them as operands)
     seed1, seed2 = (None, None) if seeds is None else seeds
-    inv_qmax = _runtime_inv_qmax(bits)
+    # On a CPU mesh 1 / qmax comes in as a runtime value, so that the scale kernels of
+    # int8 and int4 (which differ only in this constant) are one (jaxcomm.xla_cpu).
+    inv_qmax = xla_cpu.runtime_f32(_inv_qmax(bits)) if xla_cpu.active() else None
     q, s = _quantize_blocks(xb, bits, seed1, inv_qmax)
     local = _dequantize_blocks(q, s, bits)  # (p, blocks, block): what this device sends
     # Phase 1: chunk i of every device goes to device i; values and scales travel as one
@@ -358,9 +248,9 @@ def two_phase_mean(
         return mean.reshape(rows, -1)[:, :n].reshape(-1), local.reshape(-1)[:n]
 
     # ``sent`` into a buffer too: error feedback's ``c - sent`` on the flat view, fused with
-    # the block layout's decoding and update, was a kernel of 0.34 GB/s (a division per
-    # element; 68 ms of a 286 ms int4 sync on 4 devices), where a buffer costs a copy
-    return _materialized(decode, gathered, local) if materialize else decode(gathered, local)
+    # the block layout's decoding and update, would index through both layouts (a
+    # division per element), where a buffer costs a copy
+    return _in_buffers(decode, gathered, local) if materialize else decode(gathered, local)
 
 
 def _quantized(bits: int, block: int, stochastic: bool, error_feedback: bool) -> Compressor:
@@ -387,8 +277,7 @@ def _quantized(bits: int, block: int, stochastic: bool, error_feedback: bool) ->
         new = ef.new_residuals(cs, sent) if error_feedback else state
         return out, new
 
-    frac = (bits / 8 + 4 / block) / 4
-    return Compressor(f"int{bits}", init, reduce, wire_fraction=frac, gathers=True)
+    return Compressor(f"int{bits}", init, reduce, gathers=True)
 
 
 def _check_block(block: int, bits: int) -> int:

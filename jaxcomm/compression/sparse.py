@@ -6,7 +6,7 @@
   (:func:`sum_pairs_in_device_order`: the same bits on every device and every backend). Per
   device that is ``(p-1) 8k`` bytes against ``2 (p-1)/p 4N`` for an f32 all-reduce, a
   ratio of ``p * ratio`` -- it only wins below density ``1/p`` (REFERENCE.md).
-  Exact ``lax.top_k`` is slow on CPU (100 ms for 1% of 4M); the DGC variant estimates the
+  Exact ``lax.top_k`` is slow on large buffers on CPU; the DGC variant estimates the
   threshold from a strided sample, masks, and takes the first ``k`` indices above it
   (those beyond ``k`` stay in the residual). With error feedback nothing is dropped.
 * **random-k** picks indices from a key shared by all devices (one random element per
@@ -36,7 +36,7 @@ from jaxcomm.compression.base import (
     check_range,
     sum_over,
 )
-from jaxcomm.compression.quantize import dither_seed
+from jaxcomm.compression.keys import dither_seed
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -65,7 +65,7 @@ def first_true(mask: jax.Array, k: int) -> jax.Array:
     ``jnp.nonzero(mask, size=k, fill_value=len(mask))``, computed with one prefix sum and
     one scatter: ``nonzero`` runs two prefix sums and a full-length sum for its fill, which
     XLA:CPU compiles as trees of reduce-window kernels (a level per factor of 16 or 32 of
-    the length): 24 of top-k's 100 kernels on ResNet-152 (issue 17).
+    the length).
 
     1. ``rank = cumsum(mask) - 1``: the slot of each true entry.
     2. Scatter each true entry's index into its slot; those of rank ``k`` and more, and
@@ -107,7 +107,7 @@ def select_topk(
       method: 'exact' (``lax.top_k``) or 'sampled' (DGC threshold from a sample).
       sample: sample size for 'sampled'.
       seed: uint32 scalar that differs per device and step (a
-        :func:`~jaxcomm.compression.quantize.dither_seed`): the strided sample's offset.
+        :func:`~jaxcomm.compression.keys.dither_seed`): the strided sample's offset.
 
     Returns:
       ``(idx, vals)`` of length ``k``; unused slots (sampled, fewer than ``k`` above the
@@ -310,7 +310,7 @@ def topk(
         new = ef.new_residuals(cs, sent) if error_feedback else state
         return out, new
 
-    return Compressor(f"topk({ratio:g})", init, reduce, wire_fraction=2 * ratio)
+    return Compressor(f"topk({ratio:g})", init, reduce)
 
 
 def random_k(ratio: float, *, error_feedback: bool = True) -> Compressor:
@@ -352,4 +352,4 @@ def random_k(ratio: float, *, error_feedback: bool = True) -> Compressor:
         new = ef.new_residuals(cs, sent) if error_feedback else state
         return out, new
 
-    return Compressor(f"random_k({ratio:g})", init, reduce, wire_fraction=ratio)
+    return Compressor(f"random_k({ratio:g})", init, reduce)

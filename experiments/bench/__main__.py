@@ -1,4 +1,4 @@
-"""``python -m jaxcomm.bench <name> [args]``: dispatch to ``jaxcomm.bench.<name>.main``.
+"""``python -m experiments.bench <name> [args]``: dispatch to ``experiments.bench.<name>.main``.
 
 Every module of this package with a ``main(argv) -> int`` function is a benchmark.
 """
@@ -9,7 +9,7 @@ import importlib
 import pkgutil
 import sys
 
-import jaxcomm.bench as _pkg
+import experiments.bench as _pkg
 
 
 def available() -> list[str]:
@@ -17,7 +17,7 @@ def available() -> list[str]:
     for info in pkgutil.iter_modules(_pkg.__path__):
         if info.name.startswith("_"):
             continue
-        if hasattr(importlib.import_module(f"jaxcomm.bench.{info.name}"), "main"):
+        if hasattr(importlib.import_module(f"experiments.bench.{info.name}"), "main"):
             names.append(info.name)
     return sorted(names)
 
@@ -26,12 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     names = available()
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m jaxcomm.bench {" + ",".join(names) + "} [args]")
+        print("usage: python -m experiments.bench {" + ",".join(names) + "} [args]")
         return 0 if argv else 2
     if argv[0] not in names:
         print(f"unknown benchmark {argv[0]!r}; choose one of {names}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(f"jaxcomm.bench.{argv[0]}").main(argv[1:]) or 0)
+    return int(importlib.import_module(f"experiments.bench.{argv[0]}").main(argv[1:]) or 0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""``python -m jaxcomm.bench adaptive``: adaptive compression across a live link schedule.
+"""``python -m experiments.bench adaptive``: adaptive compression across a live link schedule.
 
-Trains a wide MLP on digits (:mod:`jaxcomm.bench.digits` data, ``--hidden`` layers, a few MB
+Trains a wide MLP on digits (:mod:`experiments.bench.digits` data, ``--hidden`` layers, a few MB
 of gradient) on an emulated cluster (:class:`jaxcomm.testbed.Testbed`, 2 nodes x 2 devices by
 default) whose link rate changes while it trains (``--link 10gbit --schedule
 15s:25mbit,75s:10gbit``, the testbed's ``--link-schedule``). Once with
@@ -22,29 +22,25 @@ delay in windows after each link change (:func:`reaction_delays`), the level cha
 the needed ones (:func:`oscillations`), JSON (``--json``) and a plot (``--plot``: step time,
 level and loss over time, the link changes marked).
 
-Settings (the defaults, tuned on 2 shared cores, docs/benchmarks.md): a setting where each
-fixed level loses somewhere, so that a ladder can win honestly. The fast phase (10 Gbit/s:
-the link moves data as fast as the CPUs feed it) is one where f32 beats int4, because
-int4's quantization kernels cost more than the traffic they save; the slow one (25 Mbit/s)
-is one where int4 wins (a 4.5 MB f32 gradient takes ~1.4 s on the link, int4's ~0.2 s). A
-global batch of 240 (60 images per device) keeps the compute per step small next to those
-kernels; at 960 on a 1 Gbit/s fast link int4's kernels were nearly free at low load and
-fixed int4 was as fast as f32 there (the previous setting in docs/benchmarks.md). Ladder
-``f32,int4`` (on a CPU the int8 and bf16 rungs cost as much time as int4 and would add a
-window to every reaction), windows of 2 steps, ``comm_low=0.8`` (int4's share on the slow
-link reads 0.65-0.8 on an idle machine, 0.93+ predicted at f32; on the fast link it reads
-0.2-0.4 after the recovery, because the wire-fraction model scales the share by bytes and
-the fast link's time is per-collective overhead, not bytes: 0.66-0.83 predicted, and at
-``comm_low=0.7`` one idle run held int4 for 10 windows after the recovery),
-``comm_high=0.85`` (f32's share reads 0-0.6 on the fast link, 0.91-0.95 on the slow one),
-``error_high=0.4`` (int4's
-error of the mean reads 0.27-0.30 here). ``--start-at 75``: the compile and
-``CommProfiler.drive``'s calibration (one timed step per rung) must end before the first
-link change, or the calibration times int4 on the slow link and takes its traffic for
-kernel time (``late_start_s`` in the JSON says when training started late).
+Settings (the defaults; the figures they give are in docs/benchmarks.md): each fixed level
+loses somewhere, so that a ladder can win honestly. On the fast phase (10 Gbit/s: the link
+moves data as fast as the CPUs feed it) f32 beats int4, because int4's quantization kernels
+cost more than the traffic they save; on the slow one (25 Mbit/s) int4 wins, sending about
+an eighth of f32's bytes. A global batch of 240 (60 images per device) keeps the compute
+per step small next to those kernels, so that they decide the fast phase. The ladder is
+``f32,int4``: on a CPU the int8 and bf16 rungs cost about as much as int4 and would add a
+window to every reaction. Windows of 2 steps. ``comm_low=0.8`` and ``comm_high=0.85`` lie
+between the shares that int4 and f32 read on each link; int4's share on the fast link reads
+below the predicted one, because the wire-fraction model scales the share by bytes while
+the fast link's time is per-collective overhead, so a higher ``comm_low`` would hold int4
+there after the recovery. ``error_high=0.4`` lies above int4's error of the mean on this
+model. ``--start-at 75``: the compile and ``CommProfiler.drive``'s calibration (one timed
+step per rung) must end before the first link change, or the calibration times int4 on the
+slow link and takes its traffic for kernel time (``late_start_s`` in the JSON says when
+training started late).
 
 Example:
-  sudo python -m jaxcomm.bench adaptive --steps 300 --json adaptive.json --plot adaptive.png
+  sudo python -m experiments.bench adaptive --steps 300 --json adaptive.json --plot adaptive.png
 """
 
 from __future__ import annotations
@@ -242,7 +238,14 @@ def worker(args: argparse.Namespace) -> int:
     from jax.experimental import multihost_utils
 
     import jaxcomm
-    from jaxcomm.bench.digits import LEARNING_RATE, _init, _logits, _loss, data_order, load_split
+    from experiments.bench.digits import (
+        LEARNING_RATE,
+        _init,
+        _logits,
+        _loss,
+        data_order,
+        load_split,
+    )
 
     jaxcomm.init_distributed()
     pid = jax.process_index()
@@ -273,15 +276,7 @@ def worker(args: argparse.Namespace) -> int:
 
     grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(state.params))
     multihost_utils.sync_global_devices("adaptive bench: compiled")
-    start = os.environ.get("JAXCOMM_TESTBED_START")
-    late = 0.0
-    if start:  # the schedule counts from the testbed's start: train from start + start_at
-        wait = float(start) + args.start_at - time.time()
-        late = max(-wait, 0.0)
-        if late > 1.0 and pid == 0:  # the schedule no longer lines up with training
-            print(f"[adaptive bench] {args.worker}: training starts {late:.1f} s late; "
-                  "raise --start-at", file=sys.stderr, flush=True)  # fmt: skip
-        time.sleep(max(wait, 0.0))
+    late = _wait_for_start(args, pid)
     t0_unix, t0 = time.time(), time.perf_counter()
     ends, losses = [], []
     for i in range(args.steps):
@@ -292,23 +287,12 @@ def worker(args: argparse.Namespace) -> int:
     jaxcomm.check_replicas(state, mesh=mesh, what=f"{args.worker} state after {args.steps} steps")
     params = jax.device_get(state.params)
     acc = float(np.mean(np.asarray(jax.numpy.argmax(_logits(params, x_te), -1)) == y_te))
-    windows = []
-    if prof is not None:
-        for w in prof.windows:
-            windows.append(
-                {"step": w["step"], "t_end": ends[w["step"] - 1], "name": w["levels"][0],
-                 "level": list(args.ladder).index(w["levels"][0]),
-                 "comm_share": w["comm_share"], "step_time": w["step_time"]}
-            )  # fmt: skip
+    windows = [] if prof is None else _windows(prof.windows, ends, args.ladder)
     # Every process's level sequence, to check that they decide alike.
     seq = np.asarray([w["level"] for w in windows] or [-1], np.int32)
     all_seq = np.asarray(multihost_utils.process_allgather(seq))
     if pid != 0:
         return 0
-    log = []
-    if os.environ.get("JAXCOMM_TESTBED_LINK_LOG"):
-        with open(os.environ["JAXCOMM_TESTBED_LINK_LOG"]) as f:
-            log = [json.loads(line) for line in f if line.strip()]
     res = {
         "run": args.worker,
         "steps": args.steps,
@@ -325,7 +309,7 @@ def worker(args: argparse.Namespace) -> int:
         "processes_agree": bool((all_seq == all_seq[0]).all()),
         "process_level_sequences": all_seq.tolist(),
         "replicas_bit_equal": True,  # check_replicas above raises otherwise
-        "link_changes": link_changes(log, t0_unix),
+        "link_changes": link_changes(_link_log(), t0_unix),
         "late_start_s": late,
         "gradient_bytes": grad_bytes,
         "load_avg_1m": os.getloadavg()[0],
@@ -336,6 +320,41 @@ def worker(args: argparse.Namespace) -> int:
         json.dump(res, f)
     print(f"[adaptive bench] {args.worker}: {seconds:.1f} s, acc {acc:.4f}", flush=True)
     return 0
+
+
+def _wait_for_start(args: argparse.Namespace, pid: int) -> float:
+    """Sleeps until ``--start-at`` seconds after the testbed's start (the link schedule
+    counts from there); returns how many seconds late training starts (0 if on time)."""
+    start = os.environ.get("JAXCOMM_TESTBED_START")
+    if not start:
+        return 0.0
+    wait = float(start) + args.start_at - time.time()
+    late = max(-wait, 0.0)
+    if late > 1.0 and pid == 0:  # the schedule no longer lines up with training
+        print(f"[adaptive bench] {args.worker}: training starts {late:.1f} s late; "
+              "raise --start-at", file=sys.stderr, flush=True)  # fmt: skip
+    time.sleep(max(wait, 0.0))
+    return late
+
+
+def _windows(windows: Sequence[dict], ends: Sequence[float], ladder: Sequence[str]) -> list:
+    """``CommProfiler.windows`` with each window's end time (from ``ends``, the seconds
+    since the training start after each step) and the index of its level in ``ladder``."""
+    return [
+        {"step": w["step"], "t_end": ends[w["step"] - 1], "name": w["levels"][0],
+         "level": list(ladder).index(w["levels"][0]),
+         "comm_share": w["comm_share"], "step_time": w["step_time"]}
+        for w in windows
+    ]  # fmt: skip
+
+
+def _link_log() -> list[dict]:
+    """The records of the testbed's link log (``JAXCOMM_TESTBED_LINK_LOG``), if any."""
+    path = os.environ.get("JAXCOMM_TESTBED_LINK_LOG")
+    if not path:
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 # -- the whole benchmark ----------------------------------------------------------------------
@@ -404,7 +423,7 @@ def plot(runs: dict[str, dict], ladder: Sequence[str], path: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jaxcomm.bench adaptive",
+        prog="python -m experiments.bench adaptive",
         description="Adaptive compression (driven by CommProfiler.drive) against every fixed "
         "level, training a wide digits MLP on the emulated cluster (python -m jaxcomm.testbed, "
         "needs root) while its link rate changes on a schedule; one testbed per run.",
@@ -501,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.runs:
         with tempfile.TemporaryDirectory(prefix="jc-adaptive-") as tmp:
             out = os.path.join(tmp, "run.json")
-            cmd = [sys.executable, "-m", "jaxcomm.bench", "adaptive", "--worker", name,
+            cmd = [sys.executable, "-m", "experiments.bench", "adaptive", "--worker", name,
                    "--worker-out", out, *_forward(args)]  # fmt: skip
             load = os.getloadavg()[0]
             with testbed.Testbed(

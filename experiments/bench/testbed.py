@@ -1,4 +1,4 @@
-"""``python -m jaxcomm.bench testbed``: gradient all-reduce across an emulated slow link.
+"""``python -m experiments.bench testbed``: gradient all-reduce across an emulated slow link.
 
 Builds a :class:`jaxcomm.testbed.Testbed` (2 nodes x 2 devices by default) per link rate and
 runs this module with ``--worker`` on every node. The worker times, side by side in one run:
@@ -21,7 +21,7 @@ Speedups are ``flat time / method time`` from the same run. ``busbw/link`` is th
 bus bandwidth (``2(p-1)/p * S / t``, the bytes each rank sends on a ring) over the link rate.
 
 Example:
-  sudo python -m jaxcomm.bench testbed --links 1gbit,250mbit --sizes-mib 16,64 --json out.json
+  sudo python -m experiments.bench testbed --links 1gbit,250mbit --sizes-mib 16,64 --json out.json
 """
 
 from __future__ import annotations
@@ -329,7 +329,7 @@ def _table(run: dict[str, Any]) -> list[str]:
 def run_worker(
     bench: str, worker_args: list[str], **testbed_kwargs: Any
 ) -> tuple[int, dict[str, Any] | None]:
-    """Runs ``python -m jaxcomm.bench BENCH --worker --worker-out OUT *worker_args`` on every
+    """Runs ``python -m experiments.bench BENCH --worker --worker-out OUT *worker_args`` on every
     node of a :class:`jaxcomm.testbed.Testbed` (``testbed_kwargs``) and reads the JSON that
     node 0 wrote to ``OUT``.
 
@@ -340,7 +340,7 @@ def run_worker(
 
     with tempfile.TemporaryDirectory(prefix=f"jc-{bench}-") as tmp:
         out = os.path.join(tmp, "node0.json")
-        cmd = [sys.executable, "-m", "jaxcomm.bench", bench, "--worker", "--worker-out", out]
+        cmd = [sys.executable, "-m", "experiments.bench", bench, "--worker", "--worker-out", out]
         with testbed.Testbed(**testbed_kwargs) as tb:
             rc = tb.run(cmd + list(worker_args))
         if rc != 0:
@@ -351,7 +351,7 @@ def run_worker(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxcomm.bench testbed",
+        prog="python -m experiments.bench testbed",
         description="All-reduce methods and PyTorch gloo across emulated nodes (needs root).",
     )
     parser.add_argument("--links", default="1gbit,250mbit", help="comma-separated tc rates")

@@ -1,7 +1,7 @@
-"""``python -m jaxcomm.bench localsgd``: local SGD (DiLoCo) against per-step sync on digits.
+"""``python -m experiments.bench localsgd``: local SGD (DiLoCo) against per-step sync on digits.
 
 For every ``sync_every`` H and outer-gradient dtype (f32, int8), the digits MLP
-(:mod:`jaxcomm.bench.digits`, 8 devices, the same seed, data order and step count) is
+(:mod:`experiments.bench.digits`, 8 devices, the same seed, data order and step count) is
 trained with ``jaxcomm.local_sgd(adam, sync_every=H, compression=...)`` and compared with
 the per-step baseline ``chain(sync_gradients(), adam)``: test accuracy at the same number
 of steps, and bytes per device from the compiled step's HLO (``jaxcomm.wire_bytes``). A
@@ -57,13 +57,13 @@ def run(
       int8/int4 with stochastic rounding, and error feedback if ``error_feedback``.
       ``hidden`` is the MLP's width (the gradient is about ``300 * hidden`` bytes);
       ``inner_lr`` the Adam learning rate of the baseline and of every row's inner
-      optimizer (default ``jaxcomm.bench.digits.LEARNING_RATE``, 3e-3); ``batch`` the
+      optimizer (default ``experiments.bench.digits.LEARNING_RATE``, 3e-3); ``batch`` the
       global batch (a smaller one shrinks each step's compute, not its bytes).
     """
     import optax
 
     import jaxcomm
-    from jaxcomm.bench.digits import LEARNING_RATE, digits_accuracy
+    from experiments.bench.digits import LEARNING_RATE, digits_accuracy
     from jaxcomm.diloco import amortized_bytes
 
     inner_lr = LEARNING_RATE if inner_lr is None else inner_lr
@@ -128,7 +128,7 @@ def _table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m jaxcomm.bench localsgd",
+        prog="python -m experiments.bench localsgd",
         description="Local SGD (jaxcomm.local_sgd, inner Adam, outer Nesterov SGD, by default "
         "DiLoCo's lr 0.7 / momentum 0.9) vs per-step sync on the digits MLP, 8 (fake) "
         "devices: test accuracy at the same step count, bytes per step from the compiled HLO "
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("JAXCOMM_COORDINATOR"):  # under jaxcomm.launch or the testbed
         jaxcomm.init_distributed()
     elif jax.device_count() < 8:
-        from jaxcomm.bench.digits import reexec_with_fake_devices
+        from experiments.bench.digits import reexec_with_fake_devices
 
         return reexec_with_fake_devices("localsgd", argv)
     t0 = time.perf_counter()

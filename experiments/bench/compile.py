@@ -1,4 +1,4 @@
-"""``python -m jaxcomm.bench compile``: compile time and HLO size of the sync, per option.
+"""``python -m experiments.bench compile``: compile time and HLO size of the sync, per option.
 
 For each option (an all-reduce algorithm, bucket sizes, a compressor, the inter-node
 compression stage) it builds ``jaxcomm.sync_gradients(...)`` and compiles its ``update``
@@ -12,24 +12,23 @@ leaves, 60.2M parameters), recording where the time goes:
   (``hlo_ops_pre``);
 * ``compile_s``: XLA's optimization and code generation, the instruction count of the
   optimized module (``hlo_ops_post``), and its distinct fusion kernels (``kernels``,
-  :func:`distinct_kernels`): XLA:CPU compiles each distinct kernel once, 40-190 ms each,
-  so compile time follows this count, which unlike the seconds does not depend on the
-  machine's load.
+  :func:`distinct_kernels`): XLA:CPU compiles each distinct kernel once, so compile time
+  follows this count, which unlike the seconds does not depend on the machine's load.
 
 ``--step`` also compiles the whole data-parallel train step (``jaxcomm.data_parallel``,
 forward, backward, sync, SGD) of a real ResNet (``--step-model``, default ResNet-50 at 32
-px: a ResNet-152 step takes minutes to compile on 2 cores). Every option is compiled in the
-same process, one after the other, so the ratios to ``flat`` are comparable; the
+px, so that the step compiles on a small CPU too). Every option is compiled in the same
+process, one after the other, so the ratios to ``flat`` are comparable; the
 persistent compilation cache is off, so each compile is real (a fresh ``jax.jit`` per
 compile). ``--repeat N`` compiles every option N times in rounds (flat, a, b, flat, a, b,
-...) and reports each measure's median: on a shared machine flat's own CPU time varies by
-+-30 % between runs, which a single ratio to it carries whole. Prints a table and writes
+...) and reports each measure's median: on a shared machine flat's own CPU time varies
+between runs, and a single ratio to it carries that variation whole. Prints a table and writes
 JSON with ``--json PATH`` (rewritten after each option, so a run cut short keeps what it
 finished).
 
 Example::
 
-  python -m jaxcomm.bench compile --options flat,ring,powersgd --json compile.json
+  python -m experiments.bench compile --options flat,ring,powersgd --json compile.json
 """
 
 from __future__ import annotations
@@ -97,7 +96,7 @@ def sync_kwargs(option: str) -> dict[str, Any]:
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m jaxcomm.bench compile", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m experiments.bench compile", description=__doc__)
     p.add_argument("--model", default="resnet152", help="jaxcomm.models ResNet name")
     p.add_argument(
         "--options",
@@ -165,9 +164,9 @@ def distinct_kernels(text: str) -> int:
     ``kLoop`` / ``kInput`` / ``kOutput`` fusions call, those equal up to names and metadata
     counted once, as XLA:CPU compiles them once (slices at different constant offsets
     differ). ``kCustom`` fusions (YNNPACK's dots and reductions) are left out: they are
-    not compiled to LLVM kernels. On ResNet-152's sync this matches the count of
-    ``FusionCompiler::Compile`` events in a profiled compile for flat and PowerSGD (31,
-    86) and is within 4 % for adaptive (133 against 128)."""
+    not compiled to LLVM kernels. The count follows the ``FusionCompiler::Compile``
+    events of a profiled compile closely (exactly for flat and PowerSGD on ResNet-152's
+    sync)."""
     called = set(re.findall(r" fusion\(.*?kind=k(?:Loop|Input|Output), calls=(%[\w.\-]+)", text))
     bodies = set()
     for block in text.split("\n\n"):

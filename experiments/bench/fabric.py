@@ -1,4 +1,4 @@
-"""``python -m jaxcomm.bench fabric``: rank order on a leaf-spine fabric, on the wire and timed.
+"""``python -m experiments.bench fabric``: rank order on a leaf-spine fabric, on the wire and timed.
 
 Builds a leaf-spine :class:`jaxcomm.testbed.Testbed` (4 nodes under 2 leaf switches joined by
 a slower spine by default; node ``i`` hangs under leaf ``i % leaves``, the order a
@@ -22,7 +22,7 @@ side by side in one run. A ring all-reduce sends
 sum.
 
 Example:
-  sudo python -m jaxcomm.bench fabric --nodes 4 --leaves 2 --link 1gbit --spine 200mbit \\
+  sudo python -m experiments.bench fabric --nodes 4 --leaves 2 --link 1gbit --spine 200mbit \\
       --sizes-mib 4,16 --json fabric.json
 """
 
@@ -124,7 +124,7 @@ def _table(run: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxcomm.bench fabric",
+        prog="python -m experiments.bench fabric",
         description="Flat all-reduce on a leaf-spine testbed in process order and in the "
         "order jaxcomm.topology gives: spine bytes and time (needs root).",
     )
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"bench fabric: cannot run here: {why}", file=sys.stderr)
         return 2
-    from jaxcomm.bench.testbed import run_worker
+    from experiments.bench.testbed import run_worker
 
     worker_args = ["--sizes-mib", ",".join(map(str, sizes)), "--reps", str(args.reps)]
     rc, run = run_worker(

@@ -1,4 +1,4 @@
-"""``python -m jaxcomm.bench schedule``: the compiled schedule of a train step, per XLA option set.
+"""``python -m experiments.bench schedule``: a train step's compiled schedule per XLA option set.
 
 Compiles (never runs) one data-parallel train step for 8 devices and prints the schedule
 report (:mod:`jaxcomm.schedule`) for each option set: XLA defaults, the overlap options
@@ -17,8 +17,8 @@ report (:mod:`jaxcomm.schedule`) for each option set: XLA defaults, the overlap 
 Writes all reports as JSON with ``--json PATH`` (rewritten after each option set, so a run
 cut short keeps the sets it finished). ``--option-sets`` compiles a subset,
 ``--extra-options`` adds XLA options to every set (dropped with a message if this jaxlib
-lacks them), ``--image-size`` / ``--num-classes`` shape a ResNet; ``python -m jaxcomm.bench
-gpu`` runs it for ResNet-50 at 224 px on 8 mocked GPUs.
+lacks them), ``--image-size`` / ``--num-classes`` shape a ResNet; ``python -m
+experiments.bench gpu`` runs it for ResNet-50 at 224 px on 8 mocked GPUs.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ MiB = 1 << 20
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m jaxcomm.bench schedule", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m experiments.bench schedule", description=__doc__)
     p.add_argument("--variant", choices=("auto", "gpu", "cpu"), default="auto")
     p.add_argument(
         "--mock-topology",
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "CPU variant: 8 fake CPU devices, XLA:CPU all-reduce combiner off; CPU collectives "
             "are synchronous and ignore the GPU overlap/threshold flags. "
-            "The GPU variant needs a GPU (python -m jaxcomm.bench schedule --variant gpu)."
+            "The GPU variant needs a GPU (python -m experiments.bench schedule --variant gpu)."
         )
     runs = [(label, xla.merge_options(opts, extra)) for label, opts in sets.items()]
     results = {}

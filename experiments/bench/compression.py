@@ -1,4 +1,4 @@
-"""``python -m jaxcomm.bench compression``: bytes on the wire, kernel time and accuracy per
+"""``python -m experiments.bench compression``: bytes on the wire, kernel time and accuracy per
 compressor.
 
 For every compressor (and the uncompressed baseline) it reports:
@@ -12,7 +12,7 @@ For every compressor (and the uncompressed baseline) it reports:
   a flat all-to-all over all 8 devices counts fully);
 * compress + decompress time per MB of f32 gradient on this machine (one device, no
   collective: quantize/dequantize, select/scatter, the PowerSGD products and QR);
-* the digits test accuracy (``jaxcomm.bench.digits.digits_accuracy``, 300 steps).
+* the digits test accuracy (``experiments.bench.digits.digits_accuracy``, 300 steps).
 
 Writes a JSON file (``--json``) and prints a Markdown table.
 
@@ -22,7 +22,7 @@ in ``jaxcomm.cost.CODEC_KERNELS``, with ``--codec-devices`` devices running it a
 devices of a node share its cores, as on the testbed), written as the ``codec`` section of
 a ``jaxcomm.calibration`` file that ``python -m jaxcomm.simulate --codec FILE`` reads::
 
-    python -m jaxcomm.bench compression --calibration codec_cpu.json --codec-devices 4
+    python -m experiments.bench compression --calibration codec_cpu.json --codec-devices 4
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 __all__ = [
     "CODEC_DEVICES",
@@ -113,8 +114,9 @@ def _time(fn, *args, repeats: int = 5) -> float:
 
 def kernel_ms_per_mb(name: str, n: int = 1 << 22) -> float | None:
     """Local compress + decompress time (ms per MB of f32) for the compressor ``name``."""
+    from jaxcomm.compression.keys import dither_seed
     from jaxcomm.compression.powersgd import orthogonalize
-    from jaxcomm.compression.quantize import dequantize, dither_seed, quantize
+    from jaxcomm.compression.quantize import dequantize, quantize
     from jaxcomm.compression.sparse import select_topk
 
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
@@ -188,17 +190,9 @@ def _round_trip(kernel: str, n: int, block: int, m: int, g: int):
     """(mean over 'inter' of one device's ``n`` f32, as the compressor computes it at
     ``compress_stage='inter'``, with error feedback; its decode kernel and inputs, on one
     device)."""
-    from jax import lax
-
-    from jaxcomm.compression.base import as_f32
     from jaxcomm.compression.cast import bf16_mean
-    from jaxcomm.compression.quantize import (
-        _quantize_blocks,
-        _to_bytes,
-        dither_seed,
-        two_phase_mean,
-        two_phase_seeds,
-    )
+    from jaxcomm.compression.keys import dither_seed, two_phase_seeds
+    from jaxcomm.compression.quantize import quantize, two_phase_mean
     from jaxcomm.compression.sparse import random_k_mean, topk_mean
 
     key = jax.random.key(1)
@@ -214,8 +208,8 @@ def _round_trip(kernel: str, n: int, block: int, m: int, g: int):
         blocks = -(-n // (m * block))
         chunk = (blocks, block if bits == 8 else block // 2)
         xs = jnp.pad(jnp.concatenate([x] * g), (0, g * m * blocks * block - g * n))
-        buf = _to_bytes(*_quantize_blocks(xs.reshape(g * m, blocks, block), bits, None))
-        return mean, _decoder(chunk, bits), (buf.reshape(g * m, -1),), g * n
+        buf = _to_bytes(*quantize(xs.reshape(g * m, blocks * block), bits, block, None))
+        return mean, _decoder(chunk, bits, block), (buf,), g * n
     if kernel in ("bf16", "fp16"):
         dt = jnp.bfloat16 if kernel == "bf16" else jnp.float16
 
@@ -223,10 +217,10 @@ def _round_trip(kernel: str, n: int, block: int, m: int, g: int):
             if dt == jnp.bfloat16:
                 return bf16_mean(c, axes, "flat", "auto")
             lo = (c / m).astype(dt)  # fp16(): pre-divided, summed in 16 bits
-            return as_f32(lax.psum(lo, axes)), as_f32(lo) * m
+            return _f32(lax.psum(lo, axes)), _f32(lo) * m
 
         words = x.astype(dt)
-        return mean, lambda w: as_f32(w), (words,), n
+        return mean, _f32, (words,), n
     ratio = 0.01
     k = -(-n // 100)
     if kernel == "topk":
@@ -251,12 +245,36 @@ def _round_trip(kernel: str, n: int, block: int, m: int, g: int):
     return mean, lambda i, v: jnp.zeros((n + 1,), jnp.float32).at[i].set(v)[:n], (idx, vals), n
 
 
-def _decoder(chunk: tuple[int, int], bits: int):
-    """The int8/int4 decode of gathered means (``two_phase_mean``'s last kernel)."""
-    from jaxcomm.compression.quantize import _dequantize_blocks, _from_bytes
+def _f32(x: jax.Array) -> jax.Array:
+    return jnp.asarray(x).astype(jnp.float32)
+
+
+def _to_bytes(q: jax.Array, scales: jax.Array) -> jax.Array:
+    """``quantize``'s ``(rows, ...)`` values and ``(rows, b)`` f32 scales as one uint8 row
+    each, values first: the layout of ``two_phase_mean``'s collectives."""
+    qb = lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q
+    sb = lax.bitcast_convert_type(scales, jnp.uint8).reshape(scales.shape[0], -1)
+    return jnp.concatenate([qb.reshape(q.shape[0], -1), sb], axis=1)
+
+
+def _from_bytes(buf: jax.Array, chunk: tuple[int, int], bits: int):
+    """Inverse of :func:`_to_bytes` for ``chunk = (blocks, width)`` value bytes per row:
+    ``q`` ``(rows, blocks, width)`` and the scales ``(rows, blocks)``."""
+    rows, width = buf.shape[0], chunk[0] * chunk[1]
+    q = buf[:, :width].reshape(rows, *chunk)
+    if bits == 8:
+        q = lax.bitcast_convert_type(q, jnp.int8)
+    sb = buf[:, width:].reshape(rows, -1, 4)
+    return q, lax.bitcast_convert_type(sb, jnp.float32)
+
+
+def _decoder(chunk: tuple[int, int], bits: int, block: int):
+    """The int8/int4 decode of gathered means (``two_phase_mean``'s last kernel): bytes
+    to values and scales, dequantized, flattened."""
+    from jaxcomm.compression.quantize import dequantize
 
     def decode(buf):
-        return _dequantize_blocks(*_from_bytes(buf, chunk, bits), bits).reshape(-1)
+        return dequantize(*_from_bytes(buf, chunk, bits), bits, block).reshape(-1)
 
     return decode
 
@@ -386,31 +404,13 @@ def codec_calibration(
       >>> doc = codec_calibration(devices=4, nbytes=1 << 20, repeats=3)
     """
     from jaxcomm import cost
-    from jaxcomm.validate import check_int
 
-    devices = check_int(
-        "devices", devices, minimum=4, maximum=jax.device_count(),
-        fix=f"an even count from 4 to the {jax.device_count()} devices present",
-    )  # fmt: skip
-    if devices % 2:
-        raise ValueError(f"devices={devices}: must be even (nodes of 2 devices); e.g. 4.")
-    n = check_int("nbytes", nbytes, minimum=8 * block * devices) // 4
-    if n % (devices * block) or n % 2048:
-        raise ValueError(
-            f"nbytes={nbytes}: the f32 count {n} must divide by devices x block "
-            f"({devices * block}) and by 2048 (PowerSGD's rows); use e.g. 16 MiB."
-        )
-    want = cost.CODEC_KERNELS if kernels is None else tuple(kernels)
-    bad = [k for k in want if k not in cost.CODEC_KERNELS]
-    if bad or not want:
-        raise ValueError(
-            f"kernels={kernels!r}: {bad or 'none given'}; choose from {list(cost.CODEC_KERNELS)}."
-        )
+    devices, n, want = _check_codec_args(devices, nbytes, block, kernels)
     devs = jax.devices()[:devices]
     m, g = devices // 2, 2
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     src = (
-        f"python -m jaxcomm.bench compression --calibration: best of {repeats}, {devices} "
+        f"python -m experiments.bench compression --calibration: best of {repeats}, {devices} "
         f"devices at once, {4 * n} bytes each"
     )
     codec: dict[str, Any] = {}
@@ -435,16 +435,9 @@ def codec_calibration(
         enc, eargs, dec, dargs = _powersgd_kernels(n)
         te, td = _best_time(enc, eargs, devs, repeats), _best_time(dec, dargs, devs, repeats)
         record("powersgd", te / (4 * n), td / (4 * n), te, td)
-    from jaxcomm.compression.adaptive import _sketch
-
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-
-    def sketch(c, o):
-        seed = jnp.uint32(11)
-        return _sketch(o - c, seed, 1021), _sketch(c, seed, 1021)
-
     if "sketch" in want:
-        te = _best_time(sketch, (x, 0.5 * x), devs, repeats)
+        te = _best_time(_sketch_kernel(), (x, 0.5 * x), devs, repeats)
         record("sketch", te / (4 * n), 0.0, te, 0.0)
     if "copy" in want:
         te = _best_time(lambda x: x * 2.0, (x,), devs, repeats)
@@ -466,9 +459,52 @@ def codec_calibration(
     return {"codec": codec, "meta": meta}
 
 
+def _check_codec_args(
+    devices: int, nbytes: int, block: int, kernels: tuple[str, ...] | None
+) -> tuple[int, int, tuple[str, ...]]:
+    """:func:`codec_calibration`'s arguments checked: ``(devices, f32 count, kernels)``.
+
+    Raises:
+      ValueError: a device count, size or kernel that does not fit.
+    """
+    from jaxcomm import cost
+    from jaxcomm.validate import check_int
+
+    devices = check_int(
+        "devices", devices, minimum=4, maximum=jax.device_count(),
+        fix=f"an even count from 4 to the {jax.device_count()} devices present",
+    )  # fmt: skip
+    if devices % 2:
+        raise ValueError(f"devices={devices}: must be even (nodes of 2 devices); e.g. 4.")
+    n = check_int("nbytes", nbytes, minimum=8 * block * devices) // 4
+    if n % (devices * block) or n % 2048:
+        raise ValueError(
+            f"nbytes={nbytes}: the f32 count {n} must divide by devices x block "
+            f"({devices * block}) and by 2048 (PowerSGD's rows); use e.g. 16 MiB."
+        )
+    want = cost.CODEC_KERNELS if kernels is None else tuple(kernels)
+    bad = [k for k in want if k not in cost.CODEC_KERNELS]
+    if bad or not want:
+        raise ValueError(
+            f"kernels={kernels!r}: {bad or 'none given'}; choose from {list(cost.CODEC_KERNELS)}."
+        )
+    return devices, n, want
+
+
+def _sketch_kernel():
+    """adaptive's error sketch of one buffer: the sketches of the error and of the input."""
+    from jaxcomm.compression.adaptive import error_sketch
+
+    def sketch(c, o):
+        seed = jnp.uint32(11)
+        return error_sketch(o - c, seed, 1021), error_sketch(c, seed, 1021)
+
+    return sketch
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m jaxcomm.bench compression",
+        prog="python -m experiments.bench compression",
         description="Wire-byte ratio (ResNet-50/152 gradient trees), kernel time per MB and "
         "digits accuracy for every compressor, on 8 (fake) devices.",
     )
@@ -491,28 +527,15 @@ def main(argv: list[str] | None = None) -> int:
 
         keep_freed_memory()  # as the testbed's processes run (before any JAX computation)
     if jax.device_count() < 8:
-        from jaxcomm.bench.digits import reexec_with_fake_devices
+        from experiments.bench.digits import reexec_with_fake_devices
 
         return reexec_with_fake_devices("compression", argv)
 
     if args.calibration:
-        try:
-            doc = codec_calibration(
-                devices=args.codec_devices, nbytes=args.codec_mib << 20, block=args.codec_block,
-                repeats=args.codec_repeats,
-            )  # fmt: skip
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        doc["meta"]["command"] = "python -m jaxcomm.bench compression " + " ".join(argv or [])
-        os.makedirs(os.path.dirname(os.path.abspath(args.calibration)), exist_ok=True)
-        with open(args.calibration, "w") as f:
-            json.dump(doc, f, indent=2)
-        print(f"wrote {args.calibration}")
-        return 0
+        return _write_calibration(args, argv)
 
     import jaxcomm
-    from jaxcomm.bench.digits import digits_accuracy
+    from experiments.bench.digits import digits_accuracy
     from jaxcomm.models import gradient_shapes
 
     mesh = jaxcomm.make_mesh(intra=4)
@@ -548,13 +571,41 @@ def main(argv: list[str] | None = None) -> int:
         results["rows"][name] = row
         print(f"done: {name}", flush=True)
 
+    _print_table(results["rows"], models, base)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2, default=float)
+    print(f"wrote {args.json}")
+    return 0
+
+
+def _write_calibration(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--calibration FILE``: :func:`codec_calibration` written as a calibration file."""
+    try:
+        doc = codec_calibration(
+            devices=args.codec_devices, nbytes=args.codec_mib << 20, block=args.codec_block,
+            repeats=args.codec_repeats,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    doc["meta"]["command"] = "python -m experiments.bench compression " + " ".join(argv or [])
+    os.makedirs(os.path.dirname(os.path.abspath(args.calibration)), exist_ok=True)
+    with open(args.calibration, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"wrote {args.calibration}")
+    return 0
+
+
+def _print_table(rows: dict[str, dict], models: list[str], base: dict[str, dict]) -> None:
+    """The Markdown table of the rows, then each model's uncompressed bytes per step."""
     header = ["compressor"]
     for m in models:
         header += [f"{m} bytes ratio", f"{m} node-spanning ratio"]
     header += ["compress+decompress ms/MB", "digits acc"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for name, row in results["rows"].items():
+    for name, row in rows.items():
         cells = [name]
         for m in models:
             cells += [f"{row[m]['ratio']:.4f}", f"{row[m]['inter_ratio']:.4f}"]
@@ -565,8 +616,3 @@ def main(argv: list[str] | None = None) -> int:
         print("| " + " | ".join(cells) + " |")
     for m in models:
         print(f"{m}: uncompressed bytes per device per step {base[m]['total'] / 2**20:.1f} MiB")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2, default=float)
-    print(f"wrote {args.json}")
-    return 0

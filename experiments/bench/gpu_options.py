@@ -1,13 +1,13 @@
-"""The ``options`` part of ``python -m jaxcomm.bench gpu``: every sync option, compiled and run.
+"""The ``options`` part of ``python -m experiments.bench gpu``: every sync option, compiled and run.
 
-Issue 33, items 2 and 3. One small model (an MLP on flattened 32 x 32 x 3 images; compile
-times stay low) trained with the public API for each option of :data:`OPTION_NAMES`:
+One small model (an MLP on flattened 32 x 32 x 3 images, so that compiles stay short)
+trained with the public API for each option of :data:`OPTION_NAMES`:
 ``jaxcomm.data_parallel`` with ``optax.chain(jaxcomm.sync_gradients(...), optax.sgd)``, or
 ``jaxcomm.local_sgd``. ``flat`` uses ``algorithm='flat'``; every other option the library's
 default ``'hierarchical'``; ``bf16``, ``int8``, ``int4`` and ``adaptive`` compress the inter
 stage only (``compress_stage='inter'``).
 
-* **Compile** (item 2, :func:`compile_options`): the step of every option compiled for a
+* **Compile** (:func:`compile_options`): the step of every option compiled for a
   2 x 4 mesh of 8 mocked GPUs (``jax_mock_gpu_topology``, default ``1x8x1``: 8 mocked hosts of
   one GPU, as the schedule part mocks them, since XLA requires the mock's GPUs per host to
   equal the real machine's; the mesh is built directly from the 8 devices, so an ``intra``
@@ -20,7 +20,7 @@ stage only (``compress_stage='inter'``).
   Runs in its own process (the mocked GPU client must be configured before any backend
   exists); with ``--allow-cpu`` it compiles for 8 fake CPU devices instead (synchronous
   collectives: no async pairs there).
-* **Run** (item 3, :func:`run_options`): on one real device (a 1 x 1 mesh still runs every
+* **Run** (:func:`run_options`): on one real device (a 1 x 1 mesh still runs every
   codec), each option's step: compile time, best and median step time of rounds of
   back-to-back steps, images/s, speed against ``flat``; and :func:`repeat_bits`: the same
   steps run twice from the same state with the same batches, the resulting params and
@@ -38,8 +38,8 @@ error, and ``local_sgd``, which syncs every ``sync_every`` steps, branch on a va
 step), and every collective async.
 
 Example:
-  PYTHONPATH=. python -m jaxcomm.bench gpu --out $OUT/gpu --parts options
-  python -m jaxcomm.bench.gpu_options compile --variant cpu --json /tmp/c.json --tiny
+  PYTHONPATH=. python -m experiments.bench gpu --out $OUT/gpu --parts options
+  python -m experiments.bench.gpu_options compile --variant cpu --json /tmp/c.json --tiny
 """
 
 from __future__ import annotations
@@ -439,7 +439,7 @@ def compile_options(
     import jax
     import jax.numpy as jnp
 
-    from jaxcomm.bench.schedule import _abstract, abstract_state
+    from experiments.bench.schedule import _abstract, abstract_state
 
     n = mesh.devices.size
     params = jax.eval_shape(lambda: _init_params(cfg))
@@ -478,7 +478,7 @@ def _error_record(e: Exception) -> dict:
 
 
 def _compile_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxcomm.bench.gpu_options compile")
+    p = argparse.ArgumentParser(prog="python -m experiments.bench.gpu_options compile")
     p.add_argument("--variant", choices=("gpu", "cpu"), required=True)
     p.add_argument("--mock-topology", default="1x8x1")
     p.add_argument("--json", required=True)
@@ -723,7 +723,7 @@ def run_part(args: argparse.Namespace, emit: Callable[..., None], limit_s: float
     """The ``options`` part: the compile half in a subprocess, the run half here.
 
     Args:
-      args: ``python -m jaxcomm.bench gpu``'s arguments (``out``, ``allow_cpu``,
+      args: ``python -m experiments.bench gpu``'s arguments (``out``, ``allow_cpu``,
         ``mock_topology``, ``options``, ``sequential``, ``fast_compile``).
       emit: records data (``emit(**items)``).
       limit_s: the part's time limit; the compile half is stopped before it.
@@ -742,7 +742,7 @@ def run_part(args: argparse.Namespace, emit: Callable[..., None], limit_s: float
     raw = os.path.join(args.out, "parts", "options_compile.json")
     if os.path.exists(raw):
         os.remove(raw)
-    cmd = [sys.executable, "-m", "jaxcomm.bench.gpu_options", "compile", "--variant", variant,
+    cmd = [sys.executable, "-m", "experiments.bench.gpu_options", "compile", "--variant", variant,
            "--mock-topology", args.mock_topology, "--json", raw,
            "--options", ",".join(names)]  # fmt: skip
     if args.allow_cpu:

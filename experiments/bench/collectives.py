@@ -1,8 +1,8 @@
-"""``python -m jaxcomm.bench collectives``: an nccl-tests-style all-reduce sweep.
+"""``python -m experiments.bench collectives``: an nccl-tests-style all-reduce sweep.
 
 For each buffer size (per device, default 1 KiB to 256 MiB, x4 steps) and each algorithm
-(every name in ``jaxcomm.collectives.ALGORITHMS``) and compressor (``--compressors``, where
-``jaxcomm.compression`` has landed), on the devices present (fake CPU devices, GPUs, or the
+(every name in ``jaxcomm.collectives.ALGORITHMS``) and compressor (``--compressors``, the
+factories of ``jaxcomm.compression``), on the devices present (fake CPU devices, GPUs, or the
 processes of ``python -m jaxcomm.launch``/``mpirun``), it prints size, median time, algbw
 ``= S / t``, busbw ``= algbw * 2(p-1)/p`` and a correctness check against numpy. With
 ``--mpi`` under ``mpirun`` (one device per process) it adds mpi4jax rows beside gloo.
@@ -17,14 +17,13 @@ Data are small integers, so f32/f64 sums are exact and the check is equality; bf
 rows use the tolerance of their mantissa.
 
 Example:
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m jaxcomm.bench collectives \\
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.bench collectives \\
       --intra 4 --max-bytes 16M --json sweep.json --fit fit.json
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import re
@@ -77,25 +76,103 @@ def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def _compressor(name: str):
+    """``'topk(0.01)'`` -> ``jaxcomm.compression.topk(0.01)``, or why there is none (str)."""
     import jaxcomm
 
-    if not hasattr(jaxcomm, "compression"):
-        return "jaxcomm.compression not landed"
     m = re.fullmatch(r"(\w+)(?:\((.*)\))?", name)
     factory = getattr(jaxcomm.compression, m.group(1), None) if m else None
     if factory is None:
         return f"jaxcomm.compression.{name} not found"
-    if "compression" not in inspect.signature(jaxcomm.sync_gradients).parameters:
-        return "sync_gradients(compression=...) not landed"
     args = [float(a) if "." in a else int(a) for a in (m.group(2) or "").split(",") if a]
     return factory(*args)
 
 
+def _mpi(args) -> Any:
+    """The ``jaxcomm.collectives.mpi`` module with ``--mpi`` where it can run, else why not
+    (str); None without ``--mpi``."""
+    import jax
+
+    if not args.mpi:
+        return None
+    from jaxcomm.collectives import mpi as mpi_mod
+
+    ok, why = mpi_mod.available()
+    ldev = jax.local_device_count()
+    if not ok or ldev != 1:
+        return why or f"--mpi needs one device per process, this one has {ldev}"
+    return mpi_mod
+
+
+def _compressor_time(comp, x, n: int, dtype, mesh, reps: int):
+    """Median step time of ``sync_gradients(compression=comp)`` on a dot-product loss whose
+    gradient is ``x``, and the mean it computed times the device count (device 0's)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxcomm
+    from jaxcomm.profiler import median_time
+
+    tx = jaxcomm.sync_gradients(algorithm="flat", compression=comp)
+    dp = jaxcomm.data_parallel(
+        lambda prm, b: jnp.vdot(prm["w"], b["x"][0]).astype(jnp.float32), tx, mesh
+    )
+    state = dp.init({"w": jnp.zeros((n,), dtype)})
+    step = dp.step_fn(state)
+    batch = {"x": x}
+    t = median_time(lambda s=step, st=state, b=batch: s(st, b), (), reps)
+    got = np.asarray(step(state, batch)[0].params["w"].addressable_shards[0].data)
+    return t, got * mesh.devices.size
+
+
+def _psum_points(x, mesh, nbytes: int, reps: int) -> list[dict[str, Any]]:
+    """Median time of a psum of ``x`` over each mesh axis of 2 or more devices alone."""
+    import jax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcomm.profiler import median_time
+
+    axes = tuple(mesh.axis_names)
+    points = []
+    for axis in axes:
+        g = mesh.shape[axis]
+        if g < 2:
+            continue
+        f = jax.jit(
+            jax.shard_map(
+                lambda v, axis=axis: lax.psum(v, axis),
+                mesh=mesh,
+                in_specs=P(axes),
+                out_specs=P(axes),
+            )
+        )
+        t = median_time(lambda f=f, x=x: f(x), (), reps)
+        points.append({"axis": axis, "bytes": nbytes, "time_s": t, "group_size": g})
+    return points
+
+
+def _fit(axes: tuple[str, ...], points: list[dict[str, Any]]) -> dict[str, Any]:
+    """The alpha-beta fit of each axis's psum times, and the points themselves."""
+    fit: dict[str, Any] = {}
+    for axis in axes:
+        pts = [(q["bytes"], q["time_s"]) for q in points if q["axis"] == axis]
+        if pts:
+            alpha, beta = fit_alpha_beta(pts)
+            fit[axis] = {"alpha_s": alpha, "beta_s_per_byte": beta}
+    fit["points"] = [{k: q[k] for k in ("axis", "bytes", "time_s")} for q in points]
+    return fit
+
+
 def run_sweep(args) -> dict[str, Any]:
+    """The sweep of the module docstring for parsed ``args`` (see :func:`main`).
+
+    Returns:
+      ``{'devices', 'processes', 'mesh', 'platform', 'dtype', 'rows', 'fit'}``: one row per
+      size and algorithm, compressor or mpi4jax (time, algbw, busbw, check), and the fit.
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -114,15 +191,7 @@ def run_sweep(args) -> dict[str, Any]:
     )
     rows: list[dict[str, Any]] = []
     points: list[dict[str, Any]] = []
-    mpi = None
-    if args.mpi:
-        from jaxcomm.collectives import mpi as mpi_mod
-
-        ok, why = mpi_mod.available()
-        if not ok or ldev != 1:
-            mpi = why or f"--mpi needs one device per process, this one has {ldev}"
-        else:
-            mpi = mpi_mod
+    mpi = _mpi(args)
     for nbytes in sizes(args.min_bytes, args.max_bytes, args.factor):
         n = max(nbytes // itemsize, 1)
         local = _local_data(n, range(me * ldev, (me + 1) * ldev), dtype)
@@ -155,15 +224,7 @@ def run_sweep(args) -> dict[str, Any]:
             if isinstance(comp, str):
                 rows.append({"name": cname, "bytes": n * itemsize, "missing": comp})
                 continue
-            tx = jaxcomm.sync_gradients(algorithm="flat", compression=comp)
-            dp = jaxcomm.data_parallel(
-                lambda prm, b: jnp.vdot(prm["w"], b["x"][0]).astype(jnp.float32), tx, mesh
-            )
-            state = dp.init({"w": jnp.zeros((n,), dtype)})
-            step = dp.step_fn(state)
-            batch = {"x": x}
-            t = median_time(lambda s=step, st=state, b=batch: s(st, b), (), args.reps)
-            got = np.asarray(step(state, batch)[0].params["w"].addressable_shards[0].data) * p
+            t, got = _compressor_time(comp, x, n, dtype, mesh, args.reps)
             rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             record(cname, t, got, np.inf, {"rel_error": rel})
         if mpi is not None and not isinstance(mpi, str):
@@ -171,29 +232,9 @@ def run_sweep(args) -> dict[str, Any]:
             f = jax.jit(lambda v, m=mpi: m.mpi_allreduce(v, op="sum"))
             t = median_time(lambda f=f, xl=xl: f(xl), (), args.reps)
             record("mpi4jax", t, np.asarray(f(xl)), tol)
-        for axis in axes:
-            g = mesh.shape[axis]
-            if g < 2:
-                continue
-            f = jax.jit(
-                jax.shard_map(
-                    lambda v, axis=axis: lax.psum(v, axis),
-                    mesh=mesh,
-                    in_specs=P(axes),
-                    out_specs=P(axes),
-                )
-            )
-            t = median_time(lambda f=f, x=x: f(x), (), args.reps)
-            points.append({"axis": axis, "bytes": n * itemsize, "time_s": t, "group_size": g})
+        points += _psum_points(x, mesh, n * itemsize, args.reps)
     if isinstance(mpi, str):
         rows.append({"name": "mpi4jax", "missing": mpi})
-    fit: dict[str, Any] = {}
-    for axis in axes:
-        pts = [(q["bytes"], q["time_s"]) for q in points if q["axis"] == axis]
-        if pts:
-            alpha, beta = fit_alpha_beta(pts)
-            fit[axis] = {"alpha_s": alpha, "beta_s_per_byte": beta}
-    fit["points"] = [{k: q[k] for k in ("axis", "bytes", "time_s")} for q in points]
     return {
         "devices": p,
         "processes": jax.process_count(),
@@ -201,7 +242,7 @@ def run_sweep(args) -> dict[str, Any]:
         "platform": jax.devices()[0].platform,
         "dtype": args.dtype,
         "rows": rows,
-        "fit": fit,
+        "fit": _fit(axes, points),
     }
 
 
@@ -234,7 +275,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxcomm.bench collectives",
+        prog="python -m experiments.bench collectives",
         description="nccl-tests-style all-reduce sweep over jaxcomm algorithms and compressors.",
     )
     parser.add_argument("--min-bytes", default="1K", help="smallest buffer per device (1K)")
@@ -243,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", default=None, help="comma list (default: all registered)")
     parser.add_argument(
         "--compressors", default="", help="comma list of jaxcomm.compression factories, "
-        "e.g. 'int8,topk(0.01)' (rows are 'missing' until that module has landed)"
+        "e.g. 'int8,topk(0.01)' (an unknown name gives a 'missing' row)"
     )  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64",
                         "bfloat16", "float16"])  # fmt: skip

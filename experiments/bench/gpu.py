@@ -1,11 +1,10 @@
-"""``python -m jaxcomm.bench gpu --out DIR``: every GPU claim of jaxcomm in one short run.
+"""``python -m experiments.bench gpu --out DIR``: every GPU claim of jaxcomm in one short run.
 
-One command for a short loan of one GPU (planned: about 5-6 minutes, ``--quick`` about 3-4;
-at most ``--budget-s``, default 450 s, even if a part hangs, inside the 8 minutes of a loan).
-It runs these parts, each in its own subprocess with its own time limit, so that one that
-fails, hangs or crashes is reported (with its traceback) and the others still run. The
-schedule part only compiles, so it runs alongside the timed parts (``--sequential``: one
-after the other):
+One command for a short loan of one GPU, stopped at ``--budget-s`` (:data:`BUDGET_S`) even
+if a part hangs (``--quick``: fewer option sets, rows and repeats). It runs these parts,
+each in its own subprocess with its own time limit, so that one that fails, hangs or
+crashes is reported (with its traceback) and the others still run. The schedule part only
+compiles, so it runs alongside the timed parts (``--sequential``: one after the other):
 
 * ``versions``: jax, jaxlib, the CUDA plugin, flax, optax, the driver (``nvidia-smi``), the
   GPU name and ``device_kind``, and its peak memory bandwidth from :data:`PEAK_BANDWIDTH`.
@@ -22,9 +21,9 @@ after the other):
   224 px) for 8 mocked GPUs (``jax_mock_gpu_topology=1x8x1``: 8 hosts of one GPU, since XLA
   requires the mock's GPUs per host to equal the real machine's; mock NCCL: compiled,
   never run) with ``overlap_options``, all-reduce combine thresholds 0 / 1 MiB / 30 MiB and
-  XLA defaults (``python -m jaxcomm.bench schedule``): collectives, async start/done
+  XLA defaults (``python -m experiments.bench schedule``): collectives, async start/done
   pairs, compute between each pair, bytes.
-* ``options`` (:mod:`jaxcomm.bench.gpu_options`): the data-parallel
+* ``options`` (:mod:`experiments.bench.gpu_options`): the data-parallel
   step of every sync option (flat, hierarchical, bf16/int8/int4 on the inter stage,
   adaptive, PowerSGD, top-k, buckets, microbatches, local_sgd) on a small MLP, built with
   the public API. Compiled for 8 mocked GPUs in a 2 x 4 mesh (a subprocess, alongside the
@@ -48,7 +47,7 @@ The GPU path imports only jax, jaxlib, flax, optax, numpy and the project's own 
 matplotlib, orbax, tqdm, scikit-learn or pillow).
 
 Example:
-  PYTHONPATH=. python -m jaxcomm.bench gpu --out $OUT/gpu
+  PYTHONPATH=. python -m experiments.bench gpu --out $OUT/gpu
 """
 
 from __future__ import annotations
@@ -66,7 +65,10 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = [
     "PARTS",
@@ -97,13 +99,14 @@ PEAK_BANDWIDTH: tuple[tuple[str, float | None, str], ...] = (
     ("L40S", 0.864e12, "NVIDIA L40S data sheet: 864 GB/s"),
 )
 
-#: Option sets of the schedule part (names of ``jaxcomm.bench.schedule.OPTION_SETS``).
+#: Option sets of the schedule part (names of ``experiments.bench.schedule.OPTION_SETS``).
 # ``defaults`` last: XLA's default all-reduce threshold (31457287 bytes) is combine=30MiB's.
 SCHEDULE_SETS = ("overlap", "combine=0", "combine=1MiB", "combine=30MiB", "defaults")
 SCHEDULE_SETS_QUICK = ("overlap", "combine=0", "combine=30MiB")
 #: Ablation rows (``experiments.rows.ROWS``) that need no second device, timed by default.
 STEP_ROWS = ("baseline", "+overlap")
-BUDGET_S = 450.0  # whole run: 7.5 minutes at most, under the 8-minute plan
+#: Time limit of the whole run (s); a part that would start past it is skipped.
+BUDGET_S = 450.0
 #: Time limit of the ``options`` part (it runs before ``step``, which gets what is left).
 OPTIONS_LIMIT_S = 150.0
 
@@ -113,7 +116,7 @@ def peak_bandwidth(device_kind: str) -> tuple[float | None, str]:
     for key, bw, source in PEAK_BANDWIDTH:
         if key.lower() in device_kind.lower():
             return bw, source
-    return None, f"{device_kind!r} is not in jaxcomm.bench.gpu.PEAK_BANDWIDTH"
+    return None, f"{device_kind!r} is not in experiments.bench.gpu.PEAK_BANDWIDTH"
 
 
 class Skip(Exception):
@@ -205,28 +208,71 @@ def _timer(fn: Callable, *xs: Any, rounds: int, inner: int) -> dict[str, float]:
     return {"best_s": ts[0], "median_s": ts[len(ts) // 2]}
 
 
+class _KernelRecorder:
+    """Times kernels for the ``kernels`` part and records each under its name.
+
+    Every kernel is jitted and timed by :func:`_timer`; its bandwidth is ``nbytes`` over
+    the best time, also as a fraction of the GPU's ``peak``. The part's data is rewritten
+    after every kernel, so a part killed at its limit keeps what it finished.
+    """
+
+    def __init__(self, emit: _Emit, peak: float | None, rounds: int, inner: int):
+        self.emit, self.peak, self.rounds, self.inner = emit, peak, rounds, inner
+        self.results: dict[str, dict] = {}
+
+    def __call__(self, name: str, fn: Callable, inputs: tuple, nbytes: int, **extra: Any) -> None:
+        import jax
+
+        try:
+            t = _timer(jax.jit(fn), *inputs, rounds=self.rounds, inner=self.inner)
+        except Exception as e:  # one kernel failing does not stop the others
+            self.results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": _tb()}
+        else:
+            self.results[name] = {**t, **self._rate(nbytes, t["best_s"]), **extra}
+        self.emit(kernels=self.results)
+
+    def _rate(self, nbytes: int, seconds: float) -> dict[str, Any]:
+        bw = nbytes / seconds
+        frac = None if self.peak is None else bw / self.peak
+        return {"bytes": nbytes, "gb_per_s": bw / 1e9, "fraction_of_peak": frac}
+
+    def combine(self, name: str, first: str, second: str, **extra: Any) -> None:
+        """Records ``first`` then ``second`` run as two kernels (times and bytes added)."""
+        a, b = self.results.get(first, {}), self.results.get(second, {})
+        if "best_s" not in a or "best_s" not in b:
+            return
+        t = a["best_s"] + b["best_s"]
+        self.results[name] = {
+            "best_s": t,
+            "median_s": a["median_s"] + b["median_s"],
+            **self._rate(a["bytes"] + b["bytes"], t),
+            **extra,
+        }
+        self.emit(kernels=self.results)
+
+
 def _kernels(args: argparse.Namespace, emit: _Emit) -> None:
+    """The ``kernels`` part: the local compression kernels on one model's gradient.
+
+    The gradient is laid out as ``two_phase_mean`` pads it for 8 devices: ``(8, m)`` f32,
+    ``m`` a multiple of the int8/int4 block.
+    """
     import jax
     import jax.numpy as jnp
 
-    from jaxcomm.compression.powersgd import matrix_shape, orthogonalize, powersgd, shape_groups
-    from jaxcomm.compression.quantize import dequantize, dither_seed, quantize, uniform_dither
-    from jaxcomm.compression.sparse import select_topk
     from jaxcomm.models import gradient_shapes
 
-    tree = gradient_shapes(args.kernel_model)
-    leaves = jax.tree.leaves(tree)
+    leaves = jax.tree.leaves(gradient_shapes(args.kernel_model))
     n = sum(int(x.size) for x in leaves)
-    rows, block, ratio, rank = 8, 256, 0.01, 4
+    rows, block = 8, 256
     m = -(-n // (rows * block)) * block  # per-row length, padded as two_phase_mean does
-    N = rows * m
     kind = jax.devices()[0].device_kind
     peak, source = peak_bandwidth(kind)
     rounds, inner = (3, 5) if args.quick else (7, 10)
     emit(
         model=args.kernel_model,
         elements=n,
-        padded_elements=N,
+        padded_elements=rows * m,
         layout=f"({rows}, {m}) f32, block {block} (as two_phase_mean pads for 8 devices)",
         device_kind=kind,
         peak_bandwidth_bytes_per_s=peak,
@@ -238,31 +284,27 @@ def _kernels(args: argparse.Namespace, emit: _Emit) -> None:
         "block_until_ready",
         kernels={},
     )
+    record = _KernelRecorder(emit, peak, rounds, inner)
     key = jax.random.key(0)
     x = jax.random.normal(key, (rows, m), jnp.float32)
-    flat = x.reshape(-1)
+    record("copy (x * 2)", lambda x: x * 2.0, (x,), 8 * x.size)
+    _quantize_kernels(record, x, key, block)
+    _topk_kernels(record, x.reshape(-1)[:n], key, ratio=0.01)
+    _powersgd_kernels(record, leaves, key, rank=4)
+
+
+def _quantize_kernels(record: _KernelRecorder, x: jax.Array, key: jax.Array, block: int) -> None:
+    """Stochastic rounding's random bits, int8/int4 quantize and dequantize of ``x``."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcomm.compression.keys import uniform_dither
+    from jaxcomm.compression.quantize import dequantize, quantize
+
+    N = x.size
     scales = 4 * N // block
-    results: dict[str, dict] = {}
-
-    def record(name, fn, inputs, nbytes, **extra):
-        try:
-            t = _timer(jax.jit(fn), *inputs, rounds=rounds, inner=inner)
-        except Exception as e:  # one kernel failing does not stop the others
-            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": _tb()}
-        else:
-            bw = nbytes / t["best_s"]
-            results[name] = {
-                **t,
-                "bytes": nbytes,
-                "gb_per_s": bw / 1e9,
-                "fraction_of_peak": None if peak is None else bw / peak,
-                **extra,
-            }
-        emit(kernels=results)
-
-    record("copy (x * 2)", lambda x: x * 2.0, (x,), 8 * N)
-    # The random bits of stochastic rounding alone: threefry (what quantize used before)
-    # against the per-element hash it uses now.
+    # The random bits of stochastic rounding alone: threefry against the per-element hash
+    # that quantize uses.
     record(
         "uniform [0,1), threefry (jax.random.uniform)",
         lambda k: jax.random.uniform(k, x.shape, jnp.float32),
@@ -305,19 +347,20 @@ def _kernels(args: argparse.Namespace, emit: _Emit) -> None:
         N // 2 + scales + 4 * N,
     )
     # The compressor runs quantize and dequantize as two kernels with a collective between.
-    a, b = results.get("int8 quantize, stochastic", {}), results.get("int8 dequantize", {})
-    if "best_s" in a and "best_s" in b:
-        nbytes = a["bytes"] + b["bytes"]
-        t = a["best_s"] + b["best_s"]
-        results["int8 quantize + dequantize (two kernels, stochastic)"] = {
-            "best_s": t,
-            "median_s": a["median_s"] + b["median_s"],
-            "bytes": nbytes,
-            "gb_per_s": nbytes / t / 1e9,
-            "fraction_of_peak": None if peak is None else nbytes / t / peak,
-            "goal": ">= 0.70 of peak",
-        }
-        emit(kernels=results)
+    record.combine(
+        "int8 quantize + dequantize (two kernels, stochastic)",
+        "int8 quantize, stochastic",
+        "int8 dequantize",
+        goal=">= 0.70 of peak",
+    )
+
+
+def _topk_kernels(record: _KernelRecorder, flat: jax.Array, key: jax.Array, ratio: float) -> None:
+    """Top-k selection of ``ratio`` of the 1-D ``flat``, exact and sampled."""
+    from jaxcomm.compression.keys import dither_seed
+    from jaxcomm.compression.sparse import select_topk
+
+    n = flat.size
     k = max(1, int(ratio * n))
     for method in ("exact", "sampled"):
         record(
@@ -325,12 +368,20 @@ def _kernels(args: argparse.Namespace, emit: _Emit) -> None:
             lambda c, key, method=method: select_topk(
                 c, k, method=method, sample=max(1, n // 100), seed=dither_seed(key)
             ),
-            (flat[:n], key),
+            (flat, key),
             4 * n + 8 * k,
             k=k,
         )
-    # PowerSGD on every ResNet matrix it compresses (rank 4, the compressor's defaults), as
-    # the compressor computes it: matrices of one (n, m, r) shape stacked into one batch.
+
+
+def _powersgd_kernels(record: _KernelRecorder, leaves: list, key: jax.Array, rank: int) -> None:
+    """PowerSGD on every matrix of ``leaves`` it compresses, as the compressor computes it:
+    matrices of one ``(n, m, r)`` shape stacked into one batch."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcomm.compression.powersgd import matrix_shape, orthogonalize, powersgd, shape_groups
+
     comp = powersgd(rank=rank)
     shapes = [matrix_shape(x.shape) for x in leaves if comp.supports(tuple(x.shape))]
     dims = [(a, b, min(rank, a, b)) for a, b in shapes]
@@ -350,7 +401,7 @@ def _kernels(args: argparse.Namespace, emit: _Emit) -> None:
            4 * (nm + mr + nr), **info)  # fmt: skip
     record("powersgd orthogonalize P (all, batched by shape)",
            lambda ps: [orthogonalize(p) for p in ps], (ps,), 8 * nr, **info)  # fmt: skip
-    record("powersgd orthogonalize P (all, one matrix at a time; before batching)",
+    record("powersgd orthogonalize P (all, one matrix at a time)",
            lambda ps: [orthogonalize(m) for p in ps for m in p], (ps,), 8 * nr, **info)  # fmt: skip
     record("powersgd Q = M^T P (all matrices, batched by shape)",
            lambda ms, ps: [jnp.swapaxes(a, -1, -2) @ b for a, b in zip(ms, ps, strict=True)],
@@ -362,7 +413,7 @@ def _tb() -> str:
 
 
 def _schedule(args: argparse.Namespace, emit: _Emit) -> None:
-    from jaxcomm.bench import schedule
+    from experiments.bench import schedule
 
     raw = os.path.join(args.out, "parts", "schedule_raw.json")
     variant = "cpu" if args.allow_cpu else "gpu"
@@ -387,7 +438,7 @@ def _schedule(args: argparse.Namespace, emit: _Emit) -> None:
 
 
 def summarize_schedule(raw: dict) -> dict:
-    """The schedule part's data from ``python -m jaxcomm.bench schedule --json`` output:
+    """The schedule part's data from ``python -m experiments.bench schedule --json`` output:
     per option set the collectives, async pairs and compute between them, and the goals."""
     sets: dict[str, dict] = {}
     for label, r in raw.get("results", {}).items():
@@ -499,7 +550,7 @@ def _step(args: argparse.Namespace, emit: _Emit) -> None:
 
 
 def _options(args: argparse.Namespace, emit: _Emit) -> None:
-    from jaxcomm.bench import gpu_options
+    from experiments.bench import gpu_options
 
     # The limit the driver gave this part (its own, or what was left of the budget).
     limit = args.part_limit or args.limits.get("options", OPTIONS_LIMIT_S)
@@ -663,7 +714,7 @@ _TABLES: dict[str, Callable[[dict], list[str]]] = {
 
 
 def _options_table(d: dict) -> list[str]:
-    from jaxcomm.bench.gpu_options import format_table
+    from experiments.bench.gpu_options import format_table
 
     return format_table(d)
 
@@ -701,7 +752,7 @@ def format_report(result: dict) -> str:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m jaxcomm.bench gpu",
+        prog="python -m experiments.bench gpu",
         description=(__doc__ or "").split("\n\n")[0]
         + " Parts: "
         + "; ".join(f"{x.name} ({x.what}, limit {x.timeout_s:.0f} s)" for x in PARTS)
@@ -736,7 +787,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--options",
         default=None,
         help="comma-separated options of the options part (default: all of "
-        "jaxcomm.bench.gpu_options.OPTION_NAMES)",
+        "experiments.bench.gpu_options.OPTION_NAMES)",
     )
     p.add_argument("--step-preset", default="gpu-node")
     p.add_argument("--per-device-batch", type=int, default=None, help="override the preset's")
@@ -787,7 +838,7 @@ def _child(args: argparse.Namespace) -> int:
 
 
 def _gpu_plugin() -> bool:
-    from jaxcomm.bench.schedule import _gpu_plugin as found
+    from experiments.bench.schedule import _gpu_plugin as found
 
     return found()
 
@@ -805,7 +856,7 @@ class _Running:
         env = {**os.environ, **(part.cpu_env if args.allow_cpu else part.env)}
         if args.allow_cpu:
             env["JAX_PLATFORMS"] = "cpu"
-        cmd = [sys.executable, "-m", "jaxcomm.bench.gpu", *argv, "--child", part.name,
+        cmd = [sys.executable, "-m", "experiments.bench.gpu", *argv, "--child", part.name,
                "--part-limit", f"{limit:.1f}"]  # fmt: skip
         self.t0 = time.perf_counter()
         with open(self.log, "w") as logf:
@@ -856,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.allow_cpu and not _gpu_plugin():
         print(
-            "jaxcomm.bench gpu needs a GPU: no CUDA plugin for jaxlib is installed "
+            "experiments.bench gpu needs a GPU: no CUDA plugin for jaxlib is installed "
             "(jax-cuda13-plugin or jax-cuda12-plugin). Nothing was run.",
             file=sys.stderr,
         )
@@ -864,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.join(args.out, "parts"), exist_ok=True)
     t_start = time.perf_counter()
     result: dict[str, Any] = {
-        "command": "python -m jaxcomm.bench gpu " + " ".join(argv),
+        "command": "python -m experiments.bench gpu " + " ".join(argv),
         "out": args.out,
         "budget_s": args.budget_s,
         "allow_cpu": args.allow_cpu,
@@ -895,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
             platform_ = result["parts"][name].get("data", {}).get("platform")
             if platform_ != "gpu":
                 print(
-                    f"jaxcomm.bench gpu needs a GPU: JAX found platform {platform_!r} "
+                    f"experiments.bench gpu needs a GPU: JAX found platform {platform_!r} "
                     f"(versions part: {result['parts'][name]['status']}). Nothing else was run.",
                     file=sys.stderr,
                 )

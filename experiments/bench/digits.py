@@ -2,7 +2,7 @@
 
 :func:`digits_accuracy` trains the same model, with the same seed, data order and step
 count, for any ``sync_gradients`` settings, so two settings (e.g. uncompressed vs int8)
-can be compared point for point. ``python -m jaxcomm.bench digits [--steps N]`` prints
+can be compared point for point. ``python -m experiments.bench digits [--steps N]`` prints
 the test accuracy of the uncompressed baseline.
 """
 
@@ -143,44 +143,14 @@ def digits_accuracy(
     )
     mesh = mesh if mesh is not None else jaxcomm.make_mesh(intra=4)
     x_tr, y_tr, x_te, y_te = load_split()
-    if transform is not None:
-        if sync_kwargs is not None or optimizer is not None:
-            raise ValueError(
-                "digits_accuracy: transform= is the whole optimizer; pass sync_kwargs and "
-                "optimizer only without it."
-            )
-        tx = transform
-    else:
-        optimizer = optimizer if optimizer is not None else optax.adam(LEARNING_RATE)
-        tx = optax.chain(jaxcomm.sync_gradients(**(sync_kwargs or {})), optimizer)
+    tx = _optimizer(sync_kwargs, optimizer, transform)
     dp = jaxcomm.data_parallel(_loss, tx, mesh, compiler_options=compiler_options)
     state = dp.init(_init(seed, hidden))
-    per_epoch = TRAIN // batch_size
-    order = data_order(seed, steps, batch_size)
     step = dp.step_fn(state)
-    losses = []
     t0 = time.perf_counter()
-    t1 = None  # after the first time_from steps (compilation, set-up of the collectives)
-    for i in range(steps):
-        if i == time_from:
-            t1 = time.perf_counter()
-        idx = order[i * batch_size : (i + 1) * batch_size]
-        batch = {"x": x_tr[idx], "y": y_tr[idx]}
-        state, metrics = step(state, dp.shard_batch(batch))
-        # One step in flight at a time: on XLA:CPU with fake devices, several queued
-        # executions of a program with collectives can deadlock the in-process
-        # rendezvous (seen on 2 loaded cores: a 40 s termination abort).
-        jax.block_until_ready(state)
-        losses.append(metrics["loss"])
+    state, losses, batch, t1 = _train(dp, step, state, steps, seed, batch_size, time_from)
     t2 = time.perf_counter()
-    # The last epoch's losses: averaged over devices by the step, or one per device under
-    # jaxcomm.local_sgd (averaged here, once; across processes that needs a gather).
-    tail = losses[-per_epoch:]
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        tail = multihost_utils.process_allgather(tail, tiled=True)
-    losses = [float(np.mean(v)) for v in jax.device_get(tail)]
+    losses = _mean_losses(losses[-(TRAIN // batch_size) :])
     seconds = time.perf_counter() - t0
     # Replicas agree by construction (check_vma); check the bits too, once, after training.
     jaxcomm.check_replicas(state, mesh=mesh, what=f"digits state after {steps} steps")
@@ -201,8 +171,63 @@ def digits_accuracy(
     }
 
 
+def _optimizer(
+    sync_kwargs: dict | None,
+    optimizer: optax.GradientTransformation | None,
+    transform: optax.GradientTransformation | None,
+) -> optax.GradientTransformation:
+    """``transform``, or ``sync_gradients(**sync_kwargs)`` then ``optimizer`` (default Adam)."""
+    import jaxcomm
+
+    if transform is not None:
+        if sync_kwargs is not None or optimizer is not None:
+            raise ValueError(
+                "digits_accuracy: transform= is the whole optimizer; pass sync_kwargs and "
+                "optimizer only without it."
+            )
+        return transform
+    optimizer = optimizer if optimizer is not None else optax.adam(LEARNING_RATE)
+    return optax.chain(jaxcomm.sync_gradients(**(sync_kwargs or {})), optimizer)
+
+
+def _train(dp, step, state, steps: int, seed: int, batch_size: int, time_from: int):
+    """Runs ``steps`` steps in :func:`data_order`.
+
+    Returns:
+      ``(state, losses, last batch, time after time_from steps or None)``; ``losses`` are
+      the step metrics, still on the devices.
+    """
+    x_tr, y_tr, _, _ = load_split()
+    order = data_order(seed, steps, batch_size)
+    losses = []
+    t1 = None  # after the first time_from steps (compilation, set-up of the collectives)
+    for i in range(steps):
+        if i == time_from:
+            t1 = time.perf_counter()
+        idx = order[i * batch_size : (i + 1) * batch_size]
+        batch = {"x": x_tr[idx], "y": y_tr[idx]}
+        state, metrics = step(state, dp.shard_batch(batch))
+        # One step in flight at a time: on XLA:CPU with fake devices, several queued
+        # executions of a program with collectives can deadlock the in-process
+        # rendezvous (it aborts at its termination timeout on loaded cores).
+        jax.block_until_ready(state)
+        losses.append(metrics["loss"])
+    return state, losses, batch, t1
+
+
+def _mean_losses(tail: list) -> list[float]:
+    """Each step's loss as a float: averaged over devices by the step, or one per device
+    under ``jaxcomm.local_sgd`` (averaged here, once; across processes that needs a
+    gather)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        tail = multihost_utils.process_allgather(tail, tiled=True)
+    return [float(np.mean(v)) for v in jax.device_get(tail)]
+
+
 def reexec_with_fake_devices(name: str, argv: list[str] | None, n: int = 8) -> int:
-    """Re-runs ``python -m jaxcomm.bench NAME ARGV`` with ``n`` fake CPU devices.
+    """Re-runs ``python -m experiments.bench NAME ARGV`` with ``n`` fake CPU devices.
 
     JAX reads ``XLA_FLAGS`` once, when it starts, so a benchmark that needs 8 devices on a
     CPU-only machine starts itself again with the flag set.
@@ -218,13 +243,13 @@ def reexec_with_fake_devices(name: str, argv: list[str] | None, n: int = 8) -> i
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
     ).strip()
-    cmd = [sys.executable, "-m", "jaxcomm.bench", name, *(argv or [])]
+    cmd = [sys.executable, "-m", "experiments.bench", name, *(argv or [])]
     return subprocess.call(cmd, env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m jaxcomm.bench digits",
+        prog="python -m experiments.bench digits",
         description="Test accuracy of the uncompressed digits MLP on 8 devices.",
     )
     p.add_argument("--steps", type=int, default=300)

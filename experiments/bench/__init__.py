@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m experiments.bench <name> [--help]``; each prints a table, writes JSON."""

@@ -1,0 +1,103 @@
+"""The explicit reducer: ``GradientSync`` and how the step builder reaches it.
+
+``sync_gradients`` is the optax adapter of a ``GradientSync``; the step builder, the
+microbatch loop and the profiler's twin reach the sync through optax's extra argument
+``sync_request=`` (no trace-time side channel).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import AX, per_device, sharded
+from jax.sharding import PartitionSpec as P
+from mlp import mlp_batches, mlp_init, mlp_loss
+
+import jaxcomm
+from jaxcomm.compression import int8
+
+COMPRESSORS = {"none": None, "int8": int8(block=64)}
+
+
+def _grads(mesh, seed=0):
+    rng = np.random.default_rng(seed)
+    n = mesh.devices.size
+    return per_device(mesh, {"w": rng.normal(size=(n, 40, 64)).astype(np.float32),
+                             "b": rng.normal(size=(n, 1, 8)).astype(np.float32)})  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_reduce_equals_the_optax_adapter_bit_for_bit(mesh, name):
+    kw = {"compression": COMPRESSORS[name], "min_size": 64}
+    sync, tx = jaxcomm.gradient_sync(**kw), jaxcomm.sync_gradients(**kw)
+
+    def both(g):
+        g = jax.tree.map(lambda x: x[0], g)
+        a, _ = sync.reduce(g, sync.init(g))
+        b, _ = tx.update(g, tx.init(g))
+        return a, b
+
+    a, b = sharded(both, mesh, out_specs=P(AX))(_grads(mesh))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    want = np.asarray(_grads(mesh)["w"]).mean(0)
+    got = np.asarray(a["w"])[: want.shape[0]]  # device 0's mean
+    np.testing.assert_allclose(got, want, atol=0.05 if name == "int8" else 1e-6)
+
+
+def test_request_not_to_communicate_passes_through_and_reports_the_sync(mesh):
+    tx = optax.chain(jaxcomm.sync_gradients(compression=int8()), optax.sgd(1.0))
+
+    def step(g):
+        g = jax.tree.map(lambda x: x[0], g)
+        request = jaxcomm.SyncRequest(communicate=False, found=[])
+        state = tx.init(g)
+        u, state = tx.update(g, state, sync_request=request)
+        assert len(request.found) == 1 and isinstance(request.found[0], jaxcomm.GradientSync)
+        return u, state[0].count
+
+    u, count = sharded(step, mesh, out_specs=(P(AX), P()), check_vma=False)(_grads(mesh))
+    g = np.asarray(_grads(mesh)["w"])
+    np.testing.assert_array_equal(np.asarray(u["w"]), -g.reshape(-1, g.shape[-1]))
+    assert int(count) == 1
+
+
+def test_data_parallel_exposes_its_syncs(mesh):
+    tx = optax.chain(jaxcomm.sync_gradients(algorithm="ring"), optax.sgd(0.1))
+    dp = jaxcomm.data_parallel(mlp_loss, tx, mesh)
+    dp.init(mlp_init(jax.random.key(0)))
+    assert [s.algorithm for s in dp.syncs] == ["ring"]
+
+
+def _dropping_extra_args(inner):
+    """A wrapper that forwards the gradients but not optax's extra arguments."""
+
+    def update(g, s, params=None, **_):
+        return inner.update(g, s, params)
+
+    return optax.GradientTransformation(inner.init, update)
+
+
+def test_a_wrapper_that_drops_extra_args_is_refused_by_name(mesh):
+    tx = _dropping_extra_args(optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1)))
+    with pytest.raises(ValueError, match="does not forward extra"):
+        jaxcomm.data_parallel(mlp_loss, tx, mesh).init(mlp_init(jax.random.key(0)))
+
+
+def test_no_context_variables_in_the_package():
+    import pathlib
+
+    root = pathlib.Path(jaxcomm.__file__).parent
+    users = [str(p) for p in root.rglob("*.py") if "contextvars" in p.read_text()]
+    assert users == []
+
+
+def test_overlap_microbatches_reduce_through_the_sync(mesh):
+    """accumulate='overlap' calls the sync's reduce per microbatch: N reductions."""
+    tx = optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))
+    dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, microbatches=2, accumulate="overlap")
+    state = dp.init(mlp_init(jax.random.key(0)))
+    state, _ = dp(state, mlp_batches(1, size=32)[0])
+    assert int(state.opt_state[0].count) == 2
+    assert jnp.isfinite(state.params[0]["w"]).all()
