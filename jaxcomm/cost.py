@@ -965,15 +965,7 @@ def _inter_stage_compressed(
     3. An all-gather of the means inside the node, encoded when the compressor
        ``gathers`` (then decoded ``g`` times), else f32.
 
-    Args:
-      n: f32 bytes per device.
-      w: the wire fraction.
-      topology: the cluster.
-      compression: the compressor.
-      codec: kernel name -> :class:`Codec`, or None.
-
-    Returns:
-      ``(comm seconds, codec seconds, collective kinds)``.
+    Args and returns as :func:`_intra_mean_inter_compressed`.
     """
     g, m, gamma = topology.devices_per_node, topology.num_nodes, topology.gamma
     kinds: list[str] = []

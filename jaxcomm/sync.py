@@ -210,59 +210,7 @@ def gradient_sync(
     compress_stage: str = "all",
     seed: int = 0,
 ) -> GradientSync:
-    """A checked :class:`GradientSync`; the arguments are those of :func:`sync_gradients`.
-
-    Raises:
-      ValueError, TypeError: as :func:`sync_gradients` documents.
-    """
-    axes = check_axes(axes)
-    check_algorithm(algorithm)
-    check_topology(topology)
-    bucket_bytes = check_bucket_bytes(bucket_bytes)
-    if compression is not None and not isinstance(compression, Compressor):
-        raise TypeError(
-            f"compression={compression!r} is not a jaxcomm.compression.Compressor; build one "
-            "with e.g. jaxcomm.compression.int8() or pass None."
-        )
-    for name, v in (("warmup_steps", warmup_steps), ("min_size", min_size), ("seed", seed)):
-        check_int(name, v, minimum=0)
-    if compress_stage not in COMPRESS_STAGES:
-        raise ValueError(
-            f"compress_stage={compress_stage!r} is not known; choose one of "
-            f"{list(COMPRESS_STAGES)}."
-        )
-    if compress_stage == "inter" and len(axes) < 2:
-        raise ValueError(
-            f"compress_stage='inter' needs an inner (intra-node) axis, but axes={axes}; use "
-            "axes=('inter', 'intra') or compress_stage='all'."
-        )
-    if compress_leaf is not None and not callable(compress_leaf):
-        raise TypeError(f"compress_leaf={compress_leaf!r} must be a callable (path, leaf) -> bool.")
-    return GradientSync(
-        axes, algorithm, topology, bucket_bytes, compression, warmup_steps, min_size,
-        compress_leaf, compress_stage, seed,
-    )  # fmt: skip
-
-
-def sync_gradients(
-    *,
-    axes: tuple[str, ...] = DATA_AXES,
-    algorithm: str = "hierarchical",
-    topology: Any = None,
-    bucket_bytes: tuple[int, int] | str | AutoBuckets | None = None,
-    compression: Compressor | None = None,
-    warmup_steps: int = 0,
-    min_size: int = DEFAULT_MIN_SIZE,
-    compress_leaf: Callable[[str, Any], bool] | None = None,
-    compress_stage: str = "all",
-    seed: int = 0,
-) -> optax.GradientTransformationExtraArgs:
-    """Averages gradients over the data-parallel mesh axes, optionally compressed.
-
-    Put it first in an ``optax.chain``; its ``update`` must run inside ``jax.shard_map``
-    (``jaxcomm.data_parallel`` does that). It is the optax adapter of
-    :class:`GradientSync`: ``init`` is the sync's ``init``, ``update`` its ``reduce``
-    (or, with ``sync_request=SyncRequest(communicate=False)``, a pass-through).
+    """A checked :class:`GradientSync`: every argument is validated here, at construction.
 
     Args:
       axes: mesh axis names to average over, outermost first.
@@ -305,7 +253,7 @@ def sync_gradients(
         per fragment: ``jaxcomm.diloco.fragment_seed``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with state :class:`SyncGradientsState`.
+      A :class:`GradientSync`.
 
     Raises:
       ValueError: unknown ``algorithm`` or ``compress_stage``, malformed ``axes`` or
@@ -314,16 +262,63 @@ def sync_gradients(
         ``topology`` is not a Topology.
 
     Example:
+      >>> sync = jaxcomm.gradient_sync(compression=jaxcomm.compression.int8(), min_size=1024)
+    """
+    axes = check_axes(axes)
+    check_algorithm(algorithm)
+    check_topology(topology)
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
+    if compression is not None and not isinstance(compression, Compressor):
+        raise TypeError(
+            f"compression={compression!r} is not a jaxcomm.compression.Compressor; build one "
+            "with e.g. jaxcomm.compression.int8() or pass None."
+        )
+    for name, v in (("warmup_steps", warmup_steps), ("min_size", min_size), ("seed", seed)):
+        check_int(name, v, minimum=0)
+    if compress_stage not in COMPRESS_STAGES:
+        raise ValueError(
+            f"compress_stage={compress_stage!r} is not known; choose one of "
+            f"{list(COMPRESS_STAGES)}."
+        )
+    if compress_stage == "inter" and len(axes) < 2:
+        raise ValueError(
+            f"compress_stage='inter' needs an inner (intra-node) axis, but axes={axes}; use "
+            "axes=('inter', 'intra') or compress_stage='all'."
+        )
+    if compress_leaf is not None and not callable(compress_leaf):
+        raise TypeError(f"compress_leaf={compress_leaf!r} must be a callable (path, leaf) -> bool.")
+    return GradientSync(
+        axes, algorithm, topology, bucket_bytes, compression, warmup_steps, min_size,
+        compress_leaf, compress_stage, seed,
+    )  # fmt: skip
+
+
+def sync_gradients(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
+    """Averages gradients over the data-parallel mesh axes, optionally compressed.
+
+    Put it first in an ``optax.chain``; its ``update`` must run inside ``jax.shard_map``
+    (``jaxcomm.data_parallel`` does that). It is the optax adapter of one
+    :class:`GradientSync`: ``init`` is the sync's ``init``, ``update`` its ``reduce``
+    (or, with ``sync_request=SyncRequest(communicate=False)``, a pass-through).
+
+    Args:
+      **kwargs: the keyword arguments of :func:`gradient_sync` (``axes``, ``algorithm``,
+        ``topology``, ``bucket_bytes``, ``compression``, ``warmup_steps``, ``min_size``,
+        ``compress_leaf``, ``compress_stage``, ``seed``), documented there.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with state :class:`SyncGradientsState`.
+
+    Raises:
+      ValueError, TypeError: a bad argument, at construction (:func:`gradient_sync`).
+
+    Example:
       >>> tx = optax.chain(
       ...     jaxcomm.sync_gradients(compression=jaxcomm.compression.int8(),
       ...                            warmup_steps=100, min_size=1024),
       ...     optax.adamw(1e-3))
     """
-    sync = gradient_sync(
-        axes=axes, algorithm=algorithm, topology=topology, bucket_bytes=bucket_bytes,
-        compression=compression, warmup_steps=warmup_steps, min_size=min_size,
-        compress_leaf=compress_leaf, compress_stage=compress_stage, seed=seed,
-    )  # fmt: skip
+    sync = gradient_sync(**kwargs)
 
     def update(grads, state, params=None, *, sync_request=None, **extra_args):
         del params, extra_args
@@ -352,6 +347,12 @@ def accepting_requests(tx: Any) -> Any:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return tx
     return optax.with_extra_args_support(tx)
+
+
+# The adapter's signature is the sync's (help(), IDEs and inspect show every argument).
+sync_gradients.__signature__ = inspect.signature(gradient_sync).replace(
+    return_annotation=optax.GradientTransformationExtraArgs
+)
 
 
 # -- stages ----------------------------------------------------------------------------

@@ -192,7 +192,7 @@ def _round_trip(kernel: str, n: int, block: int, m: int, g: int):
     device)."""
     from jaxcomm.compression.cast import bf16_mean
     from jaxcomm.compression.keys import dither_seed, two_phase_seeds
-    from jaxcomm.compression.quantize import quantize, two_phase_mean
+    from jaxcomm.compression.quantize import quantize, to_bytes, two_phase_mean
     from jaxcomm.compression.sparse import random_k_mean, topk_mean
 
     key = jax.random.key(1)
@@ -208,7 +208,7 @@ def _round_trip(kernel: str, n: int, block: int, m: int, g: int):
         blocks = -(-n // (m * block))
         chunk = (blocks, block if bits == 8 else block // 2)
         xs = jnp.pad(jnp.concatenate([x] * g), (0, g * m * blocks * block - g * n))
-        buf = _to_bytes(*quantize(xs.reshape(g * m, blocks * block), bits, block, None))
+        buf = to_bytes(*quantize(xs.reshape(g * m, blocks * block), bits, block, None))
         return mean, _decoder(chunk, bits, block), (buf,), g * n
     if kernel in ("bf16", "fp16"):
         dt = jnp.bfloat16 if kernel == "bf16" else jnp.float16
@@ -249,32 +249,13 @@ def _f32(x: jax.Array) -> jax.Array:
     return jnp.asarray(x).astype(jnp.float32)
 
 
-def _to_bytes(q: jax.Array, scales: jax.Array) -> jax.Array:
-    """``quantize``'s ``(rows, ...)`` values and ``(rows, b)`` f32 scales as one uint8 row
-    each, values first: the layout of ``two_phase_mean``'s collectives."""
-    qb = lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q
-    sb = lax.bitcast_convert_type(scales, jnp.uint8).reshape(scales.shape[0], -1)
-    return jnp.concatenate([qb.reshape(q.shape[0], -1), sb], axis=1)
-
-
-def _from_bytes(buf: jax.Array, chunk: tuple[int, int], bits: int):
-    """Inverse of :func:`_to_bytes` for ``chunk = (blocks, width)`` value bytes per row:
-    ``q`` ``(rows, blocks, width)`` and the scales ``(rows, blocks)``."""
-    rows, width = buf.shape[0], chunk[0] * chunk[1]
-    q = buf[:, :width].reshape(rows, *chunk)
-    if bits == 8:
-        q = lax.bitcast_convert_type(q, jnp.int8)
-    sb = buf[:, width:].reshape(rows, -1, 4)
-    return q, lax.bitcast_convert_type(sb, jnp.float32)
-
-
 def _decoder(chunk: tuple[int, int], bits: int, block: int):
     """The int8/int4 decode of gathered means (``two_phase_mean``'s last kernel): bytes
     to values and scales, dequantized, flattened."""
-    from jaxcomm.compression.quantize import dequantize
+    from jaxcomm.compression.quantize import dequantize, from_bytes
 
     def decode(buf):
-        return dequantize(*_from_bytes(buf, chunk, bits), bits, block).reshape(-1)
+        return dequantize(*from_bytes(buf, chunk, bits), bits, block).reshape(-1)
 
     return decode
 

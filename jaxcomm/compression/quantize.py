@@ -47,10 +47,12 @@ from jaxcomm.validate import check_int
 
 __all__ = [
     "dequantize",
+    "from_bytes",
     "int4",
     "int8",
     "quantize",
     "quantized",
+    "to_bytes",
     "two_phase_mean",
 ]
 
@@ -137,7 +139,7 @@ def dequantize(q: jax.Array, scales: jax.Array, bits: int, block: int) -> jax.Ar
     return _dequantize_blocks(q.reshape(rows, blocks, width), scales, bits).reshape(rows, -1)
 
 
-def _to_bytes(q: jax.Array, scales: jax.Array) -> jax.Array:
+def to_bytes(q: jax.Array, scales: jax.Array) -> jax.Array:
     """``(rows, ...)`` int8/uint8 values and ``(rows, b)`` f32 scales -> ``(rows, a + 4b)``
     uint8 (``a`` value bytes per row)."""
     qb = lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q
@@ -145,8 +147,8 @@ def _to_bytes(q: jax.Array, scales: jax.Array) -> jax.Array:
     return jnp.concatenate([qb.reshape(q.shape[0], -1), sb], axis=1)
 
 
-def _from_bytes(buf: jax.Array, shape: tuple[int, int], bits: int) -> tuple[jax.Array, jax.Array]:
-    """Inverse of :func:`_to_bytes` for values of ``shape = (blocks, width)`` per row:
+def from_bytes(buf: jax.Array, shape: tuple[int, int], bits: int) -> tuple[jax.Array, jax.Array]:
+    """Inverse of :func:`to_bytes` for values of ``shape = (blocks, width)`` per row:
     ``q`` ``(rows, blocks, width)``, scales ``(rows, blocks)``."""
     rows, width = buf.shape[0], shape[0] * shape[1]
     q = buf[:, :width].reshape(rows, *shape)
@@ -222,10 +224,10 @@ def two_phase_mean(
     local = _dequantize_blocks(q, s, bits)  # (p, blocks, block): what this device sends
     # Phase 1: chunk i of every device goes to device i; values and scales travel as one
     # byte buffer, so each phase is a single collective.
-    recv = all_to_all_rows(_to_bytes(q, s), axes)
+    recv = all_to_all_rows(to_bytes(q, s), axes)
     # (1, blocks, block) from here on: a reshape (x[0], x[None]) in an elementwise chain
     # costs XLA a round of its simplification pipeline per operation it is moved past
-    shard = sum_rows(_dequantize_blocks(*_from_bytes(recv, chunk, bits), bits)) / p
+    shard = sum_rows(_dequantize_blocks(*from_bytes(recv, chunk, bits), bits)) / p
     # Phase 2: re-quantize the mean chunk, gather all chunks.
     q2, s2 = _quantize_blocks(shard, bits, seed2, inv_qmax)
     # This device owns chunk i; its re-quantization error enters its own "sent" record
@@ -236,7 +238,7 @@ def two_phase_mean(
     i = lax.axis_index(axes)
     own = lax.dynamic_slice_in_dim(local, i, 1)
     local = lax.dynamic_update_slice(local, own + p * err2, (i, 0, 0))
-    gathered = all_gather_invariant(_to_bytes(q2, s2), axes)  # (p, bytes), typed invariant
+    gathered = all_gather_invariant(to_bytes(q2, s2), axes)  # (p, bytes), typed invariant
     rows = 1
     if gather_axis is not None:
         # (g * p, bytes): row j * p + i is chunk i of inner device j's shard
@@ -244,7 +246,7 @@ def two_phase_mean(
         rows = lax.axis_size(gather_axis)
 
     def decode(gathered: jax.Array, local: jax.Array) -> tuple[jax.Array, jax.Array]:
-        mean = _dequantize_blocks(*_from_bytes(gathered, chunk, bits), bits)
+        mean = _dequantize_blocks(*from_bytes(gathered, chunk, bits), bits)
         return mean.reshape(rows, -1)[:, :n].reshape(-1), local.reshape(-1)[:n]
 
     # ``sent`` into a buffer too: error feedback's ``c - sent`` on the flat view, fused with
