@@ -73,6 +73,7 @@ from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.state import PerDevice, leaf_specs, stack_leaves, unstack_leaves, varying_axes
 from jaxcomm.sync import SyncRequest, accepting_requests
+from jaxcomm.train import refuse_nnx_object
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -213,16 +214,6 @@ def _check_metrics(objs: Any) -> None:
                 "be combined exactly across devices. Use Average/Accuracy in the step, or "
                 "compute this metric outside the data-parallel step."
             )
-
-
-def _stray(x: Any, where: str) -> None:
-    if isinstance(x, nnx.Optimizer | nnx.Module):
-        raise TypeError(
-            f"{where}: got a Flax NNX {type(x).__name__}. "
-            "The NNX step is data-parallel with @jaxcomm.nnx_data_parallel(mesh) on "
-            "train_step(model, optimizer, metrics, batch); jaxcomm.data_parallel takes "
-            "a loss function, an optax transform and params (nnx.state(model, nnx.Param))."
-        )
 
 
 class NnxDataParallel:
@@ -481,7 +472,7 @@ class NnxDataParallel:
         objs = tuple(a for a, n in zip(args, nodes, strict=True) if n)
         data = [None if n else a for a, n in zip(args, nodes, strict=True)]
         for a in data:
-            jax.tree.map(lambda x: _stray(x, self._name), a)
+            jax.tree.map(lambda x: refuse_nnx_object(x, self._name), a)
         graphdef, state, kinds = self._split(objs)
         leaves, treedef = jax.tree.flatten(state)
         data = self._shard(data)
@@ -569,7 +560,7 @@ class NnxDataParallel:
 
 
 def _decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -> tuple:
-    _stray(mesh, f"{name}(mesh)")
+    refuse_nnx_object(mesh, f"{name}(mesh)")
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"{name}(mesh): got {type(mesh).__name__}; pass a mesh from "

@@ -33,7 +33,7 @@ from jaxcomm.state import (
 from jaxcomm.sync import GradientSync, SyncGradientsState, SyncRequest, accepting_requests
 from jaxcomm.validate import check_int
 
-__all__ = ["DataParallel", "TrainState", "data_parallel"]
+__all__ = ["DataParallel", "TrainState", "data_parallel", "refuse_nnx_object"]
 
 
 class TrainState(NamedTuple):
@@ -309,7 +309,9 @@ def _flax_kind(x: Any) -> str | None:
     return None
 
 
-def _refuse_nnx_object(x: Any, where: str) -> None:
+def refuse_nnx_object(x: Any, where: str) -> None:
+    """Raises TypeError for a Flax NNX module or optimizer passed where ``where`` takes
+    plain values, naming the NNX front end to use instead."""
     if _flax_kind(x) is not None:
         raise TypeError(
             f"{where}: got a Flax NNX {type(x).__name__}. "
@@ -329,7 +331,7 @@ def _check_optimizer(optimizer: Any) -> None:
             "To keep nnx.Optimizer and the NNX train step, decorate the step with "
             "@jaxcomm.nnx_data_parallel(mesh) instead."
         )
-    _refuse_nnx_object(optimizer, "data_parallel(optimizer=...)")
+    refuse_nnx_object(optimizer, "data_parallel(optimizer=...)")
     if not (
         callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
     ):
@@ -343,7 +345,7 @@ def _check_optimizer(optimizer: Any) -> None:
 def _check_params(params: Any) -> None:
     """Raises a clear error for Flax objects passed as params to ``DataParallel.init``: an
     NNX module, or Linen ``variables`` holding mutable collections (``batch_stats``)."""
-    _refuse_nnx_object(params, "DataParallel.init(params)")
+    refuse_nnx_object(params, "DataParallel.init(params)")
     if isinstance(params, Mapping) and "params" in params:
         others = sorted(str(k) for k in params if k != "params")
         if others:
