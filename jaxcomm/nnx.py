@@ -71,7 +71,14 @@ from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.replicas import check_replicas as _check_replicas
-from jaxcomm.state import PerDevice, leaf_specs, stack_leaves, unstack_leaves, varying_axes
+from jaxcomm.state import (
+    PerDevice,
+    infer_per_device,
+    leaf_specs,
+    stack_leaves,
+    unstack_leaves,
+    varying_axes,
+)
 from jaxcomm.sync import SyncRequest, accepting_requests
 from jaxcomm.train import refuse_nnx_object
 from jaxcomm.validate import check_int
@@ -241,9 +248,15 @@ class NnxDataParallel:
         functools.update_wrapper(self, fn)
 
     # -- inside shard_map -------------------------------------------------------------
+    def _body(self, plan, leaves, args):
+        """The step inside shard_map: per-device leaves come and go with their device axis."""
+        per = plan[3]
+        result, out = self._local(plan, unstack_leaves(leaves, per), args)
+        return stack_leaves(result, per), out
+
     def _local(self, plan, leaves, args, rec=None):
-        graphdef, treedef, kinds, per, nodes = plan
-        leaves = unstack_leaves(leaves, per)
+        """One device's step on its local leaves; returns the new leaves and outputs."""
+        graphdef, treedef, kinds, _, nodes = plan
         dev = lax.axis_index(self.axes)
         inside = []
         for x, k in zip(leaves, kinds, strict=True):
@@ -330,7 +343,7 @@ class NnxDataParallel:
             result[i] = leaves[i] + total
         if rec is not None:
             rec["vary"] = [bool(varying_axes(x) & set(self.axes)) for x in result]
-        return stack_leaves(result, per), out
+        return result, out
 
     def _per_device_outputs(self, out: Any) -> tuple[list, Any, list[bool]]:
         """The step's outputs as leaves (markers kept whole), their structure, and which
@@ -360,46 +373,29 @@ class NnxDataParallel:
             jax.tree_util.keystr(p)
             for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, leaves))[0]
         ]
-        per = list(marked)
         glob_args = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(
                 a.shape, a.dtype, sharding=NamedSharding(self.mesh, P(self.axes))
             ),
             args,
         )
-        for _ in range(len(leaves) + 1):
+
+        def probe(lv, a):
             rec: dict = {"varying_update": []}
-            plan = (graphdef, treedef, kinds, per, nodes)
-            glob = [
-                jax.ShapeDtypeStruct(
-                    (self.num_devices, *np.shape(x)) if f else np.shape(x),
-                    jnp.result_type(x),
-                    sharding=NamedSharding(self.mesh, P(self.axes) if f else P()),
-                )
-                for x, f in zip(leaves, per, strict=True)
-            ]
-
-            def probe(lv, a, plan=plan, rec=rec):
-                self._local(plan, lv, a, rec)
-                return jnp.zeros(())
-
-            specs = leaf_specs(leaves, per, self.axes)
-            jax.eval_shape(
-                jax.shard_map(
-                    probe,
-                    mesh=self.mesh,
-                    in_specs=(specs, P(self.axes)),
-                    out_specs=P(),
-                    check_vma=True,
-                ),
-                glob,
-                glob_args,
-            )
+            self._local((graphdef, treedef, kinds, None, nodes), lv, a, rec)
             self._refuse_varying(rec, kinds, marked, paths)
-            nxt = [a or (b and k == _OPT) for a, b, k in zip(per, rec["vary"], kinds, strict=True)]
-            if nxt == per:
-                break
-            per = nxt
+            return rec["vary"]
+
+        per = infer_per_device(
+            probe,
+            leaves,
+            list(marked),
+            self.mesh,
+            self.axes,
+            args=(glob_args,),
+            arg_specs=(P(self.axes),),
+            may_vary=[k == _OPT for k in kinds],
+        )
         self.per_device_paths = [p for p, f in zip(paths, per, strict=True) if f]
         # Replicas start alike only if every process starts from the same values.
         check_same_on_processes(
@@ -417,7 +413,7 @@ class NnxDataParallel:
         specs = leaf_specs(leaves, per, self.axes)
         step = jax.jit(
             jax.shard_map(
-                functools.partial(self._local, plan),
+                functools.partial(self._body, plan),
                 mesh=self.mesh,
                 in_specs=(specs, P(self.axes)),
                 out_specs=(specs, P()),

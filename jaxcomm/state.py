@@ -7,22 +7,29 @@ random keys. A transform wraps such a subtree in :class:`PerDevice`; the step bu
 sharded along the data axes, and hands the transform the local (unstacked) value inside
 ``shard_map``. Because it is part of the optimizer state pytree, it is in every checkpoint.
 
-``PerDevice`` is the explicit way. ``data_parallel`` also *infers* per-device leaves from
-shard_map's replication types (``check_vma=True``): a state leaf whose value varies over the
-data axes after ``init`` or ``update`` (``optax.MultiSteps``' ``acc_grads`` hold each
-device's own gradients) is stored per device too. :func:`varying_axes` reads that type.
+``PerDevice`` is the explicit way. The step builders (``data_parallel`` and the Flax front
+ends) also *infer* per-device leaves from shard_map's replication types (``check_vma=True``)
+with one function, :func:`infer_per_device`: a state leaf whose value varies over the data
+axes after ``init`` or a step (``optax.MultiSteps``' ``acc_grads`` hold each device's own
+gradients) is stored per device too. :func:`varying_axes` reads that type.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "PerDevice",
+    "global_abstract",
+    "infer_per_device",
     "is_per_device",
     "leaf_specs",
     "marked_per_device",
@@ -119,3 +126,83 @@ def stack_leaves(tree: Any, per_device: list[bool]) -> Any:
 def unstack_leaves(tree: Any, per_device: list[bool]) -> Any:
     """Inside shard_map: drop the leading axis of 1 of the flagged leaves."""
     return _map_flagged(lambda x: x[0], tree, per_device)
+
+
+def global_abstract(
+    local: Any, per_device: list[bool], mesh: Mesh, axes: tuple[str, ...]
+) -> list[jax.ShapeDtypeStruct]:
+    """The global shapes and shardings of a state whose leaves have ``local`` shapes: a
+    flagged leaf gets a leading axis of one entry per device, sharded along ``axes``; the
+    others are replicated."""
+    devices = int(np.prod([mesh.shape[a] for a in axes]))
+    out = []
+    for x, f in zip(jax.tree.leaves(local), per_device, strict=True):
+        shape = (devices, *np.shape(x)) if f else tuple(np.shape(x))
+        sharding = NamedSharding(mesh, P(axes) if f else P())
+        out.append(jax.ShapeDtypeStruct(shape, jnp.result_type(x), sharding=sharding))
+    return out
+
+
+def infer_per_device(
+    step: Callable[..., list[bool]],
+    local: Any,
+    marked: list[bool],
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    *,
+    args: tuple = (),
+    arg_specs: tuple = (),
+    may_vary: list[bool] | None = None,
+) -> list[bool]:
+    """Which leaves of a step's state are stored per device: the fewest that let every other
+    leaf be proven replicated by shard_map's replication check.
+
+    The one layout inference of the step builders (``data_parallel``, the Flax front ends).
+
+    1. Start from the ``marked`` leaves (``PerDevice``, accumulators, varying after init).
+    2. Trace ``step(state, *args)`` abstractly (no compute, no compile) inside
+       ``jax.shard_map(..., check_vma=True)``, with the state laid out as the flags say and
+       handed to ``step`` local (unstacked: per-device leaves without their device axis).
+       ``step`` returns, per state leaf, whether its new value varies over ``axes``; it may
+       raise to refuse what it sees (the error passes through).
+    3. Each leaf that varies (and ``may_vary`` allows) joins the per-device set; repeat until
+       the set is stable. It only grows, so this ends within one round per leaf.
+
+    Args:
+      step: ``step(local_state, *args) -> list[bool]``, traced inside the shard_map.
+      local: the state's local shapes (a tree of arrays or ``jax.ShapeDtypeStruct``).
+      marked: per leaf of ``local``: known to be per device.
+      mesh: the mesh; axes: the data axes.
+      args: further global abstract arguments of ``step`` (``jax.ShapeDtypeStruct``).
+      arg_specs: their PartitionSpecs.
+      may_vary: per leaf: may become per device (default: all); a leaf that varies but may
+        not is left to ``step``'s refusals.
+
+    Returns:
+      One flag per leaf of ``local``: stored per device.
+
+    Example:
+      >>> per = infer_per_device(lambda s, p: [bool(varying_axes(x)) for x in
+      ...     jax.tree.leaves(opt.update(g(p), s, p)[1])], local_state, marks, mesh, axes,
+      ...     args=(params,), arg_specs=(P(),))
+    """
+    treedef = jax.tree.structure(local)
+    allowed = may_vary if may_vary is not None else [True] * treedef.num_leaves
+    per = list(marked)
+    for _ in range(treedef.num_leaves + 1):
+        flags = per
+        seen: dict[str, list[bool]] = {}
+
+        def probe(state, *a, flags=flags, seen=seen):
+            seen["vary"] = step(unstack_leaves(state, flags), *a)
+            return jnp.zeros(())
+
+        state = jax.tree.unflatten(treedef, global_abstract(local, flags, mesh, axes))
+        specs = (leaf_specs(local, flags, axes), *arg_specs)
+        mapped = jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=True)
+        jax.eval_shape(mapped, state, *args)
+        nxt = [f or (v and ok) for f, v, ok in zip(flags, seen["vary"], allowed, strict=True)]
+        if nxt == flags:
+            return flags
+        per = nxt
+    raise AssertionError("unreachable: the per-device set grows by one leaf at least per round")

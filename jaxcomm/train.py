@@ -24,6 +24,7 @@ from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate, update_with_value
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.state import (
+    infer_per_device,
     leaf_specs,
     marked_per_device,
     stack_leaves,
@@ -500,13 +501,8 @@ class DataParallel:
             # The user reduces (or, for a compute-only twin, skips) the gradients: nothing
             # is proven, so only explicit marks decide (and check_replicas=N checks values).
             return rec["marked"]
-        per = [m or v for m, v in zip(rec["marked"], rec["vary"], strict=True)]
-        for _ in range(len(per) + 1):
-            nxt, updates = self._trace_update(params, rec, per)
-            nxt = [a or b for a, b in zip(per, nxt, strict=True)]
-            if nxt == per:
-                break
-            per = nxt
+        marked = [m or v for m, v in zip(rec["marked"], rec["vary"], strict=True)]
+        per, updates = self._trace_update(params, rec, marked)
         _refuse_drift(rec["paths"], per, rec["marked"])
         _refuse_varying_updates(updates)
         if not self._local_sgd:
@@ -535,16 +531,15 @@ class DataParallel:
         jax.eval_shape(self._probe_map(init_probe, (P(),)), params)
         return rec
 
-    def _trace_update(self, params: Any, rec: dict, per: list[bool]):
-        """Step 2 of :meth:`_infer_layout`, one round: ``update`` traced with state laid out
-        as ``per`` says. Returns which state leaves vary after it and, per update leaf, its
-        path and the data axes it varies over; sets :attr:`syncs`."""
+    def _trace_update(self, params: Any, rec: dict, marked: list[bool]):
+        """Step 2 of :meth:`_infer_layout`: ``update`` traced with per-device gradients
+        until the per-device set is stable (:func:`jaxcomm.state.infer_per_device`).
+        Returns the set and, per update leaf, its path and the data axes it varies over;
+        sets :attr:`syncs`."""
         axes = frozenset(self.axes)
-        local = jax.tree.unflatten(rec["treedef"], rec["local"])
         out: dict[str, Any] = {}
 
-        def update_probe(p, s):
-            s = unstack_leaves(s, per)
+        def update_probe(s, p):
             g = jax.tree.map(jnp.zeros_like, p)
             if not self._overlapped:  # gradients of the local batch(es): per device
                 g = lax.pcast(g, self.axes, to="varying")
@@ -553,24 +548,17 @@ class DataParallel:
             u, s2 = update_with_value(update, g, s, p, lambda: jnp.zeros((), jnp.float32))
             self._check_synced(request.found, s)
             self.syncs = list({id(x): x for x in request.found}.values())
-            out["next"] = [bool(varying_axes(x) & axes) for x in jax.tree.leaves(s2)]
             out["updates"] = [
                 (jax.tree_util.keystr(k), sorted(varying_axes(x) & axes))
                 for k, x in jax.tree_util.tree_flatten_with_path(u)[0]
             ]
-            return jnp.zeros(())
+            return [bool(varying_axes(x) & axes) for x in jax.tree.leaves(s2)]
 
-        def glob_leaf(x, f):
-            if f:
-                shape, sharding = (self.num_devices, *x.shape), self._stacked
-            else:
-                shape, sharding = x.shape, self.replicated
-            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
-
-        glob = jax.tree.map(glob_leaf, local, jax.tree.unflatten(rec["treedef"], per))
-        specs = leaf_specs(local, per, self.axes)
+        local = jax.tree.unflatten(rec["treedef"], rec["local"])
         try:
-            jax.eval_shape(self._probe_map(update_probe, (P(), specs)), params, glob)
+            per = infer_per_device(
+                update_probe, local, marked, self.mesh, self.axes, args=(params,), arg_specs=(P(),)
+            )
         except (TypeError, ValueError) as e:
             if "manual axis types" not in str(e) and "vma" not in str(e):
                 raise
@@ -584,7 +572,7 @@ class DataParallel:
                 "it after the sync instead, optax.chain(jaxcomm.sync_gradients(), "
                 f"optax.apply_if_finite(...)). JAX says: {e}"
             ) from e
-        return out["next"], out["updates"]
+        return per, out["updates"]
 
     def _probe_map(self, fn: Callable, in_specs: tuple) -> Callable:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P(), check_vma=True)
