@@ -42,7 +42,6 @@ from jax import lax
 from jaxcomm import cost, ordering
 from jaxcomm.buckets import AutoBuckets, check_bucket_bytes, plan_buckets
 from jaxcomm.collectives import (
-    all_gather_invariant,
     allreduce,
     check_algorithm,
     check_axes,
@@ -482,9 +481,9 @@ def _codec_mean_inter(sync: GradientSync, buffers: list, cstate: Any, ctx: Reduc
     1. reduce-scatter each buffer over the inner axis (each device keeps the intra-node
        mean of ``1/g`` of it);
     2. the compressor's mean of the shards over the outer axes;
-    3. all-gather over the inner axis -- by the compressor itself where it can gather its
-       encoded means (``Compressor.gathers``: int8/int4 send a quarter of the f32 bytes),
-       else in f32.
+    3. all-gather over the inner axis, by the compressor (``ReduceContext.gather_axis``):
+       a codec that can gathers its encoded means (int8/int4 send a quarter of the f32
+       bytes), the others their means.
     """
     codec = sync.compression
     inner, outer = sync.axes[-1], sync.axes[:-1]
@@ -497,18 +496,15 @@ def _codec_mean_inter(sync: GradientSync, buffers: list, cstate: Any, ctx: Reduc
         padded, _ = pad_to_multiple(b, g)
         shards.append((reduce_scatter(padded, inner) / g).astype(b.dtype))
         sizes.append(b.shape[0])
-    if not codec.gathers:
-        outs, cstate = codec.reduce(shards, cstate, ctx)
-        outs = [all_gather_invariant(o, inner)[:n] for o, n in zip(outs, sizes, strict=True)]
-        return outs, cstate
     outs, cstate = codec.reduce(shards, cstate, ctx._replace(gather_axis=inner))
     for o, sh in zip(outs, shards, strict=True):
         if o.shape != (g * sh.shape[0],):
             raise ValueError(
-                f"compressor {codec.name!r} has gathers=True but returned a mean of shape "
-                f"{o.shape} for a shard of {sh.shape[0]} elements over {g} devices; it must "
-                f"return {(g * sh.shape[0],)} (every device's mean, concatenated), or set "
-                "gathers=False."
+                f"compressor {codec.name!r} returned a mean of shape {o.shape} for a shard "
+                f"of {sh.shape[0]} elements over {g} devices with ReduceContext.gather_axis="
+                f"{inner!r}; it must return {(g * sh.shape[0],)} (every device's mean, "
+                "concatenated): build it with compression.base.from_codec, or gather the "
+                "means with compression.base.gather_means."
             )
     return [o[:n] for o, n in zip(outs, sizes, strict=True)], cstate
 

@@ -272,7 +272,7 @@ def test_ladder_names_the_rungs_and_their_wire_fractions():
     # the rungs outside [min_compression, max_compression] are not in it
     assert C.ladder(C.adaptive(), 8) == ("bf16", "int8", "int4") == C.DEFAULT_LADDER[1:]
     # what the compressor carries once in a sync (no trace needed)
-    assert C.ladder(comp._replace(gathers=False), 2) == got
+    assert C.ladder(comp._replace(name="renamed"), 2) == got
     for other in (C.int8(), C.bf16(), C.topk(0.1), None):
         assert C.ladder(other, 8) is None
     with pytest.raises(ValueError, match="devices=0"):

@@ -138,9 +138,16 @@ def _adaptive_at(rung: str) -> C.Compressor:
 def test_inter_stage_gathers_encoded_means_bit_for_bit(mesh, comp):
     # gathering the quantized means over the node and decoding after gives the same bits
     # (and the same error-feedback state) as gathering each device's decoded f32 mean
+    def gathering_f32(reduce):
+        def run(xs, state, ctx):
+            means, state = reduce(xs, state, ctx._replace(gather_axis=None))
+            return C.gather_means(means, ctx), state
+
+        return run
+
     g = _grads(4)
     runs = []
-    for c in (comp, comp._replace(gathers=False)):
+    for c in (comp, comp._replace(reduce=gathering_f32(comp.reduce))):
         tx = jaxcomm.sync_gradients(compression=c, compress_stage="inter", min_size=1)
         runs.append(_call(_runner(mesh, tx, steps=2), per_device(mesh, g)))
     (outs, state), (outs2, state2) = runs
@@ -177,6 +184,30 @@ def test_adaptive_int_rung_is_the_fixed_compressor_with_error_feedback(mesh, bit
     atol = 0.0 if not stochastic else 4 * np.finfo(np.float32).eps * np.abs(g["w"]).max()
     for a, b in [(outs["w"], outs2["w"]), (outs["b"], outs2["b"]), *zip(res, res2, strict=True)]:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("stage", ["all", "inter"])
+def test_from_codec_builds_a_compressor_with_error_feedback(mesh, stage):
+    # a codec written outside the library: its means gathered over the node by from_codec
+    # with compress_stage='inter', and error feedback keeps c - sent, so that after each
+    # step the mean of the residuals plus the sum of the means is the sum of the gradients
+    sizes = {"all": 8, "inter": 2}
+
+    def mean(c, ctx, i, seed):
+        sent = jnp.round(c * 64) / 64
+        return jax.lax.psum(sent, ctx.axes) / sizes[stage], sent
+
+    comp = C.from_codec(C.BufferCodec("grid", mean), error_feedback=True)
+    g = _grads(6)
+    tx = jaxcomm.sync_gradients(compression=comp, compress_stage=stage, min_size=1)
+    outs, state = _call(_runner(mesh, tx, steps=3), per_device(mesh, g))
+    for res in jax.tree.leaves(state.compression):  # per device: less than half a step
+        assert res.shape[0] == 8 and 0 < np.abs(res).max() <= 0.5 / 64 + 1e-6
+    w = outs["w"][0]  # (steps, 64, 48), the same on every device (_call)
+    flat_mean = g["w"].mean(0)
+    # every step's mean is within half a grid step of the true mean (plus what was kept)
+    np.testing.assert_allclose(w[0], flat_mean, atol=0.5 / 64 + 1e-6)
+    assert not np.array_equal(w[0], flat_mean)  # it really was rounded
 
 
 def test_fp16_overflow_skips_the_whole_step_and_counts(mesh):

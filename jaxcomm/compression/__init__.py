@@ -16,6 +16,11 @@ Use them through ``jaxcomm.sync_gradients(compression=...)``:
 | ``adaptive(...)`` | one ``lax.switch`` branch per ladder rung | rung dependent |
 
 Measure with ``jaxcomm.wire_bytes``.
+
+The elementwise ones are each a per-buffer codec (``BufferCodec``: the mean of one flat
+buffer and what this device sent) made a compressor by ``from_codec``, with error feedback
+as its one option; ``adaptive`` switches between the same codecs (``bf16_codec``,
+``int_codec``, ``topk_codec``, ``random_k_codec``, ``full_precision``).
 """
 
 from jaxcomm.compression.adaptive import (
@@ -30,17 +35,25 @@ from jaxcomm.compression.adaptive import (
     ladder,
     with_comm_share,
 )
-from jaxcomm.compression.base import Compressor, ReduceContext
-from jaxcomm.compression.cast import Fp16State, bf16, fp16
+from jaxcomm.compression.base import (
+    BufferCodec,
+    Compressor,
+    ReduceContext,
+    from_codec,
+    full_precision,
+    gather_means,
+)
+from jaxcomm.compression.cast import Fp16State, bf16, bf16_codec, fp16
 from jaxcomm.compression.powersgd import PowerSGDState, powersgd
-from jaxcomm.compression.quantize import int4, int8, quantized
-from jaxcomm.compression.sparse import random_k, topk
+from jaxcomm.compression.quantize import int4, int8, int_codec, quantized
+from jaxcomm.compression.sparse import random_k, random_k_codec, topk, topk_codec
 
 __all__ = [
     "DEFAULT_LADDER",
     "LADDER",
     "REASONS",
     "AdaptiveState",
+    "BufferCodec",
     "Compressor",
     "Controller",
     "Fp16State",
@@ -50,13 +63,20 @@ __all__ = [
     "adaptive",
     "adaptive_states",
     "bf16",
+    "bf16_codec",
     "fp16",
+    "from_codec",
+    "full_precision",
+    "gather_means",
     "int4",
     "int8",
+    "int_codec",
     "ladder",
     "powersgd",
     "quantized",
     "random_k",
+    "random_k_codec",
     "topk",
+    "topk_codec",
     "with_comm_share",
 ]

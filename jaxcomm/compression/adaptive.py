@@ -44,20 +44,21 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm import xla_cpu
-from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
+    BufferCodec,
     Compressor,
     ReduceContext,
     axes_size,
     check_range,
+    codec_means,
     decision_axes,
-    sum_over,
+    full_precision,
 )
-from jaxcomm.compression.cast import bf16_mean
-from jaxcomm.compression.keys import dither_seed, seeded_uniform, two_phase_seeds
-from jaxcomm.compression.quantize import two_phase_mean
-from jaxcomm.compression.sparse import random_k_mean, topk_mean
+from jaxcomm.compression.cast import bf16_codec
+from jaxcomm.compression.keys import dither_seed, seeded_uniform
+from jaxcomm.compression.quantize import int_codec
+from jaxcomm.compression.sparse import random_k_codec, topk_codec
 from jaxcomm.state import PerDevice
 from jaxcomm.validate import check_int
 
@@ -231,86 +232,9 @@ class Controller(NamedTuple):
 
 
 # -- the rungs --------------------------------------------------------------------------
-#: ``mean(c, ctx, i, seeds) -> (mean, sent)`` of buffer ``i``: ``c`` is ``g + e`` (f32),
-#: ``seeds`` its two-phase dither seeds (int rungs, stochastic) or None; ``sent`` is what
-#: this device contributed (``mean_devices(sent) == mean``), for the residual.
-_RungMean = Callable[[jax.Array, ReduceContext, int, Any], tuple[jax.Array, jax.Array]]
-
-
-class _Rung(NamedTuple):
-    """One rung of the ladder: a codec's per-buffer mean and what it costs.
-
-    Attributes:
-      name: as written in the ladder (ratios normalised, e.g. ``'topk:0.1'``).
-      compression: nominal fraction of the f32 bytes saved (orders the ladder).
-      wire: ``wire(p)``, the bytes relative to an f32 all-reduce on ``p`` devices.
-      mean: the codec's per-buffer mean, :data:`_RungMean`.
-      gathers: ``mean`` honours ``ctx.gather_axis`` itself (gathers its encoded payload);
-        the other rungs' f32 means are all-gathered after it.
-    """
-
-    name: str
-    compression: float
-    wire: Callable[[int], float]
-    mean: _RungMean
-    gathers: bool = False
-
-
-def _f32_rung() -> _Rung:
-    """No compression: an f32 all-reduce of ``c``, which is sent whole."""
-
-    def mean(c, ctx, i, seeds):
-        return sum_over(c, ctx.axes, ctx.algorithm) / axes_size(ctx.axes), c
-
-    return _Rung("f32", 0.0, lambda p: 1.0, mean)
-
-
-def _bf16_rung() -> _Rung:
-    """``jaxcomm.compression.bf16()``'s mean (``via='auto'``), with what it sent."""
-
-    def mean(c, ctx, i, seeds):
-        return bf16_mean(c, ctx.axes, ctx.algorithm, "auto")
-
-    return _Rung("bf16", 0.5, lambda p: 0.5, mean)
-
-
-def _int_rung(bits: int, block: int, switched: bool) -> _Rung:
-    """``int8()``/``int4()``'s two-phase mean; stochastic rounding when it gets dither
-    seeds, to nearest without. ``switched``: it runs as a ``lax.switch`` branch, whose
-    outputs are buffers already, so the mean is not copied into one again."""
-
-    def mean(c, ctx, i, seeds):
-        # with ctx.gather_axis the means travel over it quantized
-        m, sent = two_phase_mean(
-            c.reshape(-1), ctx.axes, bits=bits, block=block, seeds=seeds,
-            gather_axis=ctx.gather_axis, materialize=not switched,
-        )  # fmt: skip
-        return m.reshape(c.shape if ctx.gather_axis is None else (-1,)), sent.reshape(c.shape)
-
-    frac = (bits / 8 + 4 / block) / 4  # values and one f32 scale per block, two phases
-    return _Rung(f"int{bits}", dict(LADDER)[f"int{bits}"], lambda p: frac, mean, gathers=True)
-
-
-def _topk_rung(ratio: float, method: str) -> _Rung:
-    """``topk(ratio)``'s mean: an all-gather of (index, value) pairs, ``p`` times the
-    pairs of one device on the wire."""
-
-    def mean(c, ctx, i, seeds):
-        seed = dither_seed(ctx.key, lax.axis_index(ctx.axes), i)  # as topk() seeds it
-        return topk_mean(c, ctx.axes, ratio=ratio, method=method, sample_ratio=0.01, seed=seed)
-
-    compression = max(0.0, 1.0 - 2 * ratio)  # an int32 index beside every value
-    return _Rung(f"topk:{ratio:g}", compression, lambda p: p * ratio, mean)
-
-
-def _random_k_rung(ratio: float) -> _Rung:
-    """``random_k(ratio)``'s mean: an all-reduce of the values at shared positions."""
-
-    def mean(c, ctx, i, seeds):
-        key = jax.random.fold_in(ctx.key, i)  # shared: the same positions on every device
-        return random_k_mean(c, ctx.axes, ctx.algorithm, ratio=ratio, key=key)
-
-    return _Rung(f"random_k:{ratio:g}", 1.0 - ratio, lambda p: ratio, mean)
+# Each rung is the BufferCodec of a public compressor: 'f32' the plain mean
+# (base.full_precision), 'bf16' bf16()'s, 'int8'/'int4' int8()/int4()'s, 'topk:R'
+# topk(R)'s, 'random_k:R' random_k(R)'s (with the shared residual, unscaled).
 
 
 def _parse_ratio(name: str, kind: str) -> float:
@@ -323,20 +247,24 @@ def _parse_ratio(name: str, kind: str) -> float:
     return check_range(f"ladder rung {name!r}: ratio", r, 0.0, 1.0, low_open=True)
 
 
-def _rung(name: str, block: int, topk_method: str, switched: bool = True) -> _Rung:
-    """The rung named ``name`` (``'f32'``, ``'bf16'``, ``'int8'``, ``'int4'``,
-    ``'topk:R'``, ``'random_k:R'``)."""
+def _rung(
+    name: str, block: int, topk_method: str, stochastic: bool, switched: bool = True
+) -> BufferCodec:
+    """The codec of the rung named ``name`` (``'f32'``, ``'bf16'``, ``'int8'``,
+    ``'int4'``, ``'topk:R'``, ``'random_k:R'``). ``switched``: it runs as a
+    ``lax.switch`` branch, whose outputs are buffers already, so an int rung does not copy
+    its mean into one again."""
     if name == "f32":
-        return _f32_rung()
+        return full_precision()
     if name == "bf16":
-        return _bf16_rung()
+        return bf16_codec()
     if name in ("int8", "int4"):
-        return _int_rung(int(name[3:]), block, switched)
+        return int_codec(int(name[3:]), block, stochastic=stochastic, materialize=not switched)
     kind = name.split(":", 1)[0]
     if kind == "topk":
-        return _topk_rung(_parse_ratio(name, kind), topk_method)
+        return topk_codec(_parse_ratio(name, kind), method=topk_method)
     if kind == "random_k":
-        return _random_k_rung(_parse_ratio(name, kind))
+        return random_k_codec(_parse_ratio(name, kind))
     raise ValueError(
         f"ladder rung {name!r} is not known; use {list(DEFAULT_LADDER)} or "
         f"{[f'{k}:R' for k in SPARSE]} (R the fraction sent, e.g. 'topk:0.1')."
@@ -432,7 +360,7 @@ class _Config(NamedTuple):
     ``_reduce`` and ``_exact`` over it, so that :func:`ladder` can read it back.
     """
 
-    rungs: tuple[_Rung, ...]  # the ladder within [min_compression, max_compression]
+    rungs: tuple[BufferCodec, ...]  # the ladder within [min_compression, max_compression]
     start: int  # the first level
     window: int  # adjustment_step
     control: Controller
@@ -450,14 +378,14 @@ def _check_ladder(ladder: Sequence[str]) -> tuple[str, ...]:
 
 
 def _levels(
-    ladder: Sequence[str], lo: float, hi: float, block: int, topk_method: str
-) -> tuple[_Rung, ...]:
+    ladder: Sequence[str], lo: float, hi: float, block: int, topk_method: str, stochastic: bool
+) -> tuple[BufferCodec, ...]:
     """The rungs of ``ladder`` whose compression lies in ``[lo, hi]``.
 
     Raises:
       ValueError: an unknown or out-of-order rung, or none in ``[lo, hi]``.
     """
-    rungs = [_rung(n, block, topk_method) for n in _check_ladder(ladder)]
+    rungs = [_rung(n, block, topk_method, stochastic) for n in _check_ladder(ladder)]
     for a, b in zip(rungs, rungs[1:], strict=False):
         if not a.compression < b.compression:
             raise ValueError(
@@ -472,7 +400,7 @@ def _levels(
             f"the ladder is {dict((r.name, r.compression) for r in rungs)}. Widen the range."
         )
     if len(levels) == 1:  # no lax.switch: the rung's result must be made a buffer itself
-        levels = [_rung(levels[0].name, block, topk_method, switched=False)]
+        levels = [_rung(levels[0].name, block, topk_method, stochastic, switched=False)]
     return tuple(levels)
 
 
@@ -603,13 +531,13 @@ def adaptive(
     control = _check_bands(error_low, error_high, comm_low, comm_high, cooldown)
     sketch_size = check_int("sketch_size", sketch_size, minimum=16, fix="e.g. 1021")
     _check_codecs(block, topk_method)
-    levels = _levels(ladder, lo, hi, block, topk_method)
+    levels = _levels(ladder, lo, hi, block, topk_method, bool(stochastic))
     start = min(range(len(levels)), key=lambda i: abs(levels[i].compression - init_c))
     cfg = _Config(levels, start, adjustment_step, control, bool(stochastic), sketch_size)
     names = [r.name for r in levels]
     exact = functools.partial(_exact, cfg) if "f32" in names else None
     init, reduce = functools.partial(_init, cfg), functools.partial(_reduce, cfg)
-    return Compressor(f"adaptive[{','.join(names)}]", init, reduce, gathers=True, exact=exact)
+    return Compressor(f"adaptive[{','.join(names)}]", init, reduce, exact=exact)
 
 
 def _init(cfg: _Config, specs: Sequence[Any]) -> AdaptiveState:
@@ -704,38 +632,29 @@ def _on_f32(cfg: _Config, level: jax.Array) -> jax.Array:
     return jnp.asarray([r.name == "f32" for r in cfg.rungs])[level]
 
 
-def _dither_seeds(cfg: _Config, n: int, ctx: ReduceContext) -> list:
-    """The int rungs' dither seeds of ``n`` buffers (None each when they round to
-    nearest), hashed once before the switch as ``int8()``/``int4()`` hash them: a fixed
-    rung sends the fixed compressor's integers, and the branches get them as operands."""
-    if not (cfg.stochastic and any(r.name in ("int8", "int4") for r in cfg.rungs)):
-        return [None] * n
-    device = lax.axis_index(ctx.axes)
-    return [two_phase_seeds(ctx.key, device, i) for i in range(n)]
-
-
 def _switch(
     cfg: _Config, level: jax.Array, cs: list[jax.Array], ctx: ReduceContext
 ) -> tuple[list[jax.Array], PerDevice]:
     """Rung ``level``'s means of ``cs`` (``g + e``) and the new shared residual.
 
-    1. Hash the int rungs' dither seeds (:func:`_dither_seeds`).
+    1. The rungs' random operands (``BufferCodec.seeds``), each kind hashed once before
+       the switch, as the fixed compressors hash them: a rung sends what the fixed
+       compressor would, and the branches get them as operands.
     2. ``lax.switch`` over the rungs; each branch computes every buffer's
-       ``(mean, sent)`` with its codec, all-gathers the f32 means over
-       ``ctx.gather_axis`` unless the codec gathers its encoded payload itself (so every
-       branch returns the same shapes), and returns the residual ``c - sent``. The
-       residual is computed inside the branch, where it fuses with the kernel that
-       computes ``sent``.
+       ``(mean, sent)`` with its codec (``codec_means``: means gathered over
+       ``ctx.gather_axis``, so every branch returns the same shapes), and returns the
+       residual ``c - sent``. The residual is computed inside the branch, where it fuses
+       with the kernel that computes ``sent``.
     """
-    seeds = _dither_seeds(cfg, len(cs), ctx)
+    seeds: dict[Any, list] = {}
+    for rung in cfg.rungs:
+        if rung.seeds not in seeds:
+            seeds[rung.seeds] = rung.seeds(ctx, len(cs))
 
-    def branch(rung: _Rung) -> Callable:
+    def branch(rung: BufferCodec) -> Callable:
         def run(cs):
-            pairs = [rung.mean(c, ctx, i, seeds[i]) for i, c in enumerate(cs)]
-            means = [m for m, _ in pairs]
-            if ctx.gather_axis is not None and not rung.gathers:
-                means = [all_gather_invariant(m, ctx.gather_axis) for m in means]
-            return means, ef.new_residuals(cs, [s for _, s in pairs])
+            means, sent = codec_means(rung, cs, ctx, seeds[rung.seeds])
+            return means, ef.new_residuals(cs, sent)
 
         return run
 

@@ -11,6 +11,13 @@ and returns the (approximate) **mean** over the data-parallel devices.
 them to ``reduce``: elementwise compressors (``elementwise=True``) receive flat 1-D
 buffers (all compressed leaves of one dtype concatenated, or buckets), matrix compressors
 (PowerSGD) receive the leaves themselves.
+
+The elementwise compressors are built from one protocol, a :class:`BufferCodec`: the mean of
+one flat buffer and what this device sent (``mean(c, ctx, i, seed) -> (mean, sent)``).
+:func:`from_codec` makes a :class:`Compressor` of a codec, with error feedback as its one
+option (the residual ``c - sent``); ``adaptive`` switches between the same codecs
+(``bf16_codec``, ``int_codec``, ``topk_codec``, ...) that ``bf16()``, ``int8()``,
+``topk()`` are made of.
 """
 
 from __future__ import annotations
@@ -25,12 +32,19 @@ import numpy as np
 from jax import lax
 
 from jaxcomm import xla_cpu
-from jaxcomm.collectives import ALGORITHMS
+from jaxcomm.collectives import ALGORITHMS, all_gather_invariant
+from jaxcomm.compression import error_feedback as ef
+from jaxcomm.compression.keys import no_seeds
 
 __all__ = [
+    "BufferCodec",
     "Compressor",
     "ReduceContext",
     "all_to_all_rows",
+    "codec_means",
+    "from_codec",
+    "full_precision",
+    "gather_means",
     "axes_size",
     "check_range",
     "decision_axes",
@@ -54,11 +68,11 @@ class ReduceContext(NamedTuple):
         node holds a different shard, so a decision that must be the same on every
         device (fp16's overflow skip, adaptive's level) is reduced over
         :func:`decision_axes`, never over ``axes`` alone.
-      gather_axis: only for compressors with ``gathers=True``: after reducing over
-        ``axes``, also all-gather the means over this (inner) axis, in its
-        ``lax.axis_index`` order, so each device returns the whole buffer instead of its
-        shard. The compressor gathers its encoded payload, which is cheaper than gathering
-        the decoded f32 (``compress_stage='inter'``'s intra-node all-gather).
+      gather_axis: after reducing over ``axes``, also all-gather the means over this
+        (inner) axis, in its ``lax.axis_index`` order, so each device returns the whole
+        buffer instead of its shard (``compress_stage='inter'``'s intra-node all-gather).
+        A codec that can gathers its encoded payload (``BufferCodec.gathers``: cheaper
+        than the decoded f32); :func:`gather_means` gathers the others' means.
     """
 
     axes: tuple[str, ...]
@@ -94,11 +108,12 @@ class Compressor(NamedTuple):
         ``ctx.axes``, same shapes and dtypes as ``xs``, identical on every device.
       elementwise: accepts any flat 1-D buffer (concatenated leaves, buckets).
       supports: ``supports(shape) -> bool``; leaves it refuses stay uncompressed.
+        An elementwise compressor honours ``ctx.gather_axis``: each returned mean is then
+        the concatenation of the means of every device of that axis (``g`` times the
+        length of the input shard), identical on every device of ``axes`` and
+        ``gather_axis`` (:func:`from_codec` does; :func:`gather_means` for others).
       finite: optional ``finite(state) -> bool scalar``, False when the last ``reduce``
         overflowed (fp16); ``sync_gradients`` then zeroes the whole step's update.
-      gathers: ``reduce`` honours ``ctx.gather_axis``: each returned mean is then the
-        concatenation of the means of every device of that axis (``g`` times the length of
-        the input shard), identical on every device of ``axes`` and ``gather_axis``.
       exact: optional ``exact(state, ctx) -> (is_exact, residual, state_after)`` for a
         compressor that sends some steps uncompressed (adaptive's ``'f32'`` rung):
         ``is_exact`` a bool scalar, the same on every device, True when this step's
@@ -116,8 +131,114 @@ class Compressor(NamedTuple):
     elementwise: bool = True
     supports: Callable[[tuple[int, ...]], bool] = _any_shape
     finite: Callable[[Any], jax.Array] | None = None
-    gathers: bool = False
     exact: Callable[[Any, ReduceContext], tuple[jax.Array, list | None, Any]] | None = None
+
+
+class BufferCodec(NamedTuple):
+    """One lossy mean of one flat buffer over ``ctx.axes``: what compressors are made of.
+
+    Attributes:
+      name: as written in an adaptive ladder, e.g. ``'int8'``, ``'topk:0.01'``.
+      mean: ``mean(c, ctx, i, seed) -> (mean, sent)``: ``c`` this device's f32 buffer
+        (number ``i`` of the step), ``seed`` its operand from ``seeds``; ``mean`` the
+        same on every device (honouring ``ctx.gather_axis`` when ``gathers``), ``sent``
+        what this device contributed, shaped like ``c``: the mean of ``sent`` over the
+        devices is ``mean``, so error feedback on ``c - sent`` loses nothing.
+      seeds: ``seeds(ctx, n) -> list``: the ``n`` buffers' random operands, computed
+        before any mean (``jaxcomm.compression.keys``: ``no_seeds``, ``device_seeds``,
+        ``two_phase_buffer_seeds``, ``shared_keys``), so that a switch over codecs
+        hashes each kind once, outside its branches.
+      wire: ``wire(p)``: bytes relative to an f32 all-reduce on ``p`` devices.
+      compression: the nominal fraction of the f32 bytes saved (orders a ladder).
+      gathers: ``mean`` all-gathers its encoded payload over ``ctx.gather_axis`` itself;
+        the other codecs get ``ctx`` without it and their f32 means are gathered after.
+    """
+
+    name: str
+    mean: Callable[[jax.Array, ReduceContext, int, Any], tuple[jax.Array, jax.Array]]
+    seeds: Callable[[ReduceContext, int], list] = no_seeds
+    wire: Callable[[int], float] = lambda p: 1.0
+    compression: float = 0.0
+    gathers: bool = False
+
+
+def gather_means(means: list[jax.Array], ctx: ReduceContext) -> list[jax.Array]:
+    """``means`` all-gathered over ``ctx.gather_axis`` (as they are without one)."""
+    if ctx.gather_axis is None:
+        return means
+    return [all_gather_invariant(m, ctx.gather_axis) for m in means]
+
+
+def codec_means(
+    codec: BufferCodec, cs: list[jax.Array], ctx: ReduceContext, seeds: list, dtypes=None
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Every buffer's ``(mean, sent)`` by ``codec``, the means gathered over
+    ``ctx.gather_axis`` (by the codec, encoded, where it ``gathers``; else after).
+
+    Args:
+      codec: the codec.
+      cs: this device's f32 buffers (``g + e`` with error feedback).
+      ctx: the sync's context.
+      seeds: ``codec.seeds(ctx, len(cs))``, computed by the caller.
+      dtypes: per buffer, the dtype of its mean (cast before a gather, which then moves
+        that dtype); None keeps f32.
+
+    Returns:
+      ``(means, sents)``, one each per buffer.
+    """
+    inner = ctx if codec.gathers else ctx._replace(gather_axis=None)
+    pairs = [codec.mean(c, inner, i, seeds[i]) for i, c in enumerate(cs)]
+    means = [m for m, _ in pairs]
+    if dtypes is not None:
+        means = [m.astype(t) for m, t in zip(means, dtypes, strict=True)]
+    if not codec.gathers:
+        means = gather_means(means, ctx)
+    return means, [s for _, s in pairs]
+
+
+def from_codec(codec: BufferCodec, *, error_feedback: bool = False, name: str = "") -> Compressor:
+    """The elementwise :class:`Compressor` of ``codec``, with or without error feedback.
+
+    Each step, for this device's buffers ``x``:
+
+    1. ``c = x + e`` in f32 (``e`` the residual; ``x`` alone without error feedback);
+    2. the codec's ``(mean, sent)`` of every buffer (:func:`codec_means`);
+    3. ``e <- c - sent`` (Seide et al. 2014; Karimireddy et al. 2019): what was not sent
+       is added next step, so nothing is dropped;
+    4. the means in the buffers' dtypes.
+
+    Args:
+      codec: the per-buffer mean.
+      error_feedback: keep the residual (per device, ``jaxcomm.PerDevice``).
+      name: the compressor's name (default: the codec's).
+
+    Returns:
+      A :class:`Compressor` whose state is the residuals (or ``()``).
+
+    Example:
+      >>> codec = int_codec(8, 256, stochastic=True)
+      >>> tx = jaxcomm.sync_gradients(compression=from_codec(codec, error_feedback=True))
+    """
+
+    def init(specs):
+        return ef.init_residuals(specs) if error_feedback else ()
+
+    def reduce(xs, state, ctx: ReduceContext):
+        cs = ef.corrected(xs, state if error_feedback else None)
+        dtypes = [jnp.result_type(x) for x in xs]
+        out, sent = codec_means(codec, cs, ctx, codec.seeds(ctx, len(cs)), dtypes)
+        return out, ef.new_residuals(cs, sent) if error_feedback else state
+
+    return Compressor(name or codec.name, init, reduce)
+
+
+def full_precision() -> BufferCodec:
+    """The f32 mean by the sync's all-reduce algorithm; ``c`` is sent whole."""
+
+    def mean(c, ctx, i, seed):
+        return sum_over(c, ctx.axes, ctx.algorithm) / axes_size(ctx.axes), c
+
+    return BufferCodec("f32", mean)
 
 
 def check_range(

@@ -46,17 +46,28 @@ from jax import lax
 from jaxcomm import xla_cpu
 from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression.base import (
+    BufferCodec,
     Compressor,
     ReduceContext,
     all_to_all_rows,
     as_f32,
     axes_size,
     decision_axes,
+    from_codec,
+    gather_means,
     sum_over,
     sum_rows,
 )
 
-__all__ = ["VIAS", "Fp16State", "bf16", "bf16_exchange_mean", "bf16_mean", "fp16"]
+__all__ = [
+    "VIAS",
+    "Fp16State",
+    "bf16",
+    "bf16_codec",
+    "bf16_exchange_mean",
+    "bf16_mean",
+    "fp16",
+]
 
 
 VIAS = ("auto", "allreduce", "all_to_all")
@@ -127,18 +138,22 @@ def bf16(*, via: str = "auto") -> Compressor:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.bf16())
     """
 
+    return from_codec(bf16_codec(via=via))
+
+
+def bf16_codec(*, via: str = "auto") -> BufferCodec:
+    """:func:`bf16`'s per-buffer mean (:func:`bf16_mean`), also an adaptive rung.
+
+    Raises:
+      ValueError: ``via`` not in :data:`VIAS`.
+    """
     if via not in VIAS:
         raise ValueError(f"via={via!r} is not known; choose one of {list(VIAS)}.")
 
-    def init(specs):
-        del specs
-        return ()
+    def mean(c, ctx, i, seed):
+        return bf16_mean(c, ctx.axes, ctx.algorithm, via)
 
-    def reduce(xs, state, ctx: ReduceContext):
-        out = [bf16_mean(x, ctx.axes, ctx.algorithm, via)[0].astype(jnp.result_type(x)) for x in xs]
-        return out, state
-
-    return Compressor("bf16", init, reduce)
+    return BufferCodec("bf16", mean, wire=lambda p: 0.5, compression=0.5)
 
 
 class Fp16State(NamedTuple):
@@ -183,6 +198,6 @@ def fp16() -> Compressor:
         finite = lax.pmin(finite.astype(jnp.int32), decision_axes(ctx)) > 0
         out = [jnp.where(finite, o, jnp.zeros_like(o)) for o in out]
         new = Fp16State(state.overflow_steps + (~finite).astype(jnp.int32), finite)
-        return out, new
+        return gather_means(out, ctx), new
 
     return Compressor("fp16", init, reduce, finite=lambda s: s.finite)

@@ -11,7 +11,10 @@ sketch's signs), the same on every device where it must be shared. ``jax.random`
 2. :func:`dither_seed`: a uint32 seed from a key and salts (device, buffer, phase);
    :func:`two_phase_seeds` those of a two-phase mean;
 3. :func:`seeded_uniform` / :func:`uniform_dither`: uniform ``[0, 1)`` values, one hash
-   per element.
+   per element;
+4. per buffer, what a codec draws from (``BufferCodec.seeds``): :func:`no_seeds`,
+   :func:`device_seeds` (top-k's sample), :func:`two_phase_buffer_seeds` (int8/int4's
+   dither), :func:`shared_keys` (random-k's positions, the same on every device).
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ import numpy as np
 from jax import lax
 
 __all__ = [
+    "device_seeds",
     "dither_seed",
     "lowbias32",
+    "no_seeds",
     "seeded_uniform",
+    "shared_keys",
     "step_key",
+    "two_phase_buffer_seeds",
     "two_phase_seeds",
     "uniform_dither",
 ]
@@ -139,3 +146,34 @@ def uniform_dither(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
       >>> u = uniform_dither(jax.random.key(0), (4, 256))
     """
     return seeded_uniform(dither_seed(key), shape)
+
+
+# -- per buffer: BufferCodec.seeds ---------------------------------------------------------
+# Each takes the sync's ReduceContext (its ``key``, the same on every device, and its
+# ``axes``) and the number of buffers, and returns one operand per buffer. Module-level
+# functions, so that codecs drawing alike share one function and a switch over codecs
+# (``adaptive``) hashes each kind once, before its branches.
+
+
+def no_seeds(ctx, n: int) -> list[None]:
+    """No randomness: ``None`` per buffer."""
+    del ctx
+    return [None] * n
+
+
+def device_seeds(ctx, n: int) -> list[jax.Array]:
+    """A uint32 seed per buffer, different on every device: ``dither_seed(key, device, i)``."""
+    device = lax.axis_index(ctx.axes)
+    return [dither_seed(ctx.key, device, i) for i in range(n)]
+
+
+def two_phase_buffer_seeds(ctx, n: int) -> list[tuple[jax.Array, jax.Array]]:
+    """The two phases' dither seeds per buffer, different on every device."""
+    device = lax.axis_index(ctx.axes)
+    return [two_phase_seeds(ctx.key, device, i) for i in range(n)]
+
+
+def shared_keys(ctx, n: int) -> list[jax.Array]:
+    """A key per buffer, the same on every device (shared positions). ``jax.random``
+    keys: ``random_k_mean`` draws its positions with ``jax.random.randint``."""
+    return [jax.random.fold_in(ctx.key, i) for i in range(n)]

@@ -34,15 +34,20 @@ from jax import lax
 
 from jaxcomm import xla_cpu
 from jaxcomm.collectives import all_gather_invariant
-from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
+    BufferCodec,
     Compressor,
-    ReduceContext,
     all_to_all_rows,
     axes_size,
+    from_codec,
     sum_rows,
 )
-from jaxcomm.compression.keys import dither_seed, seeded_uniform, two_phase_seeds
+from jaxcomm.compression.keys import (
+    dither_seed,
+    no_seeds,
+    seeded_uniform,
+    two_phase_buffer_seeds,
+)
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -50,6 +55,7 @@ __all__ = [
     "from_bytes",
     "int4",
     "int8",
+    "int_codec",
     "quantize",
     "quantized",
     "to_bytes",
@@ -255,31 +261,37 @@ def two_phase_mean(
     return _in_buffers(decode, gathered, local) if materialize else decode(gathered, local)
 
 
-def _quantized(bits: int, block: int, stochastic: bool, error_feedback: bool) -> Compressor:
-    def init(specs):
-        return ef.init_residuals(specs) if error_feedback else ()
+def int_codec(bits: int, block: int, *, stochastic: bool, materialize: bool = True) -> BufferCodec:
+    """The per-buffer mean of :func:`int8` / :func:`int4` (:func:`two_phase_mean`), also
+    an adaptive rung.
 
-    def reduce(xs, state, ctx: ReduceContext):
-        cs = ef.corrected(xs, state if error_feedback else None)
-        device = lax.axis_index(ctx.axes)
-        out, sent = [], []
-        for i, c in enumerate(cs):
-            seeds = two_phase_seeds(ctx.key, device, i) if stochastic else None
-            mean, local = two_phase_mean(
-                c.reshape(-1),
-                ctx.axes,
-                bits=bits,
-                block=block,
-                seeds=seeds,
-                gather_axis=ctx.gather_axis,
-            )
-            shape = c.shape if ctx.gather_axis is None else mean.shape
-            out.append(mean.reshape(shape).astype(jnp.result_type(xs[i])))
-            sent.append(local.reshape(c.shape))
-        new = ef.new_residuals(cs, sent) if error_feedback else state
-        return out, new
+    Args:
+      bits: 8 or 4.
+      block: elements per scale (checked by the callers: even for 4 bits).
+      stochastic: stochastic rounding from the two phases' dither seeds, else nearest.
+      materialize: decode into a buffer of its own (``two_phase_mean``); False inside a
+        ``lax.switch`` branch, whose outputs are buffers already.
 
-    return Compressor(f"int{bits}", init, reduce, gathers=True)
+    Returns:
+      A :class:`~jaxcomm.compression.base.BufferCodec` that gathers its encoded means.
+    """
+
+    def mean(c, ctx, i, seeds):
+        m, sent = two_phase_mean(
+            c.reshape(-1), ctx.axes, bits=bits, block=block, seeds=seeds,
+            gather_axis=ctx.gather_axis, materialize=materialize,
+        )  # fmt: skip
+        return m.reshape(c.shape if ctx.gather_axis is None else (-1,)), sent.reshape(c.shape)
+
+    frac = (bits / 8 + 4 / block) / 4  # values and one f32 scale per block, two phases
+    return BufferCodec(
+        f"int{bits}",
+        mean,
+        seeds=two_phase_buffer_seeds if stochastic else no_seeds,
+        wire=lambda p: frac,
+        compression=1.0 - bits / 32,
+        gathers=True,
+    )
 
 
 def _check_block(block: int, bits: int) -> int:
@@ -308,7 +320,8 @@ def int8(block: int = 256, stochastic: bool = True, *, error_feedback: bool = Fa
     Example:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.int8(block=256))
     """
-    return _quantized(8, _check_block(block, 8), bool(stochastic), bool(error_feedback))
+    codec = int_codec(8, _check_block(block, 8), stochastic=bool(stochastic))
+    return from_codec(codec, error_feedback=bool(error_feedback))
 
 
 def int4(block: int = 256, stochastic: bool = True, *, error_feedback: bool = False) -> Compressor:
@@ -328,7 +341,8 @@ def int4(block: int = 256, stochastic: bool = True, *, error_feedback: bool = Fa
     Example:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.int4(block=128))
     """
-    return _quantized(4, _check_block(block, 4), bool(stochastic), bool(error_feedback))
+    codec = int_codec(4, _check_block(block, 4), stochastic=bool(stochastic))
+    return from_codec(codec, error_feedback=bool(error_feedback))
 
 
 def quantized(bits: int, **kwargs) -> Compressor:

@@ -28,24 +28,26 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm.collectives import all_gather_invariant
-from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
+    BufferCodec,
     Compressor,
-    ReduceContext,
     axes_size,
     check_range,
+    from_codec,
     sum_over,
 )
-from jaxcomm.compression.keys import dither_seed
+from jaxcomm.compression.keys import device_seeds, shared_keys
 from jaxcomm.validate import check_int
 
 __all__ = [
     "first_true",
     "random_k",
+    "random_k_codec",
     "random_k_mean",
     "select_topk",
     "sum_pairs_in_device_order",
     "topk",
+    "topk_codec",
     "topk_mean",
 ]
 
@@ -292,25 +294,24 @@ def topk(
     sample_ratio = check_range("sample_ratio", sample_ratio, 0.0, 1.0, low_open=True)
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not known; choose one of {list(METHODS)}.")
+    codec = topk_codec(ratio, method=method, sample_ratio=sample_ratio)
+    return from_codec(codec, error_feedback=bool(error_feedback), name=f"topk({ratio:g})")
 
-    def init(specs):
-        return ef.init_residuals(specs) if error_feedback else ()
 
-    def reduce(xs, state, ctx: ReduceContext):
-        cs = ef.corrected(xs, state if error_feedback else None)
-        device = lax.axis_index(ctx.axes)
-        out, sent = [], []
-        for i, c in enumerate(cs):
-            mean, mine = topk_mean(
-                c, ctx.axes, ratio=ratio, method=method, sample_ratio=sample_ratio,
-                seed=dither_seed(ctx.key, device, i),
-            )  # fmt: skip
-            out.append(mean.astype(jnp.result_type(xs[i])))
-            sent.append(mine)
-        new = ef.new_residuals(cs, sent) if error_feedback else state
-        return out, new
+def topk_codec(ratio: float, *, method: str = "auto", sample_ratio: float = 0.01) -> BufferCodec:
+    """:func:`topk`'s per-buffer mean (:func:`topk_mean`, the sample's offset from a
+    per-device seed), also an adaptive rung; arguments as :func:`topk`'s, checked there."""
 
-    return Compressor(f"topk({ratio:g})", init, reduce)
+    def mean(c, ctx, i, seed):
+        return topk_mean(
+            c, ctx.axes, ratio=ratio, method=method, sample_ratio=sample_ratio, seed=seed
+        )
+
+    compression = max(0.0, 1.0 - 2 * ratio)  # an int32 index beside every value
+    return BufferCodec(
+        f"topk:{ratio:g}", mean, seeds=device_seeds, wire=lambda p: p * ratio,
+        compression=compression,
+    )  # fmt: skip
 
 
 def random_k(ratio: float, *, error_feedback: bool = True) -> Compressor:
@@ -335,21 +336,23 @@ def random_k(ratio: float, *, error_feedback: bool = True) -> Compressor:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.random_k(0.05))
     """
     ratio = check_range("ratio", ratio, 0.0, 1.0, low_open=True, fix="e.g. ratio=0.05")
+    codec = random_k_codec(ratio, scale=not error_feedback)
+    return from_codec(codec, error_feedback=bool(error_feedback), name=f"random_k({ratio:g})")
 
-    def init(specs):
-        return ef.init_residuals(specs) if error_feedback else ()
 
-    def reduce(xs, state, ctx: ReduceContext):
-        cs = ef.corrected(xs, state if error_feedback else None)
-        out, sent = [], []
-        for i, c in enumerate(cs):
-            key = jax.random.fold_in(ctx.key, i)  # shared: same indices on every device
-            mean, mine = random_k_mean(
-                c, ctx.axes, ctx.algorithm, ratio=ratio, key=key, scale=not error_feedback
-            )
-            out.append(mean.astype(jnp.result_type(xs[i])))
-            sent.append(mine)
-        new = ef.new_residuals(cs, sent) if error_feedback else state
-        return out, new
+def random_k_codec(ratio: float, *, scale: bool = False) -> BufferCodec:
+    """:func:`random_k`'s per-buffer mean (:func:`random_k_mean`, positions from a key
+    shared by every device), also an adaptive rung.
 
-    return Compressor(f"random_k({ratio:g})", init, reduce)
+    Args:
+      ratio: fraction of entries sent, in (0, 1] (checked by the callers).
+      scale: scale the sent values by the stratum size (unbiased without error feedback).
+    """
+
+    def mean(c, ctx, i, key):
+        return random_k_mean(c, ctx.axes, ctx.algorithm, ratio=ratio, key=key, scale=scale)
+
+    return BufferCodec(
+        f"random_k:{ratio:g}", mean, seeds=shared_keys, wire=lambda p: ratio,
+        compression=1.0 - ratio,
+    )  # fmt: skip
