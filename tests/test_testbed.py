@@ -289,7 +289,9 @@ def test_make_run_path_runs_every_row_on_two_processes(tmp_path):
         r = by[name]
         assert r["link_bound_s"] == pytest.approx(crossings * wire_s, rel=0.2), (name, r)
         exposed = r["step_time_s"] - r["compute_only_step_time_s"]
-        assert exposed >= 0.85 * crossings * wire_s, (name, exposed, wire_s)
+        # the twin is timed once (1 step, 1 repeat): on a loaded machine its compute runs
+        # slower than the row's, so the bound is loose; a link bypassed would give ~0
+        assert exposed >= 0.5 * crossings * wire_s, (name, exposed, wire_s)
         assert 0.2 < r["link_efficiency"] <= 1.15, (name, r["link_efficiency"])
     # Local steps: H chosen for the link, the int8 sync's bytes spread over H steps.
     local = by["+local steps"]
