@@ -66,6 +66,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import outputs, xla_cpu
+from jaxcomm.axis_names import bind, check_axis_name
 from jaxcomm.collectives import check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes
@@ -82,6 +83,7 @@ __all__ = [
     "key_data",
     "linen_data_parallel",
     "nnx_data_parallel",
+    "replicated_params",
 ]
 
 # Kinds of state leaves.
@@ -127,20 +129,42 @@ class _Recording:
         # The transform sees the invariant params (weight decay must not make the update
         # vary); the model holds varying copies only so that gradients are per device.
         invariant = jax.tree.map(lambda p: self._old.get(id(p), p), params)
+        _refuse_averaged_gradients(grads)
         request = SyncRequest(found=self._log.syncs)
         updates, state = self._tx.update(grads, state, invariant, sync_request=request, **kwargs)
         self._log.updates.append((params, updates))
         return updates, state
 
 
-# The one patch of another library's function: while a step is traced,
-# ``optax.apply_updates`` (what ``nnx.Optimizer.update`` and ``TrainState.apply_gradients``
-# call) adds the update to the invariant old params in place of each device's varying copy:
-# the same bits, typed as the same on every device. So whatever the step computes from the
-# new params afterwards (a mask, a max-norm, zeroing) is kept as computed, and shard_map's
-# replication check still proves it replicated. Traces that patch are serialised by a lock;
-# a nested one chains to the outer patch.
+def _refuse_averaged_gradients(grads: Any) -> None:
+    """Refuses gradients that reach the optimizer the same on every device already.
+
+    Each device differentiates its own copy of the params, so its gradients are typed
+    varying; gradients typed invariant were averaged by the step itself (a pmap script's
+    ``lax.pmean(grads, 'batch')``, or Flax's ``DynamicScale.value_and_grad(...,
+    axis_name='batch')``). ``sync_gradients`` would then average the mean again: a second
+    all-reduce, flat and uncompressed where the step's was, for nothing.
+    """
+    floats = [g for g in jax.tree.leaves(grads) if jnp.issubdtype(jnp.result_type(g), jnp.floating)]
+    if floats and not any(varying_axes(g) for g in floats):
+        raise ValueError(
+            "the gradients reach the optimizer averaged already (the same on every device): "
+            "delete lax.pmean(grads, 'batch') from the step: jaxcomm.sync_gradients in the "
+            "optimizer does the mean (hierarchical, compressed). With Flax's DynamicScale, "
+            "use jaxcomm.DynamicScale (from jaxcomm import DynamicScale), which leaves the "
+            "mean to the sync and takes its finiteness decision over all devices."
+        )
+
+
+# A patch of another library's function (jaxcomm.axis_names has the other): while a step
+# is traced, ``optax.apply_updates`` (what ``nnx.Optimizer.update`` and
+# ``TrainState.apply_gradients`` call) adds the update to the invariant old params in place
+# of each device's varying copy: the same bits, typed as the same on every device. So
+# whatever the step computes from the new params afterwards (a mask, a max-norm, zeroing) is
+# kept as computed, and shard_map's replication check still proves it replicated. Traces
+# that patch are serialised by a lock; a nested one chains to the outer patch.
 _PATCH_LOCK = threading.RLock()
+_OLD: list[dict] = []  # the ``old`` map of each step being traced, innermost last
 
 
 @contextlib.contextmanager
@@ -154,10 +178,32 @@ def _invariant_apply_updates(old: dict):
             return original(jax.tree.map(lambda p: old.get(id(p), p), params), updates)
 
         optax.apply_updates = apply_updates
+        _OLD.append(old)
         try:
             yield
         finally:
+            _OLD.pop()
             optax.apply_updates = original
+
+
+def replicated_params(tree: Any) -> Any:
+    """``tree`` with each param of the step being traced at its replicated value.
+
+    Inside a Flax front end's step, ``state.params`` (or the model's ``nnx.Param``) are
+    each device's own copies, typed varying so that each device differentiates its own.
+    A value computed from them after the update, such as a pmap script's restore of a
+    skipped step (``jnp.where(is_fin, new_state.params, state.params)``), would differ per
+    device in type and be refused; this gives the same bits typed as the same on every
+    device. Outside a jaxcomm step (under ``jax.pmap``) it returns ``tree`` unchanged.
+
+    Example:
+      >>> params = jax.tree.map(functools.partial(jnp.where, is_fin), new_state.params,
+      ...                       jaxcomm.replicated_params(state.params))
+    """
+    if not _OLD:
+        return tree
+    old = _OLD[-1]
+    return jax.tree.map(lambda p: old.get(id(p), p), tree)
 
 
 def _fold(key: Any, dev: Any) -> Any:
@@ -225,10 +271,20 @@ class NnxDataParallel:
       per_device_paths: optimizer-state leaves stored per device (after the first call).
     """
 
-    def __init__(self, fn: Callable, mesh: Mesh, *, axes: tuple[str, ...], check_replicas: int):
-        check_mesh_axes("nnx_data_parallel", axes, mesh)
+    def __init__(
+        self,
+        fn: Callable,
+        mesh: Mesh,
+        *,
+        axes: tuple[str, ...],
+        check_replicas: int,
+        axis_name: str | None = None,
+    ):
+        check_mesh_axes(self._name, axes, mesh)
         self._fn = fn
         self.axes = axes
+        # A pmap script's axis name, bound to the data axes while the step is traced.
+        self._aliases = {} if axis_name is None else {axis_name: axes}
         # Plain (Auto) axis types: arrays on it mix with ordinary single-device code.
         self.mesh = Mesh(
             mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
@@ -262,7 +318,8 @@ class NnxDataParallel:
             graphdef, jax.tree.unflatten(treedef, inside), log, old
         )
         try:
-            with _invariant_apply_updates(old):
+            names = bind(self._aliases, axes=self.axes, where=self._name)
+            with _invariant_apply_updates(old), names:
                 out = self._fn(*self._fill(nodes, objs, args))
         finally:
             restore()
@@ -559,7 +616,7 @@ class NnxDataParallel:
         return jax.tree.map(put, data)
 
 
-def _decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -> tuple:
+def _decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -> tuple[int, tuple]:
     refuse_nnx_object(mesh, f"{name}(mesh)")
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -656,7 +713,11 @@ class LinenDataParallel(NnxDataParallel):
 
 
 def linen_data_parallel(
-    mesh: Mesh, *, axes: tuple[str, ...] = DATA_AXES, check_replicas: int | None = None
+    mesh: Mesh,
+    *,
+    axes: tuple[str, ...] = DATA_AXES,
+    check_replicas: int | None = None,
+    axis_name: str | None = None,
 ) -> Callable[[Callable], LinenDataParallel]:
     """Makes a Flax Linen train step on ``TrainState`` data-parallel (in place of ``jax.jit``).
 
@@ -682,6 +743,10 @@ def linen_data_parallel(
       axes: data-parallel axes of ``mesh``.
       check_replicas: every this many steps, compare every replicated leaf across devices
         by its bits; 0/None: off.
+      axis_name: a name the step uses for the data axis (``'batch'`` of
+        ``nn.BatchNorm(axis_name='batch')`` or ``lax.pmean(x, 'batch')``), bound to
+        ``axes`` while the step is traced (``jaxcomm.axis_names``): BatchNorm then
+        normalises with the statistics of the global batch (SyncBatchNorm).
 
     Returns:
       A decorator; the decorated step is a :class:`LinenDataParallel`.
@@ -693,11 +758,16 @@ def linen_data_parallel(
       ...     return state.apply_gradients(grads=grads), {}
     """
     n, axes = _decorator_args("linen_data_parallel", mesh, axes, check_replicas)
-    return lambda fn: LinenDataParallel(fn, mesh, axes=axes, check_replicas=n)
+    name = check_axis_name(axis_name, axes, "linen_data_parallel")
+    return lambda fn: LinenDataParallel(fn, mesh, axes=axes, check_replicas=n, axis_name=name)
 
 
 def nnx_data_parallel(
-    mesh: Mesh, *, axes: tuple[str, ...] = DATA_AXES, check_replicas: int | None = None
+    mesh: Mesh,
+    *,
+    axes: tuple[str, ...] = DATA_AXES,
+    check_replicas: int | None = None,
+    axis_name: str | None = None,
 ) -> Callable[[Callable], NnxDataParallel]:
     """Makes an NNX train step data-parallel over ``mesh`` (use in place of ``nnx.jit``).
 
@@ -711,13 +781,18 @@ def nnx_data_parallel(
     marked, values the same on every device returned as they are. Params changed after
     ``optimizer.update`` (a mask, a max-norm) are kept. See the module docstring for how
     each kind of state is kept; BatchNorm normalises with each device's own batch
-    statistics (no SyncBatchNorm) and averages the running statistics.
+    statistics and averages the running statistics, or, with ``axis_name=`` given to
+    both the decorator and ``nnx.BatchNorm``, with the global batch's (SyncBatchNorm).
 
     Args:
       mesh: from :func:`jaxcomm.make_mesh`.
       axes: data-parallel axes of ``mesh``.
       check_replicas: every this many steps, compare every replicated leaf across devices
         by its bits (``jaxcomm.ReplicaDivergenceError``); 0/None: off.
+      axis_name: a name the model or step uses for the data axis
+        (``nnx.BatchNorm(..., axis_name='batch')``), bound to ``axes`` while the step is
+        traced (``jaxcomm.axis_names``): BatchNorm then normalises with the statistics of
+        the global batch (SyncBatchNorm), as on one device.
 
     Returns:
       A decorator; the decorated step is a :class:`NnxDataParallel`.
@@ -729,4 +804,5 @@ def nnx_data_parallel(
       ...     optimizer.update(model, grads)
     """
     n, axes = _decorator_args("nnx_data_parallel", mesh, axes, check_replicas)
-    return lambda fn: NnxDataParallel(fn, mesh, axes=axes, check_replicas=n)
+    name = check_axis_name(axis_name, axes, "nnx_data_parallel")
+    return lambda fn: NnxDataParallel(fn, mesh, axes=axes, check_replicas=n, axis_name=name)
