@@ -42,6 +42,13 @@ different params (a per-process seed) are refused.
 a raw-key-shaped ``uint32`` field with another name is refused), and the rest
 (``batch_stats``).
 
+With ``axis_name='batch'`` a decorator binds that name to the data axes while the step
+traces (:mod:`jaxcomm.axis_names`): ``BatchNorm(axis_name='batch')`` normalises with the
+global batch's statistics, and an axis name bound nowhere raises an error that lists the
+names in scope. A step written for ``jax.pmap`` runs under
+:func:`jaxcomm.pmap_data_parallel` (``jaxcomm/pmap.py``, pmap's layouts). Gradients that
+reach the optimizer averaged already (the step's own ``lax.pmean(grads, ...)``) are refused.
+
 Everything it writes back lives on the mesh's devices with a plain (non-explicit)
 ``NamedSharding``, so ordinary Flax code (an ``nnx.jit`` eval step, ``metrics.reset()``,
 orbax) uses it without a mesh context.
@@ -66,7 +73,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import outputs, xla_cpu
-from jaxcomm.axis_names import bind, check_axis_name
+from jaxcomm.axis_names import bind, bound_names, check_axis_name
 from jaxcomm.collectives import check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes
@@ -147,12 +154,14 @@ def _refuse_averaged_gradients(grads: Any) -> None:
     """
     floats = [g for g in jax.tree.leaves(grads) if jnp.issubdtype(jnp.result_type(g), jnp.floating)]
     if floats and not any(varying_axes(g) for g in floats):
+        name = next(iter(bound_names()), None)  # the step's axis_name=, if any
+        mean = f"lax.pmean(grads, {name!r})" if name else "lax.pmean(grads, ...)"
         raise ValueError(
             "the gradients reach the optimizer averaged already (the same on every device): "
-            "delete lax.pmean(grads, 'batch') from the step: jaxcomm.sync_gradients in the "
-            "optimizer does the mean (hierarchical, compressed). With Flax's DynamicScale, "
-            "use jaxcomm.DynamicScale (from jaxcomm import DynamicScale), which leaves the "
-            "mean to the sync and takes its finiteness decision over all devices."
+            f"delete {mean} from the step: jaxcomm.sync_gradients in the optimizer does the "
+            "mean (hierarchical, compressed). For Flax's DynamicScale.value_and_grad(..., "
+            "axis_name=...), use jaxcomm.dynamic_scale.DynamicScale() in its place: it "
+            "leaves the mean to the sync and takes its finiteness decision on all devices."
         )
 
 
