@@ -1,12 +1,14 @@
 """jaxcomm: less communication and less waiting for data-parallel training on JAX/XLA."""
 
 from jaxcomm import (
+    axis_names,
     buckets,
     collectives,
     compression,
     cost,
     diloco,
     distributed,
+    dynamic_scale,
     hlo,
     host_memory,
     ordering,
@@ -19,7 +21,14 @@ from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduc
 from jaxcomm.diloco import LocalSGDState, local_sgd
 from jaxcomm.distributed import init_distributed
 from jaxcomm.mesh import DATA_AXES, make_mesh
-from jaxcomm.nnx import LinenDataParallel, NnxDataParallel, linen_data_parallel, nnx_data_parallel
+from jaxcomm.nnx import (
+    LinenDataParallel,
+    NnxDataParallel,
+    linen_data_parallel,
+    nnx_data_parallel,
+    replicated_params,
+)
+from jaxcomm.pmap import PmapDataParallel, pmap_data_parallel
 from jaxcomm.profiler import CommProfiler
 from jaxcomm.replicas import ReplicaDivergenceError, check_replicas
 from jaxcomm.state import PerDevice
@@ -44,11 +53,13 @@ __all__ = [
     "LinenDataParallel",
     "NnxDataParallel",
     "PerDevice",
+    "PmapDataParallel",
     "ReplicaDivergenceError",
     "SyncGradientsState",
     "SyncRequest",
     "TrainState",
     "allreduce",
+    "axis_names",
     "buckets",
     "check_replicas",
     "collectives",
@@ -57,6 +68,7 @@ __all__ = [
     "data_parallel",
     "diloco",
     "distributed",
+    "dynamic_scale",
     "flat_allreduce",
     "gradient_sync",
     "hierarchical_allreduce",
@@ -69,6 +81,8 @@ __all__ = [
     "nnx_data_parallel",
     "ordering",
     "outputs",
+    "pmap_data_parallel",
+    "replicated_params",
     "schedule",
     "sync_gradients",
     "topology",

@@ -42,6 +42,13 @@ different params (a per-process seed) are refused.
 a raw-key-shaped ``uint32`` field with another name is refused), and the rest
 (``batch_stats``).
 
+With ``axis_name='batch'`` a decorator binds that name to the data axes while the step
+traces (:mod:`jaxcomm.axis_names`): ``BatchNorm(axis_name='batch')`` normalises with the
+global batch's statistics, and an axis name bound nowhere raises an error that lists the
+names in scope. A step written for ``jax.pmap`` runs under
+:func:`jaxcomm.pmap_data_parallel` (``jaxcomm/pmap.py``, pmap's layouts). Gradients that
+reach the optimizer averaged already (the step's own ``lax.pmean(grads, ...)``) are refused.
+
 Everything it writes back lives on the mesh's devices with a plain (non-explicit)
 ``NamedSharding``, so ordinary Flax code (an ``nnx.jit`` eval step, ``metrics.reset()``,
 orbax) uses it without a mesh context.
@@ -66,6 +73,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import outputs, xla_cpu
+from jaxcomm.axis_names import bind, bound_names, check_axis_name
 from jaxcomm.collectives import check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes
@@ -89,6 +97,7 @@ __all__ = [
     "key_data",
     "linen_data_parallel",
     "nnx_data_parallel",
+    "replicated_params",
 ]
 
 # Kinds of state leaves.
@@ -134,20 +143,44 @@ class _Recording:
         # The transform sees the invariant params (weight decay must not make the update
         # vary); the model holds varying copies only so that gradients are per device.
         invariant = jax.tree.map(lambda p: self._old.get(id(p), p), params)
+        _refuse_averaged_gradients(grads)
         request = SyncRequest(found=self._log.syncs)
         updates, state = self._tx.update(grads, state, invariant, sync_request=request, **kwargs)
         self._log.updates.append((params, updates))
         return updates, state
 
 
-# The one patch of another library's function: while a step is traced,
-# ``optax.apply_updates`` (what ``nnx.Optimizer.update`` and ``TrainState.apply_gradients``
-# call) adds the update to the invariant old params in place of each device's varying copy:
-# the same bits, typed as the same on every device. So whatever the step computes from the
-# new params afterwards (a mask, a max-norm, zeroing) is kept as computed, and shard_map's
-# replication check still proves it replicated. Traces that patch are serialised by a lock;
-# a nested one chains to the outer patch.
+def _refuse_averaged_gradients(grads: Any) -> None:
+    """Refuses gradients that reach the optimizer the same on every device already.
+
+    Each device differentiates its own copy of the params, so its gradients are typed
+    varying; gradients typed invariant were averaged by the step itself (a pmap script's
+    ``lax.pmean(grads, 'batch')``, or Flax's ``DynamicScale.value_and_grad(...,
+    axis_name='batch')``). ``sync_gradients`` would then average the mean again: a second
+    all-reduce, flat and uncompressed where the step's was, for nothing.
+    """
+    floats = [g for g in jax.tree.leaves(grads) if jnp.issubdtype(jnp.result_type(g), jnp.floating)]
+    if floats and not any(varying_axes(g) for g in floats):
+        name = next(iter(bound_names()), None)  # the step's axis_name=, if any
+        mean = f"lax.pmean(grads, {name!r})" if name else "lax.pmean(grads, ...)"
+        raise ValueError(
+            "the gradients reach the optimizer averaged already (the same on every device): "
+            f"delete {mean} from the step: jaxcomm.sync_gradients in the optimizer does the "
+            "mean (hierarchical, compressed). For Flax's DynamicScale.value_and_grad(..., "
+            "axis_name=...), use jaxcomm.dynamic_scale.DynamicScale() in its place: it "
+            "leaves the mean to the sync and takes its finiteness decision on all devices."
+        )
+
+
+# A patch of another library's function (jaxcomm.axis_names has the other): while a step
+# is traced, ``optax.apply_updates`` (what ``nnx.Optimizer.update`` and
+# ``TrainState.apply_gradients`` call) adds the update to the invariant old params in place
+# of each device's varying copy: the same bits, typed as the same on every device. So
+# whatever the step computes from the new params afterwards (a mask, a max-norm, zeroing) is
+# kept as computed, and shard_map's replication check still proves it replicated. Traces
+# that patch are serialised by a lock; a nested one chains to the outer patch.
 _PATCH_LOCK = threading.RLock()
+_OLD: list[dict] = []  # the ``old`` map of each step being traced, innermost last
 
 
 @contextlib.contextmanager
@@ -161,10 +194,32 @@ def _invariant_apply_updates(old: dict):
             return original(jax.tree.map(lambda p: old.get(id(p), p), params), updates)
 
         optax.apply_updates = apply_updates
+        _OLD.append(old)
         try:
             yield
         finally:
+            _OLD.pop()
             optax.apply_updates = original
+
+
+def replicated_params(tree: Any) -> Any:
+    """``tree`` with each param of the step being traced at its replicated value.
+
+    Inside a Flax front end's step, ``state.params`` (or the model's ``nnx.Param``) are
+    each device's own copies, typed varying so that each device differentiates its own.
+    A value computed from them after the update, such as a pmap script's restore of a
+    skipped step (``jnp.where(is_fin, new_state.params, state.params)``), would differ per
+    device in type and be refused; this gives the same bits typed as the same on every
+    device. Outside a jaxcomm step (under ``jax.pmap``) it returns ``tree`` unchanged.
+
+    Example:
+      >>> params = jax.tree.map(functools.partial(jnp.where, is_fin), new_state.params,
+      ...                       jaxcomm.replicated_params(state.params))
+    """
+    if not _OLD:
+        return tree
+    old = _OLD[-1]
+    return jax.tree.map(lambda p: old.get(id(p), p), tree)
 
 
 def _fold(key: Any, dev: Any) -> Any:
@@ -232,10 +287,20 @@ class NnxDataParallel:
       per_device_paths: optimizer-state leaves stored per device (after the first call).
     """
 
-    def __init__(self, fn: Callable, mesh: Mesh, *, axes: tuple[str, ...], check_replicas: int):
-        check_mesh_axes("nnx_data_parallel", axes, mesh)
+    def __init__(
+        self,
+        fn: Callable,
+        mesh: Mesh,
+        *,
+        axes: tuple[str, ...],
+        check_replicas: int,
+        axis_name: str | None = None,
+    ):
+        check_mesh_axes(self._name, axes, mesh)
         self._fn = fn
         self.axes = axes
+        # A pmap script's axis name, bound to the data axes while the step is traced.
+        self._aliases = {} if axis_name is None else {axis_name: axes}
         # Plain (Auto) axis types: arrays on it mix with ordinary single-device code.
         self.mesh = Mesh(
             mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
@@ -275,7 +340,8 @@ class NnxDataParallel:
             graphdef, jax.tree.unflatten(treedef, inside), log, old
         )
         try:
-            with _invariant_apply_updates(old):
+            names = bind(self._aliases, axes=self.axes, where=self._name)
+            with _invariant_apply_updates(old), names:
                 out = self._fn(*self._fill(nodes, objs, args))
         finally:
             restore()
@@ -555,7 +621,7 @@ class NnxDataParallel:
         return jax.tree.map(put, data)
 
 
-def _decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -> tuple:
+def _decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -> tuple[int, tuple]:
     refuse_nnx_object(mesh, f"{name}(mesh)")
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -652,7 +718,11 @@ class LinenDataParallel(NnxDataParallel):
 
 
 def linen_data_parallel(
-    mesh: Mesh, *, axes: tuple[str, ...] = DATA_AXES, check_replicas: int | None = None
+    mesh: Mesh,
+    *,
+    axes: tuple[str, ...] = DATA_AXES,
+    check_replicas: int | None = None,
+    axis_name: str | None = None,
 ) -> Callable[[Callable], LinenDataParallel]:
     """Makes a Flax Linen train step on ``TrainState`` data-parallel (in place of ``jax.jit``).
 
@@ -678,6 +748,10 @@ def linen_data_parallel(
       axes: data-parallel axes of ``mesh``.
       check_replicas: every this many steps, compare every replicated leaf across devices
         by its bits; 0/None: off.
+      axis_name: a name the step uses for the data axis (``'batch'`` of
+        ``nn.BatchNorm(axis_name='batch')`` or ``lax.pmean(x, 'batch')``), bound to
+        ``axes`` while the step is traced (``jaxcomm.axis_names``): BatchNorm then
+        normalises with the statistics of the global batch (SyncBatchNorm).
 
     Returns:
       A decorator; the decorated step is a :class:`LinenDataParallel`.
@@ -689,11 +763,16 @@ def linen_data_parallel(
       ...     return state.apply_gradients(grads=grads), {}
     """
     n, axes = _decorator_args("linen_data_parallel", mesh, axes, check_replicas)
-    return lambda fn: LinenDataParallel(fn, mesh, axes=axes, check_replicas=n)
+    name = check_axis_name(axis_name, axes, "linen_data_parallel")
+    return lambda fn: LinenDataParallel(fn, mesh, axes=axes, check_replicas=n, axis_name=name)
 
 
 def nnx_data_parallel(
-    mesh: Mesh, *, axes: tuple[str, ...] = DATA_AXES, check_replicas: int | None = None
+    mesh: Mesh,
+    *,
+    axes: tuple[str, ...] = DATA_AXES,
+    check_replicas: int | None = None,
+    axis_name: str | None = None,
 ) -> Callable[[Callable], NnxDataParallel]:
     """Makes an NNX train step data-parallel over ``mesh`` (use in place of ``nnx.jit``).
 
@@ -707,13 +786,18 @@ def nnx_data_parallel(
     marked, values the same on every device returned as they are. Params changed after
     ``optimizer.update`` (a mask, a max-norm) are kept. See the module docstring for how
     each kind of state is kept; BatchNorm normalises with each device's own batch
-    statistics (no SyncBatchNorm) and averages the running statistics.
+    statistics and averages the running statistics, or, with ``axis_name=`` given to
+    both the decorator and ``nnx.BatchNorm``, with the global batch's (SyncBatchNorm).
 
     Args:
       mesh: from :func:`jaxcomm.make_mesh`.
       axes: data-parallel axes of ``mesh``.
       check_replicas: every this many steps, compare every replicated leaf across devices
         by its bits (``jaxcomm.ReplicaDivergenceError``); 0/None: off.
+      axis_name: a name the model or step uses for the data axis
+        (``nnx.BatchNorm(..., axis_name='batch')``), bound to ``axes`` while the step is
+        traced (``jaxcomm.axis_names``): BatchNorm then normalises with the statistics of
+        the global batch (SyncBatchNorm), as on one device.
 
     Returns:
       A decorator; the decorated step is a :class:`NnxDataParallel`.
@@ -725,4 +809,5 @@ def nnx_data_parallel(
       ...     optimizer.update(model, grads)
     """
     n, axes = _decorator_args("nnx_data_parallel", mesh, axes, check_replicas)
-    return lambda fn: NnxDataParallel(fn, mesh, axes=axes, check_replicas=n)
+    name = check_axis_name(axis_name, axes, "nnx_data_parallel")
+    return lambda fn: NnxDataParallel(fn, mesh, axes=axes, check_replicas=n, axis_name=name)

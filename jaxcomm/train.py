@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import ordering, outputs, xla_cpu
+from jaxcomm.axis_names import bind
 from jaxcomm.collectives import allreduce_floats, check_axes
 from jaxcomm.compression.cast import Fp16State
 from jaxcomm.diloco import gradient_params
@@ -301,6 +302,26 @@ def _refuse_varying_updates(updates: list[tuple[str, list]]) -> None:
         )
 
 
+_DATA_PARALLEL_FIX = (
+    "Name the mesh axes where it is used, e.g. nn.BatchNorm(axis_name={axes}) or "
+    "lax.pmean(x, {axes}); a Flax step written for jax.pmap runs as it is under "
+    "jaxcomm.pmap_data_parallel(mesh, axis_name={name!r})."
+)
+
+
+def _axis_names_checked(loss_fn: Callable, axes: tuple[str, ...]) -> Callable:
+    """``loss_fn`` whose collectives over an axis name that the mesh does not bind raise
+    ``jaxcomm.axis_names.UnboundAxisError`` (the names in scope, the fix), where JAX would
+    raise a bare ``AssertionError`` (``lax.pmean``)."""
+
+    @functools.wraps(loss_fn)
+    def checked(*args, **kwargs):
+        with bind({}, axes=axes, where="data_parallel", fix=_DATA_PARALLEL_FIX):
+            return loss_fn(*args, **kwargs)
+
+    return checked
+
+
 def _flax_kind(x: Any) -> str | None:
     """``'Optimizer'`` or ``'Module'`` for a Flax NNX object, else None (read from the
     class's module, so the train step needs no Flax import)."""
@@ -427,7 +448,7 @@ class DataParallel:
         self.mesh = mesh
         self.axes = axes
         self.optimizer = accepting_requests(optimizer)
-        self._loss_fn = loss_fn
+        self._loss_fn = _axis_names_checked(loss_fn, axes)
         self._has_aux = has_aux
         self._with_model_state = with_model_state
         self._require_sync = require_sync
