@@ -313,7 +313,7 @@ class NnxDataParallel:
         functools.update_wrapper(self, fn)
 
     # -- inside shard_map -------------------------------------------------------------
-    def _body(self, plan, leaves, args):
+    def _stacked_step(self, plan, leaves, args):
         """The step inside shard_map: per-device leaves come and go with their device axis."""
         per = plan[3]
         result, out = self._local(plan, unstack_leaves(leaves, per), args)
@@ -479,7 +479,7 @@ class NnxDataParallel:
         specs = leaf_specs(leaves, per, self.axes)
         step = jax.jit(
             jax.shard_map(
-                functools.partial(self._body, plan),
+                functools.partial(self._stacked_step, plan),
                 mesh=self.mesh,
                 in_specs=(specs, P(self.axes)),
                 out_specs=(specs, P()),
