@@ -12,6 +12,7 @@ from jaxcomm import (
     ordering,
     outputs,
     schedule,
+    sharded,
     topology,
     xla,
 )
@@ -22,6 +23,7 @@ from jaxcomm.mesh import DATA_AXES, make_mesh
 from jaxcomm.nnx import LinenDataParallel, NnxDataParallel, linen_data_parallel, nnx_data_parallel
 from jaxcomm.profiler import CommProfiler
 from jaxcomm.replicas import ReplicaDivergenceError, check_replicas
+from jaxcomm.sharded import ShardedDataParallel, ShardedState
 from jaxcomm.state import PerDevice
 from jaxcomm.sync import (
     GradientSync,
@@ -45,6 +47,8 @@ __all__ = [
     "NnxDataParallel",
     "PerDevice",
     "ReplicaDivergenceError",
+    "ShardedDataParallel",
+    "ShardedState",
     "SyncGradientsState",
     "SyncRequest",
     "TrainState",
@@ -70,6 +74,7 @@ __all__ = [
     "ordering",
     "outputs",
     "schedule",
+    "sharded",
     "sync_gradients",
     "topology",
     "wire_bytes",

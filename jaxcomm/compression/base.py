@@ -108,6 +108,16 @@ class Compressor(NamedTuple):
         ``compress_stage='all'``) then reduces the leaves themselves with its plain
         all-reduce, never packed into a buffer (on a CPU the packing copy costs as much as
         the all-reduce), and calls ``reduce`` only on the other steps (``lax.cond``).
+      reduce_scatter: optional ``reduce_scatter(x, axis, seed) -> chunk`` for sharded
+        optimizer state (``jaxcomm.sharded``): ``x`` a 1-D f32 buffer whose length divides
+        by the size ``p`` of mesh axis ``axis``; returns the (approximate) mean over
+        ``axis`` of this device's chunk ``lax.axis_index(axis)`` (length ``len(x) / p``),
+        f32. ``seed`` a uint32 dither seed (per device, step, buffer and stage) or None.
+      all_gather: optional ``all_gather(x, axes) -> full`` for sharded optimizer state's
+        parameter gathers: ``x`` a 1-D f32 shard, encoded once, gathered over each axis of
+        ``axes`` in order (tiled; the first axis innermost in the result) and decoded in
+        f32 on every device alike (its owner too), so the result is typed invariant and
+        bitwise equal on every device.
     """
 
     name: str
@@ -118,6 +128,8 @@ class Compressor(NamedTuple):
     finite: Callable[[Any], jax.Array] | None = None
     gathers: bool = False
     exact: Callable[[Any, ReduceContext], tuple[jax.Array, list | None, Any]] | None = None
+    reduce_scatter: Callable[[jax.Array, str, jax.Array | None], jax.Array] | None = None
+    all_gather: Callable[[jax.Array, tuple[str, ...]], jax.Array] | None = None
 
 
 def check_range(
