@@ -321,6 +321,17 @@ def _gather(chunk: jax.Array, axes: tuple[str, ...], codec: Compressor | None) -
     return codec.all_gather(chunk, axes).astype(chunk.dtype)
 
 
+def _relayout(x: Any, devices: int, m: int, sharding: NamedSharding) -> jax.Array:
+    """A stacked ``(N', m')`` chunk leaf as ``(devices, m)``: the rows read as one buffer,
+    cut or zero-padded to ``devices * m``."""
+
+    def move(x):
+        flat = x.reshape(-1)[: devices * m]
+        return jnp.pad(flat, (0, devices * m - flat.shape[0])).reshape(devices, m)
+
+    return jax.jit(move, out_shardings=sharding)(x)
+
+
 def per_device_bytes(tree: Any) -> int:
     """Bytes of ``tree`` held by one device, read from each leaf's sharding: a concrete
     array's first addressable shard, or a ``jax.ShapeDtypeStruct``'s ``shard_shape``."""
@@ -621,6 +632,55 @@ class ShardedDataParallel(DataParallel):
         )
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
         return TrainState(step, abstract, opt, None)
+
+    def reshard(self, state: TrainState) -> TrainState:
+        """``state`` of a sharded step on another device count (e.g. restored from a
+        checkpoint written on 8 devices) laid out for this one.
+
+        Each per-device leaf ``(N', m')`` read row after row is its packed buffer (device
+        ``r`` owns chunk ``r``; zero padding at the end): it is cut or zero-padded to
+        ``N m`` and split into this step's ``(N, m)``. The padding is never unpacked into
+        params, so the real elements move unchanged; replicated leaves are copied.
+
+        Args:
+          state: a :class:`~jaxcomm.TrainState` of a sharded step with the same params and
+            optimizer, its arrays on this step's devices (restore them with this mesh's
+            shardings) or on the host.
+
+        Returns:
+          The state, sharded over this step's mesh.
+
+        Raises:
+          ValueError: the optimizer state does not have this step's structure, or a
+            per-device leaf is not one chunk per device.
+        """
+        per = self._layout(state.params)
+        local = jax.tree.leaves(self._opt_local)
+        leaves, treedef = jax.tree.flatten(state.opt_state)
+        if len(leaves) != len(per):
+            raise ValueError(
+                f"reshard: the optimizer state has {len(leaves)} leaves, this step's "
+                f"{len(per)}; restore a state written by a sharded step with the same "
+                "optimizer and params."
+            )
+        out = []
+        for x, f, loc in zip(leaves, per, local, strict=True):
+            if not f:
+                out.append(jax.device_put(x, self.replicated))
+                continue
+            if loc.ndim != 1 or jnp.ndim(x) != 2:
+                raise ValueError(
+                    f"reshard: a per-device leaf of shape {jnp.shape(x)} is not one 1-D chunk "
+                    "per device; only chunked state (Adam's moments, master chunks) reshards."
+                )
+            out.append(_relayout(x, self.num_devices, loc.shape[0], self._stacked))
+        put = lambda t: jax.device_put(t, self.replicated)  # noqa: E731
+        return TrainState(
+            put(state.step),
+            put(state.params),
+            jax.tree.unflatten(treedef, out),
+            None if state.model_state is None else put(state.model_state),
+        )
 
     # -- step ---------------------------------------------------------------------------
     def _local_step(self, state, batch, comm_share=None, *, feedback=None, communicate=True):
