@@ -60,7 +60,7 @@ from jaxcomm.distributed import check_same_on_processes
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.packing import BufferPlan, plan_groups
 from jaxcomm.state import leaf_specs, stack_leaves, unstack_leaves, varying_axes
-from jaxcomm.sync import GradientSync
+from jaxcomm.sync import DEFAULT_MIN_SIZE, GradientSync
 from jaxcomm.train import DataParallel, TrainState, _cell, _chain_parts, _check_params
 
 __all__ = [
@@ -261,6 +261,8 @@ def _check_sync(sync: GradientSync, axes: tuple[str, ...]) -> None:
     unsupported = [
         (name, value)
         for name, value, default in (
+            ("algorithm", sync.algorithm, "hierarchical"),
+            ("min_size", sync.min_size, DEFAULT_MIN_SIZE),
             ("warmup_steps", sync.warmup_steps, 0),
             ("bucket_bytes", sync.bucket_bytes, None),
             ("compress_leaf", sync.compress_leaf, None),
@@ -272,8 +274,8 @@ def _check_sync(sync: GradientSync, axes: tuple[str, ...]) -> None:
         name, value = unsupported[0]
         raise NotImplementedError(
             f"data_parallel(shard_optimizer=True) does not implement sync_gradients("
-            f"{name}={value!r}): the sharded step reduce-scatters each packed buffer whole, "
-            "hierarchically. Leave it at its default."
+            f"{name}={value!r}): the sharded step reduce-scatters each packed buffer whole "
+            "(compressed whole, small leaves too), hierarchically. Leave it at its default."
         )
     codec = sync.compression
     if codec is not None and codec.reduce_scatter is None:
@@ -461,6 +463,14 @@ class ShardedDataParallel(DataParallel):
       sync: the optimizer's :class:`~jaxcomm.GradientSync` (its compressor reduce-scatters).
       param_gather: the compressor of the param all-gathers, or None (f32).
       shard_plan: the :class:`ShardPlan` (after ``init``).
+
+    Example:
+      >>> tx = optax.chain(jaxcomm.sync_gradients(compression=jaxcomm.compression.int8()),
+      ...                  optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+      >>> dp = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_optimizer=True,
+      ...                            param_gather=jaxcomm.compression.bf16())
+      >>> state = dp.init(params)          # Adam's moments: 1/N per device
+      >>> state, metrics = dp(state, batch)
     """
 
     def __init__(self, *args: Any, param_gather: Compressor | None = None, **kwargs: Any):

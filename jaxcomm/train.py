@@ -1077,8 +1077,9 @@ def data_parallel(
       shard_optimizer: shard the optimizer state and update over the data axes (ZeRO
         stages 1-2, ``jaxcomm.sharded``): gradients reduce-scattered hierarchically
         (through the sync's compressor: bf16, int8, int4 give ZeRO++'s qgZ; the packed
-        buffer is compressed whole, ``min_size`` does not apply), each device's
-        optimizer on its ``1/N`` chunk, params all-gathered. The optimizer must be
+        buffer is compressed whole, so the sync's ``min_size`` and ``algorithm`` stay at
+        their defaults), each device's optimizer on its ``1/N`` chunk, params
+        all-gathered. The optimizer must be
         ``optax.chain(jaxcomm.sync_gradients(...), *elementwise transforms)``; a
         transform that does not shard is refused at build time by a probe.
       param_gather: with ``shard_optimizer``: None (f32 all-gathers of the params) or a

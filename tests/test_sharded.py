@@ -75,7 +75,9 @@ def test_f32_sharded_equals_data_parallel(mesh, name):
 def _first_update(mesh, c, *, shard_optimizer=True):
     """One SGD step's update (lr 1) with gradient codec ``c``, flat."""
     p0 = mlp_init(jax.random.key(0), sizes=SIZES)
-    tx = optax.chain(jaxcomm.sync_gradients(compression=c, min_size=0), optax.sgd(1.0))
+    # data parallelism compresses every leaf too (min_size=0), as the sharded step does
+    kw = {} if shard_optimizer else {"min_size": 0}
+    tx = optax.chain(jaxcomm.sync_gradients(compression=c, **kw), optax.sgd(1.0))
     zp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_optimizer=shard_optimizer)
     s, _ = zp(zp.init(p0), _batches(1)[0])
     new, old = jax.tree.leaves(s.params), jax.tree.leaves(p0)
@@ -209,6 +211,8 @@ def test_transform_that_does_not_shard_is_refused(mesh):
         ({"sync": jaxcomm.sync_gradients(warmup_steps=3)}, NotImplementedError, "warmup_steps"),
         ({"param_gather": fp16()}, ValueError, "all_gather"),
         ({"microbatches": 2}, NotImplementedError, "microbatches"),
+        ({"sync": jaxcomm.sync_gradients(algorithm="flat")}, NotImplementedError, "algorithm"),
+        ({"sync": jaxcomm.sync_gradients(min_size=0)}, NotImplementedError, "min_size"),
     ],
 )
 def test_unsupported_settings_are_refused(mesh, kw, error, match):

@@ -10,7 +10,9 @@ synthetic loss whose gradient is ``2 p mean(x)``: the bytes depend on the shapes
 - the step time on this machine (median of ``--steps`` after one warm-up step).
 
 Then the memory of Adam's state per device on ``--memory-model`` (ResNet-152 by default)
-from abstract shapes (nothing allocated), replicated and sharded. Table and JSON.
+from abstract shapes (nothing allocated), replicated and sharded; with ``--digits``, every
+row's test accuracy on the digits MLP (300 steps, seed 0; the quality guard). Table and
+JSON.
 """
 
 from __future__ import annotations
@@ -95,6 +97,19 @@ def memory(mesh, model: str) -> dict:
     }
 
 
+def digits(rows: list[str]) -> dict:
+    """Test accuracy of each row on the digits MLP (300 steps, seed 0, Adam)."""
+    from experiments.bench.digits import digits_accuracy
+
+    out = {}
+    for name in rows:
+        shard, grad, gather = ROWS[name]
+        dp_kwargs = {"shard_optimizer": True, "param_gather": _codec(gather)} if shard else {}
+        r = digits_accuracy({"compression": _codec(grad)}, steps=300, seed=0, dp_kwargs=dp_kwargs)
+        out[name] = r["accuracy"]
+    return out
+
+
 def run(model: str, memory_model: str, rows: list[str], steps: int) -> dict:
     """The rows on ``model``'s gradient tree and the memory of ``memory_model``."""
     import jaxcomm
@@ -134,6 +149,11 @@ def _table(res: dict) -> str:
             f"{r['opt_state_bytes_per_device'] / 1e6:9.2f} {r['state_ratio']:6.3f} "
             f"{r['step_ms']:8.0f}"
         )
+    if "digits" in res:
+        lines.append(
+            "digits test accuracy (300 steps, seed 0): "
+            + ", ".join(f"{k} {v:.4f}" for k, v in res["digits"].items())
+        )
     m = res["memory"]
     lines.append(
         f"Adam state per device, {m['model']} ({m['params'] / 1e6:.1f}M params, shapes only): "
@@ -155,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-model", default="resnet152", help="model of the memory line")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {list(ROWS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one)")
+    p.add_argument("--digits", action="store_true", help="also each row's digits accuracy")
     p.add_argument("--json", default="runs/zero_bench.json", help="output JSON path")
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -167,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         return reexec_with_fake_devices("zero", argv)
     t0 = time.perf_counter()
     res = run(args.model, args.memory_model, rows, args.steps)
+    if args.digits:
+        res["digits"] = digits(rows)
     res |= {
         "steps": args.steps,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
