@@ -35,6 +35,10 @@ leaves and on the ``N`` flat shards (a ``jax.vmap`` per data axis standing in fo
 devices), and must give the same updates; one that does not (a transform that reads a
 leaf's shape or a per-leaf norm, a Shampoo-style preconditioner, ``optax.masked`` with a
 mask from the tree's structure) is refused naming its position in the ``optax.chain``.
+
+The stored state is a ``TrainState`` like data parallelism's (orbax saves it as it is): a
+per-device leaf ``(N, m)`` read row after row is its packed buffer, so
+:meth:`ShardedDataParallel.reshard` lays out a state written on another device count.
 """
 
 from __future__ import annotations
