@@ -14,6 +14,7 @@ from jaxcomm import (
     ordering,
     outputs,
     schedule,
+    sharded,
     topology,
     xla,
 )
@@ -31,6 +32,7 @@ from jaxcomm.nnx import (
 from jaxcomm.pmap import PmapDataParallel, pmap_data_parallel
 from jaxcomm.profiler import CommProfiler
 from jaxcomm.replicas import ReplicaDivergenceError, check_replicas
+from jaxcomm.sharded import ShardedDataParallel, ShardedState
 from jaxcomm.state import PerDevice
 from jaxcomm.sync import (
     GradientSync,
@@ -55,6 +57,8 @@ __all__ = [
     "PerDevice",
     "PmapDataParallel",
     "ReplicaDivergenceError",
+    "ShardedDataParallel",
+    "ShardedState",
     "SyncGradientsState",
     "SyncRequest",
     "TrainState",
@@ -84,6 +88,7 @@ __all__ = [
     "pmap_data_parallel",
     "replicated_params",
     "schedule",
+    "sharded",
     "sync_gradients",
     "topology",
     "wire_bytes",

@@ -93,6 +93,7 @@ def digits_accuracy(
     hidden: int | tuple[int, ...] = HIDDEN,
     time_from: int = 1,
     batch_size: int = BATCH,
+    dp_kwargs: dict | None = None,
 ) -> dict:
     """Trains a 64-``hidden``-10 MLP on ``load_digits`` data-parallel; returns its test accuracy.
 
@@ -116,6 +117,8 @@ def digits_accuracy(
         gradient is about ``300 * hidden`` bytes, e.g. 16384: 4.9 MB).
       batch_size: the global batch (default 120: 15 per device on 8 devices); a multiple of
         the number of devices.
+      dp_kwargs: further keyword arguments of :func:`jaxcomm.data_parallel`, e.g.
+        ``{'shard_optimizer': True, 'param_gather': jaxcomm.compression.bf16()}``.
       time_from: ``step_seconds`` times the steps after this many (default 1: the first
         compiles; ``None`` if ``steps <= time_from``). With ``jaxcomm.local_sgd`` pass H:
         the first sync step also sets up its collectives (on gloo, a communicator per
@@ -144,7 +147,9 @@ def digits_accuracy(
     mesh = mesh if mesh is not None else jaxcomm.make_mesh(intra=4)
     x_tr, y_tr, x_te, y_te = load_split()
     tx = _optimizer(sync_kwargs, optimizer, transform)
-    dp = jaxcomm.data_parallel(_loss, tx, mesh, compiler_options=compiler_options)
+    dp = jaxcomm.data_parallel(
+        _loss, tx, mesh, compiler_options=compiler_options, **(dp_kwargs or {})
+    )
     state = dp.init(_init(seed, hidden))
     step = dp.step_fn(state)
     t0 = time.perf_counter()

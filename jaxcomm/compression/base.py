@@ -123,6 +123,8 @@ class Compressor(NamedTuple):
         ``compress_stage='all'``) then reduces the leaves themselves with its plain
         all-reduce, never packed into a buffer (on a CPU the packing copy costs as much as
         the all-reduce), and calls ``reduce`` only on the other steps (``lax.cond``).
+      codec: the :class:`BufferCodec` it is made of (:func:`from_codec`); None for a
+        compressor written whole (fp16, PowerSGD, adaptive).
     """
 
     name: str
@@ -132,6 +134,7 @@ class Compressor(NamedTuple):
     supports: Callable[[tuple[int, ...]], bool] = _any_shape
     finite: Callable[[Any], jax.Array] | None = None
     exact: Callable[[Any, ReduceContext], tuple[jax.Array, list | None, Any]] | None = None
+    codec: BufferCodec | None = None
 
 
 class BufferCodec(NamedTuple):
@@ -152,6 +155,16 @@ class BufferCodec(NamedTuple):
       compression: the nominal fraction of the f32 bytes saved (orders a ladder).
       gathers: ``mean`` all-gathers its encoded payload over ``ctx.gather_axis`` itself;
         the other codecs get ``ctx`` without it and their f32 means are gathered after.
+      reduce_scatter: optional ``reduce_scatter(x, axis, seed) -> chunk`` for sharded
+        optimizer state (``jaxcomm.sharded``): ``x`` a 1-D f32 buffer whose length divides
+        by the size ``p`` of mesh axis ``axis``; returns the (approximate) mean over
+        ``axis`` of this device's chunk ``lax.axis_index(axis)`` (length ``len(x) / p``),
+        f32. ``seed`` a uint32 dither seed (per device, step, buffer and stage) or None.
+      all_gather: optional ``all_gather(x, axes) -> full`` for sharded optimizer state's
+        parameter gathers: ``x`` a 1-D f32 shard, encoded once, gathered over each axis of
+        ``axes`` in order (tiled; the first axis innermost in the result) and decoded in
+        f32 on every device alike (its owner too), so the result is typed invariant and
+        bitwise equal on every device.
     """
 
     name: str
@@ -160,6 +173,8 @@ class BufferCodec(NamedTuple):
     wire: Callable[[int], float] = lambda p: 1.0
     compression: float = 0.0
     gathers: bool = False
+    reduce_scatter: Callable[[jax.Array, str, jax.Array | None], jax.Array] | None = None
+    all_gather: Callable[[jax.Array, tuple[str, ...]], jax.Array] | None = None
 
 
 def gather_means(means: list[jax.Array], ctx: ReduceContext) -> list[jax.Array]:
@@ -229,7 +244,7 @@ def from_codec(codec: BufferCodec, *, error_feedback: bool = False, name: str = 
         out, sent = codec_means(codec, cs, ctx, codec.seeds(ctx, len(cs)), dtypes)
         return out, ef.new_residuals(cs, sent) if error_feedback else state
 
-    return Compressor(name or codec.name, init, reduce)
+    return Compressor(name or codec.name, init, reduce, codec=codec)
 
 
 def full_precision() -> BufferCodec:

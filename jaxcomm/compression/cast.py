@@ -63,9 +63,11 @@ __all__ = [
     "VIAS",
     "Fp16State",
     "bf16",
+    "bf16_all_gather",
     "bf16_codec",
     "bf16_exchange_mean",
     "bf16_mean",
+    "bf16_reduce_scatter",
     "fp16",
 ]
 
@@ -101,6 +103,28 @@ def bf16_exchange_mean(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, 
     own = lax.dynamic_slice_in_dim(sent, i, 1)
     sent = lax.dynamic_update_slice(sent, own + p * (as_f32(chunk_lo) - chunk), (i, 0))
     return as_f32(lax.bitcast_convert_type(full, jnp.bfloat16))[:n], sent.reshape(-1)[:n]
+
+
+def bf16_reduce_scatter(x: jax.Array, axis: str) -> jax.Array:
+    """Reduce-scatter with bf16 on the wire: chunks cast to bf16 (as raw 16-bit words),
+    all-to-all over ``axis``, summed in f32 and divided by the axis size ``p``.
+
+    Returns:
+      The f32 mean over ``axis`` of chunk ``lax.axis_index(axis)`` (``len(x) / p``).
+    """
+    p = lax.axis_size(axis)
+    lo = as_f32(x).reshape(p, -1).astype(jnp.bfloat16)
+    words = all_to_all_rows(lax.bitcast_convert_type(lo, jnp.uint16), (axis,))
+    return (sum_rows(as_f32(lax.bitcast_convert_type(words, jnp.bfloat16))) / p)[0]
+
+
+def bf16_all_gather(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """All-gather with bf16 on the wire: the shard cast to bf16 once, its 16-bit words
+    gathered over each axis of ``axes`` in order, decoded to f32 on every device alike."""
+    words = lax.bitcast_convert_type(as_f32(x).astype(jnp.bfloat16), jnp.uint16)
+    for a in axes:
+        words = all_gather_invariant(words, a)
+    return as_f32(lax.bitcast_convert_type(words, jnp.bfloat16))
 
 
 def bf16_mean(
@@ -153,7 +177,14 @@ def bf16_codec(*, via: str = "auto") -> BufferCodec:
     def mean(c, ctx, i, seed):
         return bf16_mean(c, ctx.axes, ctx.algorithm, via)
 
-    return BufferCodec("bf16", mean, wire=lambda p: 0.5, compression=0.5)
+    return BufferCodec(
+        "bf16",
+        mean,
+        wire=lambda p: 0.5,
+        compression=0.5,
+        reduce_scatter=lambda x, axis, seed: bf16_reduce_scatter(x, axis),
+        all_gather=bf16_all_gather,
+    )
 
 
 class Fp16State(NamedTuple):

@@ -53,11 +53,13 @@ from jaxcomm.validate import check_int
 __all__ = [
     "dequantize",
     "from_bytes",
+    "gather_quantized",
     "int4",
     "int8",
     "int_codec",
     "quantize",
     "quantized",
+    "reduce_scatter_mean",
     "to_bytes",
     "two_phase_mean",
 ]
@@ -261,9 +263,69 @@ def two_phase_mean(
     return _in_buffers(decode, gathered, local) if materialize else decode(gathered, local)
 
 
+def reduce_scatter_mean(
+    x: jax.Array, axis: str, *, bits: int, block: int, seed: jax.Array | None
+) -> jax.Array:
+    """Quantized reduce-scatter (ZeRO++ qgZ, one hop): phase 1 of :func:`two_phase_mean`.
+
+    1. View the 1-D f32 ``x`` (length a multiple of the size ``p`` of ``axis``) as ``p``
+       chunks, each padded to whole blocks; quantize every block (stochastic rounding
+       with ``seed``, else nearest).
+    2. all-to-all over ``axis``: device ``i`` receives chunk ``i`` of every device.
+    3. Dequantize in f32, sum the ``p`` chunks, divide by ``p``.
+
+    Args:
+      x: 1-D f32 per-device buffer (inside ``jax.shard_map``).
+      axis: a mesh axis name.
+      bits: 8 or 4.
+      block: elements per scale.
+      seed: a uint32 dither seed (per device, step, buffer, stage) or None.
+
+    Returns:
+      The mean over ``axis`` of chunk ``lax.axis_index(axis)``, f32, ``len(x) / p``.
+    """
+    p = lax.axis_size(axis)
+    c = x.shape[0] // p
+    blocks = -(-c // block)
+    chunk = (blocks, block if bits == 8 else block // 2)
+    xb = jnp.pad(x.reshape(p, c), ((0, 0), (0, blocks * block - c))).reshape(p, blocks, block)
+    q, s = _quantize_blocks(xb, bits, seed)
+    recv = all_to_all_rows(to_bytes(q, s), (axis,))
+    shard = sum_rows(_dequantize_blocks(*from_bytes(recv, chunk, bits), bits)) / p
+    return shard.reshape(-1)[:c]
+
+
+def gather_quantized(x: jax.Array, axes: tuple[str, ...], *, bits: int, block: int) -> jax.Array:
+    """Quantized all-gather (ZeRO++ qwZ): every device's 1-D f32 ``x`` quantized once
+    (blockwise, round to nearest), the bytes gathered over each axis of ``axes`` in order,
+    decoded in f32 on every device (its owner too), so all hold the same bits.
+
+    Args:
+      x: 1-D f32 shard (inside ``jax.shard_map``).
+      axes: mesh axes, gathered in this order (the first innermost in the result).
+      bits: 8 or 4.
+      block: elements per scale.
+
+    Returns:
+      The decoded concatenation of every device's shard, typed invariant over ``axes``.
+    """
+    c = x.shape[0]
+    blocks = -(-c // block)
+    chunk = (blocks, block if bits == 8 else block // 2)
+    q, s = _quantize_blocks(
+        jnp.pad(x, (0, blocks * block - c)).reshape(1, blocks, block), bits, None
+    )
+    enc = to_bytes(q, s)
+    for a in axes:
+        enc = all_gather_invariant(enc, a)
+    values = _dequantize_blocks(*from_bytes(enc, chunk, bits), bits)
+    return values.reshape(enc.shape[0], -1)[:, :c].reshape(-1)
+
+
 def int_codec(bits: int, block: int, *, stochastic: bool, materialize: bool = True) -> BufferCodec:
     """The per-buffer mean of :func:`int8` / :func:`int4` (:func:`two_phase_mean`), also
-    an adaptive rung.
+    an adaptive rung; its halves are the sharded step's quantized reduce-scatter
+    (:func:`reduce_scatter_mean`) and param gather (:func:`gather_quantized`).
 
     Args:
       bits: 8 or 4.
@@ -283,6 +345,13 @@ def int_codec(bits: int, block: int, *, stochastic: bool, materialize: bool = Tr
         )  # fmt: skip
         return m.reshape(c.shape if ctx.gather_axis is None else (-1,)), sent.reshape(c.shape)
 
+    def scatter(x, axis, seed):
+        seed = seed if stochastic else None
+        return reduce_scatter_mean(x, axis, bits=bits, block=block, seed=seed)
+
+    def gather(x, axes):
+        return gather_quantized(x, axes, bits=bits, block=block)
+
     frac = (bits / 8 + 4 / block) / 4  # values and one f32 scale per block, two phases
     return BufferCodec(
         f"int{bits}",
@@ -291,6 +360,8 @@ def int_codec(bits: int, block: int, *, stochastic: bool, materialize: bool = Tr
         wire=lambda p: frac,
         compression=1.0 - bits / 32,
         gathers=True,
+        reduce_scatter=scatter,
+        all_gather=gather,
     )
 
 

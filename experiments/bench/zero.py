@@ -1,0 +1,207 @@
+"""``python -m experiments.bench zero``: sharded optimizer state (ZeRO-1/2, ZeRO++ codecs)
+beside data parallelism on 8 (fake) devices, a 2 x 4 ('inter', 'intra') mesh.
+
+For each row, on a ResNet's gradient tree (``--model``, built from its shapes with a
+synthetic loss whose gradient is ``2 p mean(x)``: the bytes depend on the shapes only):
+
+- bytes per device per step from the compiled HLO (``jaxcomm.wire_bytes``) and their
+  ratio to f32 data parallelism, and the bytes that cross a node's link (``'inter'``);
+- the optimizer state one device holds (Adam), read from the arrays' shardings;
+- the step time on this machine (median of ``--steps`` after one warm-up step).
+
+Then the memory of Adam's state per device on ``--memory-model`` (ResNet-152 by default)
+from abstract shapes (nothing allocated), replicated and sharded; with ``--digits``, every
+row's test accuracy on the digits MLP (300 steps, seed 0; the quality guard). Table and
+JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+# name: (shard_optimizer, gradient codec, param gather codec, sync algorithm)
+ROWS = {
+    "dp-f32": (False, None, None),
+    "dp-int8": (False, "int8", None),
+    "zero-f32": (True, None, None),
+    "zero-bf16": (True, "bf16", "bf16"),
+    "zero-int8-bf16": (True, "int8", "bf16"),
+    "zero-int8-int8": (True, "int8", "int8"),
+    "zero-int4-bf16": (True, "int4", "bf16"),
+}
+
+
+def _codec(name):
+    from jaxcomm import compression
+
+    return None if name is None else getattr(compression, name)()
+
+
+def _loss(params, batch):
+    scale = jnp.mean(batch["x"])
+    return scale * sum(jnp.vdot(p, p) for p in jax.tree.leaves(params))
+
+
+def _row(mesh, params, batch, shard, grad, gather, steps):
+    import jaxcomm
+    from jaxcomm.sharded import per_device_bytes
+
+    tx = optax.chain(jaxcomm.sync_gradients(compression=_codec(grad)), optax.adam(1e-3))
+    kw = {"shard_optimizer": True, "param_gather": _codec(gather)} if shard else {}
+    dp = jaxcomm.data_parallel(_loss, tx, mesh, **kw)
+    state = dp.init(params)
+    wire = jaxcomm.wire_bytes(dp.step_fn(state), state, dp.shard_batch(batch))
+    times = []
+    for _ in range(steps + 1):
+        t = time.perf_counter()
+        state, metrics = dp(state, batch)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t)
+    return {
+        "bytes": wire["total"],
+        "by_kind": wire["by_kind"],
+        "crossing_inter": wire["crossing"].get("inter", 0.0),
+        "opt_state_bytes_per_device": per_device_bytes(state.opt_state),
+        "step_ms": 1e3 * float(np.median(times[1:])),
+        "loss": float(metrics["loss"]),
+    }
+
+
+def memory(mesh, model: str) -> dict:
+    """Adam's state per device on ``model``'s shapes, replicated and sharded (abstract)."""
+    import jaxcomm
+    from jaxcomm.models import gradient_shapes
+    from jaxcomm.sharded import per_device_bytes
+
+    shapes = gradient_shapes(model)
+    tx = optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-3))
+    zp = jaxcomm.data_parallel(_loss, tx, mesh, shard_optimizer=True)
+    replicated = per_device_bytes(jax.eval_shape(optax.adam(1e-3).init, shapes))
+    sharded = per_device_bytes(zp.abstract_state(shapes).opt_state)
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    return {
+        "model": model,
+        "params": params,
+        "replicated_bytes": replicated,
+        "sharded_bytes": sharded,
+        "ratio": sharded / replicated,
+    }
+
+
+def digits(rows: list[str]) -> dict:
+    """Test accuracy of each row on the digits MLP (300 steps, seed 0, Adam)."""
+    from experiments.bench.digits import digits_accuracy
+
+    out = {}
+    for name in rows:
+        shard, grad, gather = ROWS[name]
+        dp_kwargs = {"shard_optimizer": True, "param_gather": _codec(gather)} if shard else {}
+        r = digits_accuracy({"compression": _codec(grad)}, steps=300, seed=0, dp_kwargs=dp_kwargs)
+        out[name] = r["accuracy"]
+    return out
+
+
+def run(model: str, memory_model: str, rows: list[str], steps: int) -> dict:
+    """The rows on ``model``'s gradient tree and the memory of ``memory_model``."""
+    import jaxcomm
+    from jaxcomm.models import gradient_shapes
+
+    mesh = jaxcomm.make_mesh(intra=4)
+    shapes = gradient_shapes(model)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: (0.01 * rng.standard_normal(s.shape)).astype(s.dtype), shapes)
+    batch = {"x": rng.normal(size=(8, 4)).astype(np.float32)}
+    out = {}
+    for name in rows:
+        shard, grad, gather = ROWS[name]
+        out[name] = _row(mesh, params, batch, shard, grad, gather, steps) | {
+            "shard_optimizer": shard,
+            "gradients": grad or "f32",
+            "param_gather": gather or ("f32" if shard else "-"),
+        }
+    base = out.get("dp-f32", next(iter(out.values())))
+    for r in out.values():
+        r["bytes_ratio"] = r["bytes"] / base["bytes"]
+        r["state_ratio"] = r["opt_state_bytes_per_device"] / base["opt_state_bytes_per_device"]
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    return {"model": model, "params": n, "rows": out, "memory": memory(mesh, memory_model)}
+
+
+def _table(res: dict) -> str:
+    lines = [
+        f"{res['model']} ({res['params'] / 1e6:.2f}M params), 2 x 4 mesh, Adam",
+        f"{'row':16} {'grads':>6} {'params':>6} {'MB/step':>8} {'vs dp':>6} "
+        f"{'inter MB':>8} {'state MB':>9} {'vs dp':>6} {'ms/step':>8}",
+    ]
+    for name, r in res["rows"].items():
+        lines.append(
+            f"{name:16} {r['gradients']:>6} {r['param_gather']:>6} {r['bytes'] / 1e6:8.2f} "
+            f"{r['bytes_ratio']:6.3f} {r['crossing_inter'] / 1e6:8.2f} "
+            f"{r['opt_state_bytes_per_device'] / 1e6:9.2f} {r['state_ratio']:6.3f} "
+            f"{r['step_ms']:8.0f}"
+        )
+    if "digits" in res:
+        lines.append(
+            "digits test accuracy (300 steps, seed 0): "
+            + ", ".join(f"{k} {v:.4f}" for k, v in res["digits"].items())
+        )
+    m = res["memory"]
+    lines.append(
+        f"Adam state per device, {m['model']} ({m['params'] / 1e6:.1f}M params, shapes only): "
+        f"replicated {m['replicated_bytes'] / 2**20:.1f} MiB, sharded "
+        f"{m['sharded_bytes'] / 2**20:.1f} MiB ({m['ratio']:.4f}x)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.bench zero",
+        description="Sharded optimizer state (data_parallel(shard_optimizer=True)) beside "
+        "data parallelism on 8 (fake) devices: bytes per step from the compiled HLO, Adam "
+        "state per device from the arrays' shardings, step time; Adam state of "
+        "--memory-model from its shapes.",
+    )
+    p.add_argument("--model", default="resnet18", help="gradient tree of the rows")
+    p.add_argument("--memory-model", default="resnet152", help="model of the memory line")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {list(ROWS)}")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one)")
+    p.add_argument("--digits", action="store_true", help="also each row's digits accuracy")
+    p.add_argument("--json", default="runs/zero_bench.json", help="output JSON path")
+    args = p.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    bad = sorted(set(rows) - set(ROWS))
+    if bad:
+        p.error(f"--rows: unknown {bad}; choose from {list(ROWS)}")
+    if jax.device_count() < 8:
+        from experiments.bench.digits import reexec_with_fake_devices
+
+        return reexec_with_fake_devices("zero", argv)
+    t0 = time.perf_counter()
+    res = run(args.model, args.memory_model, rows, args.steps)
+    if args.digits:
+        res["digits"] = digits(rows)
+    res |= {
+        "steps": args.steps,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "load_avg_1m": os.getloadavg()[0],
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "seconds": time.perf_counter() - t0,
+    }
+    print(_table(res))
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(res, f, indent=2, default=float)
+    print(f"wrote {args.json}; load average {res['load_avg_1m']:.2f}")
+    return 0

@@ -1,0 +1,721 @@
+"""Sharded optimizer state: ZeRO stage 1/2 with ZeRO++-style quantized collectives.
+
+``jaxcomm.data_parallel(..., shard_optimizer=True)`` builds a :class:`ShardedDataParallel`.
+Params stay replicated (every device computes the forward and backward pass on them, as in
+data parallelism), but the optimizer state and the update are split into ``N`` equal
+shards, one per device of the data axes (Rajbhandari et al., "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", SC 2020: stages 1 and 2). One step:
+
+1. **pack**: the gradient leaves are packed into one flat buffer per dtype
+   (``jaxcomm.packing.BufferPlan``), zero-padded to a multiple of ``N``
+   (:class:`ShardPlan`).
+2. **reduce-scatter**, hierarchical: over the innermost axis first (``'intra'``, inside a
+   node), then over the outer ones (``'inter'``, across nodes, on ``1/g`` of the data),
+   so device ``r`` (``lax.axis_index`` over the axes innermost first) ends with the mean
+   of chunk ``r``. f32 by default; with the sync's compressor where it has a
+   ``reduce_scatter`` (``bf16``, ``int8``, ``int4``: quantized per stage, ZeRO++'s qgZ,
+   Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
+   Training", 2023).
+3. **optimizer on the shard**: the transforms after ``sync_gradients`` run on this
+   device's chunk of the gradient and of the params (lists of 1-D arrays, one per dtype)
+   with their state for that chunk only: Adam's moments take ``1/N`` of the memory.
+   ``optax.clip_by_global_norm`` is replaced by a twin whose squared norm is summed over
+   the data axes (:func:`clip_by_global_norm`).
+4. **all-gather** the updated param chunks, outermost axis first (the reverse of step 2):
+   f32 by default; with ``param_gather=`` a compressor with an ``all_gather``
+   (``bf16()``, ``int8()``: ZeRO++'s qwZ), in which case each device keeps its f32 master
+   chunk in the optimizer state and every device, the owner included, computes with the
+   decoded gathered values, so the replicated params agree bit for bit.
+
+Which optimizers shard: those whose update acts elementwise on each leaf (Adam, AdamW,
+SGD with momentum, Lion, schedules, weight decay without a structural mask), plus
+``clip_by_global_norm``. The decision is a **probe** at build time
+(:func:`refuse_unshardable`): the transforms run twice on random gradients, on whole
+leaves and on the ``N`` flat shards (a ``jax.vmap`` per data axis standing in for the
+devices), and must give the same updates; one that does not (a transform that reads a
+leaf's shape or a per-leaf norm, a Shampoo-style preconditioner, ``optax.masked`` with a
+mask from the tree's structure) is refused naming its position in the ``optax.chain``.
+
+The stored state is a ``TrainState`` like data parallelism's (orbax saves it as it is): a
+per-device leaf ``(N, m)`` read row after row is its packed buffer, so
+:meth:`ShardedDataParallel.reshard` lays out a state written on another device count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm import ordering
+from jaxcomm.collectives import all_gather_invariant, reduce_scatter
+from jaxcomm.compression.base import BufferCodec, Compressor
+from jaxcomm.compression.keys import dither_seed, step_key
+from jaxcomm.distributed import check_same_on_processes
+from jaxcomm.microbatch import update_with_value
+from jaxcomm.packing import BufferPlan, plan_groups
+from jaxcomm.state import (
+    infer_per_device,
+    leaf_specs,
+    marked_per_device,
+    stack_leaves,
+    unstack_leaves,
+    varying_axes,
+)
+from jaxcomm.sync import DEFAULT_MIN_SIZE, GradientSync
+from jaxcomm.train import DataParallel, TrainState, _cell, _chain_parts, _check_params
+
+__all__ = [
+    "ShardPlan",
+    "ShardedDataParallel",
+    "ShardedState",
+    "clip_by_global_norm",
+    "make_shard_plan",
+    "per_device_bytes",
+    "refuse_unshardable",
+]
+
+# The probe runs on the real parameter shapes up to this many elements, beyond on the
+# same tree with every dimension capped at _PROBE_DIM (a build-time cost, not a step's).
+_PROBE_ELEMENTS = 1 << 22
+_PROBE_DIM = 16
+
+
+class ShardedState(NamedTuple):
+    """Optimizer state of a sharded step (``TrainState.opt_state``).
+
+    Attributes:
+      inner: the state of the transforms after ``sync_gradients``, for this device's
+        chunk of each flat buffer (stored with a leading axis of one entry per device,
+        sharded along the data axes; scalars such as Adam's count stay replicated).
+      master: with a lossy ``param_gather``, this device's f32 chunk of each buffer (the
+        master copy the update applies to); ``()`` otherwise.
+    """
+
+    inner: Any
+    master: Any = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """Which device owns which slice of the packed params.
+
+    Attributes:
+      plan: the ``jaxcomm.packing.BufferPlan``: one buffer per dtype, whole leaves.
+      devices: ``N``, the number of devices over the data axes.
+      axes: the data axes, outermost first.
+
+    Device ``r = lax.axis_index(axes)`` (row-major, its row in the stacked state) owns
+    elements ``[r m, (r + 1) m)`` of each buffer padded to ``N m`` (``m = ceil(elements /
+    N)``), so a stacked state leaf ``(N, m)`` read row after row is the packed buffer.
+
+    Example:
+      >>> splan = make_shard_plan(jax.tree.leaves(params), 8, ('inter', 'intra'))
+      >>> chunks = splan.local(jax.tree.leaves(params))        # inside shard_map
+    """
+
+    plan: BufferPlan
+    devices: int
+    axes: tuple[str, ...]
+
+    @property
+    def chunk_elements(self) -> list[int]:
+        """``m`` of each buffer: the elements one device owns."""
+        return [-(-b.elements // self.devices) for b in self.plan.buffers]
+
+    def padded(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
+        """The leaves packed, each buffer zero-padded to ``N m`` elements."""
+        out = []
+        for buf, m in zip(self.plan.pack(leaves), self.chunk_elements, strict=True):
+            pad = self.devices * m - buf.shape[0]
+            out.append(jnp.pad(buf, (0, pad)) if pad else buf)
+        return out
+
+    def rank(self) -> jax.Array:
+        """This device's chunk index (inside ``jax.shard_map``): its row-major position
+        over the data axes, the row it has in the stacked optimizer state."""
+        return lax.axis_index(self.axes)
+
+    def scatter_order(self, buf: jax.Array) -> jax.Array:
+        """A padded buffer with its chunks reordered (the axes reversed: ``(M, g, m)`` ->
+        ``(g, M, m)``), so that a reduce-scatter over the innermost axis and then the outer
+        ones leaves device ``r`` chunk ``r`` (inside ``jax.shard_map``)."""
+        return _reverse_axes(buf, [lax.axis_size(a) for a in self.axes])
+
+    def natural_order(self, full: jax.Array) -> jax.Array:
+        """The inverse of :meth:`scatter_order`, for what the gathers (outermost axis first)
+        return."""
+        return _reverse_axes(full, [lax.axis_size(a) for a in reversed(self.axes)])
+
+    def local(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
+        """This device's chunk of each padded buffer (inside ``jax.shard_map``)."""
+        r = self.rank()
+        return [
+            lax.dynamic_slice_in_dim(b, r * m, m)
+            for b, m in zip(self.padded(leaves), self.chunk_elements, strict=True)
+        ]
+
+    def unpack(self, full: Sequence[jax.Array]) -> list[jax.Array]:
+        """Gathered padded buffers -> the leaves."""
+        return self.plan.unpack(
+            [f[: b.elements] for f, b in zip(full, self.plan.buffers, strict=True)]
+        )
+
+
+def _reverse_axes(buf: jax.Array, sizes: Sequence[int]) -> jax.Array:
+    """``buf`` viewed as ``(*sizes, m)`` with its first ``len(sizes)`` axes reversed."""
+    k = len(sizes)
+    if k < 2:
+        return buf
+    x = buf.reshape(*sizes, -1)
+    return x.transpose(*range(k - 1, -1, -1), k).reshape(-1)
+
+
+def make_shard_plan(leaves: Sequence[Any], devices: int, axes: tuple[str, ...]) -> ShardPlan:
+    """A :class:`ShardPlan` of ``leaves`` (arrays or ``ShapeDtypeStruct`` s): one buffer per
+    dtype, in order of each dtype's first leaf."""
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(jnp.result_type(x), []).append(i)
+    return ShardPlan(plan_groups(leaves, groups.values()), int(devices), tuple(axes))
+
+
+def clip_by_global_norm(max_norm: float, axes: tuple[str, ...]) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` for updates sharded over ``axes``: the squared norm of
+    this device's chunk summed over the data axes (zero padding adds nothing), then
+    optax's rule: scale every chunk by ``max_norm / norm`` where the norm exceeds it.
+
+    Args:
+      max_norm: the maximum global norm.
+      axes: the mesh (or ``jax.vmap``) axes the updates are split over.
+
+    Returns:
+      A stateless ``optax.GradientTransformation``.
+
+    Example:
+      >>> tx = optax.chain(clip_by_global_norm(1.0, ('inter', 'intra')), optax.adam(1e-3))
+    """
+
+    def update(updates, state, params=None):
+        del params
+        g_norm = jnp.sqrt(lax.psum(optax.tree.norm(updates, squared=True), axes))
+        trigger = g_norm < max_norm
+        clip = lambda t: lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)  # noqa: E731
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def _unwrapped_update(init: Callable, update: Callable) -> Callable:
+    """``update`` without optax's extra-args wrapper (``with_extra_args_support``)."""
+    inner = _cell(update, "tx")
+    if isinstance(inner, optax.GradientTransformation) and inner.init is init:
+        return inner.update
+    return update
+
+
+def _shardable(tx: optax.GradientTransformation, axes: tuple[str, ...]) -> Any:
+    """``tx`` with every ``optax.clip_by_global_norm`` (also in nested chains) replaced by
+    :func:`clip_by_global_norm` over ``axes``; the chains keep their state structure."""
+    update = _unwrapped_update(tx.init, tx.update)
+    if getattr(update, "__qualname__", "") == "clip_by_global_norm.<locals>.update_fn":
+        return clip_by_global_norm(_cell(update, "max_norm"), axes)
+    parts = _chain_parts(tx.init, tx.update)
+    if parts is None:
+        return tx
+    return optax.chain(
+        *(_shardable(optax.GradientTransformationExtraArgs(i, u), axes) for i, u in parts)
+    )
+
+
+def split_sync(
+    optimizer: optax.GradientTransformation,
+) -> tuple[GradientSync, list[optax.GradientTransformation]]:
+    """``optax.chain(sync_gradients(...), *rest)`` -> ``(the GradientSync, rest)``."""
+    parts = _chain_parts(optimizer.init, optimizer.update)
+    sync = getattr(parts[0][0], "__self__", None) if parts else None
+    if not isinstance(sync, GradientSync):
+        raise ValueError(
+            "data_parallel(shard_optimizer=True) needs the optimizer as "
+            "optax.chain(jaxcomm.sync_gradients(...), *transforms), the sync first: the "
+            "sync's compressor reduce-scatters the gradients and the transforms after it "
+            "run on each device's shard, e.g. optax.chain(jaxcomm.sync_gradients(), "
+            "optax.adamw(1e-3))."
+        )
+    rest = []
+    for k, (i, u) in enumerate(parts[1:], start=1):
+        if isinstance(getattr(i, "__self__", None), GradientSync):
+            raise ValueError(
+                f"data_parallel(shard_optimizer=True): a second jaxcomm.sync_gradients at "
+                f"optax.chain position [{k}]; keep one, first in the chain."
+            )
+        rest.append(optax.GradientTransformationExtraArgs(i, u))
+    return sync, rest
+
+
+def _check_sync(sync: GradientSync, axes: tuple[str, ...]) -> None:
+    """Refuses sync settings the sharded step does not implement."""
+    if tuple(sync.axes) != tuple(axes):
+        raise ValueError(
+            f"data_parallel(shard_optimizer=True): sync_gradients(axes={sync.axes}) differs "
+            f"from the step's axes={axes}; give both the same data axes."
+        )
+    unsupported = [
+        (name, value)
+        for name, value, default in (
+            ("algorithm", sync.algorithm, "hierarchical"),
+            ("min_size", sync.min_size, DEFAULT_MIN_SIZE),
+            ("warmup_steps", sync.warmup_steps, 0),
+            ("bucket_bytes", sync.bucket_bytes, None),
+            ("compress_leaf", sync.compress_leaf, None),
+            ("compress_stage", sync.compress_stage, "all"),
+        )
+        if value != default
+    ]
+    if unsupported:
+        name, value = unsupported[0]
+        raise NotImplementedError(
+            f"data_parallel(shard_optimizer=True) does not implement sync_gradients("
+            f"{name}={value!r}): the sharded step reduce-scatters each packed buffer whole "
+            "(compressed whole, small leaves too), hierarchically. Leave it at its default."
+        )
+    comp = sync.compression
+    if comp is not None and (
+        comp.codec is None or comp.codec.reduce_scatter is None or _keeps_residuals(comp)
+    ):
+        raise ValueError(
+            f"data_parallel(shard_optimizer=True): compressor {comp.name!r} has no "
+            "reduce-scatter (a compressed reduce-scatter is what the sharded step sends), "
+            "or keeps error-feedback residuals (a shard has no place for them). "
+            "Use compression=None (f32), jaxcomm.compression.bf16(), int8() or int4() "
+            "(without error_feedback), or shard_optimizer=False."
+        )
+
+
+def _keeps_residuals(comp: Compressor) -> bool:
+    """Whether ``comp``'s state holds per-device residuals (error feedback)."""
+    state = comp.init([jax.ShapeDtypeStruct((8,), jnp.float32)])
+    return any(marked_per_device(state))
+
+
+def check_param_gather(param_gather: Any) -> BufferCodec | None:
+    """The codec of ``param_gather`` if it is None or a compressor whose codec has an
+    ``all_gather``, else raises."""
+    if param_gather is None:
+        return None
+    codec = getattr(param_gather, "codec", None) if isinstance(param_gather, Compressor) else None
+    if codec is None or codec.all_gather is None:
+        raise ValueError(
+            f"data_parallel(param_gather={param_gather!r}): expected None (f32 gathers) or "
+            "a compressor with an all_gather: jaxcomm.compression.bf16(), int8() or int4() "
+            "(ZeRO++ qwZ: blockwise int8 weights); it needs shard_optimizer=True."
+        )
+    return codec
+
+
+def _scatter_mean(
+    buf: jax.Array, axes: tuple[str, ...], codec: BufferCodec | None, seed: Callable
+) -> jax.Array:
+    """Step 2: the mean of this device's chunk of ``buf``, innermost axis first."""
+    if codec is None or buf.dtype != jnp.float32:
+        for a in reversed(axes):
+            buf = reduce_scatter(buf, a)
+        n = int(np.prod([lax.axis_size(a) for a in axes]))
+        return (buf / n).astype(buf.dtype)
+    for stage, a in enumerate(reversed(axes)):
+        buf = codec.reduce_scatter(buf, a, seed(stage))
+    return buf
+
+
+def _gather(chunk: jax.Array, axes: tuple[str, ...], codec: BufferCodec | None) -> jax.Array:
+    """Step 4: every device's chunk, outermost axis first, typed invariant."""
+    if codec is None or chunk.dtype != jnp.float32:
+        for a in axes:
+            chunk = all_gather_invariant(chunk, a)
+        return chunk
+    return codec.all_gather(chunk, axes).astype(chunk.dtype)
+
+
+def _relayout(x: Any, devices: int, m: int, sharding: NamedSharding) -> jax.Array:
+    """A stacked ``(N', m')`` chunk leaf as ``(devices, m)``: the rows read as one buffer,
+    cut or zero-padded to ``devices * m``."""
+
+    def move(x):
+        flat = x.reshape(-1)[: devices * m]
+        return jnp.pad(flat, (0, devices * m - flat.shape[0])).reshape(devices, m)
+
+    return jax.jit(move, out_shardings=sharding)(x)
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes of ``tree`` held by one device, read from each leaf's sharding: a concrete
+    array's first addressable shard, or a ``jax.ShapeDtypeStruct``'s ``shard_shape``."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            total += x.addressable_shards[0].data.nbytes
+        else:
+            shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+            total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _random_like(leaves: list, rng: np.random.Generator, scale: float) -> list:
+    return [(scale * rng.standard_normal(np.shape(x))).astype(np.asarray(x).dtype) for x in leaves]
+
+
+def _probe_updates(tx: Any, shard_tx: Any, params: list, grads: list, axes: tuple, sizes: tuple):
+    """Two updates of ``tx`` (from init) on whole leaves, and of ``shard_tx`` on the ``N``
+    shards of the packed leaves (vmapped over ``axes``): ``(whole, sharded)``, both as
+    packed buffers."""
+    splan = make_shard_plan(params, int(np.prod(sizes)), axes)
+
+    def updates(tx, p, g1, g2):
+        s = tx.init(p)
+        u1, s = update_with_value(tx.update, g1, s, p, lambda: jnp.zeros((), jnp.float32))
+        p = optax.apply_updates(p, u1)
+        u2, _ = update_with_value(tx.update, g2, s, p, lambda: jnp.zeros((), jnp.float32))
+        return u1, u2
+
+    # op by op: compiling a program over every leaf costs more than running it once
+    whole = updates(tx, params, *grads)
+    whole = [splan.padded(u) for u in whole]
+
+    def split(leaves):  # (sizes..., m) per buffer, row-major over axes
+        return [
+            b.reshape(*sizes, m)
+            for b, m in zip(splan.padded(leaves), splan.chunk_elements, strict=True)
+        ]
+
+    fn = functools.partial(updates, shard_tx)
+    for a in reversed(axes):
+        fn = jax.vmap(fn, axis_name=a)
+    sharded = jax.jit(fn)(split(params), *(split(g) for g in grads))
+    sharded = [[b.reshape(-1) for b in u] for u in sharded]
+    return whole, sharded
+
+
+def _agree(whole: list, sharded: list) -> bool:
+    for w, s in zip(whole, sharded, strict=True):
+        for a, b in zip(w, s, strict=True):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            if not np.all(np.isfinite(a) == np.isfinite(b)):
+                return False
+            diff = np.linalg.norm(np.nan_to_num(a - b))
+            if diff > 1e-4 * (np.linalg.norm(np.nan_to_num(a)) + 1e-30):
+                return False
+    return True
+
+
+def refuse_unshardable(
+    transforms: Sequence[Any], params: Sequence[Any], axes: tuple[str, ...], sizes: tuple
+) -> None:
+    """Refuses transforms whose update does not act elementwise on flat shards.
+
+    The probe: random gradients (one large, one small, so clipping shows), two updates
+    from ``init``, on whole leaves and on the ``N`` shards of the packed leaves (a
+    ``jax.vmap`` per data axis, named like it, so :func:`clip_by_global_norm`'s sum over
+    the axes runs). The updates must agree to 1e-4 relative; else the first transform
+    of the chain whose prefix disagrees (or fails on 1-D shards) is named. Parameter
+    trees over ``2**22`` elements are probed on the same tree with each dimension capped
+    at 16.
+
+    Args:
+      transforms: the transforms after ``sync_gradients`` (``optax.clip_by_global_norm``
+        is probed as its sharded twin, :func:`clip_by_global_norm`).
+      params: the parameter leaves (arrays or ``ShapeDtypeStruct`` s).
+      axes: the data axes; sizes: their sizes.
+
+    Raises:
+      ValueError: naming the chain position (counting the sync as ``[0]``) and why.
+    """
+    shapes = [tuple(np.shape(x)) for x in params]
+    if sum(int(np.prod(s)) for s in shapes) > _PROBE_ELEMENTS:
+        shapes = [tuple(min(d, _PROBE_DIM) for d in s) for s in shapes]
+    rng = np.random.default_rng(0)
+    dtypes = [jnp.result_type(x) for x in params]
+    p = [np.asarray(rng.standard_normal(s), dtype=t) for s, t in zip(shapes, dtypes, strict=True)]
+    grads = (_random_like(p, rng, 1e2), _random_like(p, rng, 1e-3))
+
+    def verdict(k: int) -> str | None:
+        tx = optax.chain(*transforms[: k + 1])
+        shard_tx = optax.chain(*(_shardable(t, axes) for t in transforms[: k + 1]))
+        try:
+            whole, sharded = _probe_updates(tx, shard_tx, p, grads, axes, sizes)
+        except Exception as e:  # noqa: BLE001 (the reason is reported)
+            return f"it fails on the flat 1-D shards ({type(e).__name__}: {e})"
+        if not _agree(whole, sharded):
+            return (
+                "on the N flat shards of the packed parameters it gives another update "
+                "than on whole leaves (it reads a leaf's shape, a per-leaf statistic or "
+                "the tree's structure: a Shampoo-style preconditioner, per-leaf clipping "
+                "or normalisation, optax.masked with a mask built from the params)"
+            )
+        return None
+
+    if not transforms or verdict(len(transforms) - 1) is None:
+        return
+    for k in range(len(transforms)):
+        why = verdict(k)
+        if why is not None:
+            raise ValueError(
+                f"data_parallel(shard_optimizer=True): the transform at optax.chain "
+                f"position [{k + 1}] does not shard: {why}. Sharded optimizer state needs "
+                "transforms that act elementwise on each leaf (adam, adamw, sgd, lion, "
+                "add_decayed_weights, schedules) or optax.clip_by_global_norm. Use "
+                "shard_optimizer=False for this optimizer."
+            )
+
+
+class ShardedDataParallel(DataParallel):
+    """A data-parallel step with sharded optimizer state; build it with
+    ``jaxcomm.data_parallel(..., shard_optimizer=True)`` (the module docstring has the
+    algorithm).
+
+    Attributes (besides :class:`~jaxcomm.DataParallel`'s):
+      sync: the optimizer's :class:`~jaxcomm.GradientSync` (its compressor reduce-scatters).
+      param_gather: the compressor of the param all-gathers, or None (f32).
+      shard_plan: the :class:`ShardPlan` (after ``init``).
+
+    Example:
+      >>> tx = optax.chain(jaxcomm.sync_gradients(compression=jaxcomm.compression.int8()),
+      ...                  optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+      >>> dp = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_optimizer=True,
+      ...                            param_gather=jaxcomm.compression.bf16())
+      >>> state = dp.init(params)          # Adam's moments: 1/N per device
+      >>> state, metrics = dp(state, batch)
+    """
+
+    def __init__(self, *args: Any, param_gather: Compressor | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.microbatches > 1:
+            raise NotImplementedError(
+                "data_parallel(shard_optimizer=True) with microbatches > 1 is not "
+                "implemented; use microbatches=1 (or shard_optimizer=False)."
+            )
+        if not self._require_sync:
+            raise ValueError(
+                "data_parallel(shard_optimizer=True) reduce-scatters the gradients itself: "
+                "require_sync=False does not apply; leave it True."
+            )
+        self.param_gather = check_param_gather(param_gather)
+        self.sync, self._transforms = split_sync(self.optimizer)
+        _check_sync(self.sync, self.axes)
+        self._tx = optax.chain(*(_shardable(t, self.axes) for t in self._transforms))
+        self.syncs = [self.sync]
+        self.shard_plan: ShardPlan | None = None
+
+    # -- the step's pieces ------------------------------------------------------------
+    def _init_local(self, params: Any) -> ShardedState:
+        chunks = self.shard_plan.local(jax.tree.leaves(params))
+        master = chunks if self.param_gather is not None else ()
+        return ShardedState(self._tx.init(chunks), master)
+
+    def _update(self, grads: Any, opt: ShardedState, params: Any, step: jax.Array, value):
+        """Steps 1-4 of the module docstring: ``(new params, new ShardedState)``."""
+        splan, comp = self.shard_plan, self.sync.compression
+        codec = comp.codec if comp is not None else None
+        key = step_key(self.sync.seed, step)
+        device = lax.axis_index(self.axes)
+        chunks = []
+        for k, buf in enumerate(splan.padded(jax.tree.leaves(grads))):
+            seed = lambda stage, k=k: dither_seed(key, device, k, stage)  # noqa: E731
+            chunks.append(_scatter_mean(splan.scatter_order(buf), self.axes, codec, seed))
+        own = opt.master if self.param_gather is not None else splan.local(jax.tree.leaves(params))
+        updates, inner = update_with_value(self._tx.update, chunks, opt.inner, own, value)
+        new = optax.apply_updates(own, updates)
+        full = [splan.natural_order(_gather(x, self.axes, self.param_gather)) for x in new]
+        leaves = splan.unpack(full)
+        new_params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+        return new_params, ShardedState(inner, new if self.param_gather is not None else ())
+
+    # -- layout -------------------------------------------------------------------------
+    def _infer_layout(self, params: Any) -> list[bool]:
+        """Which leaves of the :class:`ShardedState` are per device: those typed varying
+        over the data axes after ``init`` or after an update (traced abstractly until
+        stable); then the transforms are probed (:func:`refuse_unshardable`)."""
+        leaves = jax.tree.leaves(params)
+        self.shard_plan = make_shard_plan(leaves, self.num_devices, self.axes)
+        abstract = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype, sharding=self.replicated), params
+        )
+        axes = frozenset(self.axes)
+        rec: dict[str, Any] = {}
+
+        def init_probe(p):
+            s = self._init_local(p)
+            flat, rec["treedef"] = jax.tree_util.tree_flatten_with_path(s)
+            rec["paths"] = [jax.tree_util.keystr(k) for k, _ in flat]
+            rec["local"] = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
+            rec["vary"] = [bool(varying_axes(x) & axes) for _, x in flat]
+            return jnp.zeros(())
+
+        jax.eval_shape(self._probe_map(init_probe, (P(),)), abstract)
+        local = jax.tree.unflatten(rec["treedef"], rec["local"])
+
+        def update_probe(s, p):
+            g = lax.pcast(jax.tree.map(jnp.zeros_like, p), self.axes, to="varying")
+            _, s2 = self._update(g, s, p, jnp.zeros((), jnp.int32), lambda: jnp.zeros(()))
+            return [bool(varying_axes(x) & axes) for x in jax.tree.leaves(s2)]
+
+        per = infer_per_device(
+            update_probe, local, rec["vary"], self.mesh, self.axes, args=(abstract,),
+            arg_specs=(P(),),
+        )  # fmt: skip
+        self._opt_paths, self._opt_local = rec["paths"], local
+        sizes = tuple(int(self.mesh.shape[a]) for a in self.axes)
+        refuse_unshardable(self._transforms, leaves, self.axes, sizes)
+        return per
+
+    # -- state --------------------------------------------------------------------------
+    def _init_fn(self, per: list[bool]) -> Callable:
+        def init(p):
+            s = self._init_local(p)
+            leaves, treedef = jax.tree.flatten(s)
+            missing = lambda x: tuple(a for a in self.axes if a not in varying_axes(x))  # noqa: E731
+            leaves = [
+                lax.pcast(x, missing(x), to="varying") if f and missing(x) else x
+                for x, f in zip(leaves, per, strict=True)
+            ]
+            return stack_leaves(jax.tree.unflatten(treedef, leaves), per)
+
+        return jax.jit(
+            jax.shard_map(
+                init,
+                mesh=self.mesh,
+                in_specs=(P(),),
+                out_specs=leaf_specs(self._opt_local, per, self.axes),
+            )
+        )
+
+    def init(self, params: Any, model_state: Any = None) -> TrainState:
+        """Places params on the mesh (replicated) and initialises the sharded optimizer
+        state: each device's chunk, sharded along the data axes.
+
+        Raises:
+          ValueError: the optimizer does not shard (:func:`refuse_unshardable`), or the
+            initial values differ between processes.
+        """
+        _check_params(params)
+        check_same_on_processes(
+            "the initial params and model state",
+            (params, model_state),
+            fix="Draw them from one seed on every process, or load them from one checkpoint.",
+        )
+        params = jax.device_put(params, self.replicated)
+        if model_state is not None:
+            model_state = jax.device_put(model_state, self.replicated)
+        per = self._layout(params)
+        return TrainState(
+            step=jax.device_put(jnp.zeros((), jnp.int32), self.replicated),
+            params=params,
+            opt_state=self._init_fn(per)(params),
+            model_state=model_state,
+        )
+
+    def abstract_state(self, params: Any) -> TrainState:
+        """The :class:`~jaxcomm.TrainState` :meth:`init` would build, as
+        ``jax.ShapeDtypeStruct`` s with their shardings (nothing is allocated): e.g.
+        :func:`per_device_bytes` of its ``opt_state`` for a model too large to build."""
+        abstract = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(
+                jnp.shape(p), jnp.result_type(p), sharding=self.replicated
+            ),
+            params,
+        )
+        per = self._layout(abstract)
+        opt = jax.eval_shape(self._init_fn(per), abstract)
+        specs = leaf_specs(opt, per, self.axes)
+        opt = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(self.mesh, s)
+            ),
+            opt,
+            specs,
+        )
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+        return TrainState(step, abstract, opt, None)
+
+    def reshard(self, state: TrainState) -> TrainState:
+        """``state`` of a sharded step on another device count (e.g. restored from a
+        checkpoint written on 8 devices) laid out for this one.
+
+        Each per-device leaf ``(N', m')`` read row after row is its packed buffer (device
+        ``r`` owns chunk ``r``; zero padding at the end): it is cut or zero-padded to
+        ``N m`` and split into this step's ``(N, m)``. The padding is never unpacked into
+        params, so the real elements move unchanged; replicated leaves are copied.
+
+        Args:
+          state: a :class:`~jaxcomm.TrainState` of a sharded step with the same params and
+            optimizer, its arrays on this step's devices (restore them with this mesh's
+            shardings) or on the host.
+
+        Returns:
+          The state, sharded over this step's mesh.
+
+        Raises:
+          ValueError: the optimizer state does not have this step's structure, or a
+            per-device leaf is not one chunk per device.
+        """
+        per = self._layout(state.params)
+        local = jax.tree.leaves(self._opt_local)
+        leaves, treedef = jax.tree.flatten(state.opt_state)
+        if len(leaves) != len(per):
+            raise ValueError(
+                f"reshard: the optimizer state has {len(leaves)} leaves, this step's "
+                f"{len(per)}; restore a state written by a sharded step with the same "
+                "optimizer and params."
+            )
+        out = []
+        for x, f, loc in zip(leaves, per, local, strict=True):
+            if not f:
+                out.append(jax.device_put(x, self.replicated))
+                continue
+            if loc.ndim != 1 or jnp.ndim(x) != 2:
+                raise ValueError(
+                    f"reshard: a per-device leaf of shape {jnp.shape(x)} is not one 1-D chunk "
+                    "per device; only chunked state (Adam's moments, master chunks) reshards."
+                )
+            out.append(_relayout(x, self.num_devices, loc.shape[0], self._stacked))
+        put = lambda t: jax.device_put(t, self.replicated)  # noqa: E731
+        return TrainState(
+            put(state.step),
+            put(state.params),
+            jax.tree.unflatten(treedef, out),
+            None if state.model_state is None else put(state.model_state),
+        )
+
+    # -- step ---------------------------------------------------------------------------
+    def _local_step(self, state, batch, comm_share=None, *, feedback=None, communicate=True):
+        """One device's step inside shard_map: its gradient, then steps 1-4 of the module
+        docstring, then the model state and metrics combined."""
+        if comm_share is not None or not communicate:
+            raise NotImplementedError(
+                "data_parallel(shard_optimizer=True): the profiler's feedback and its "
+                "compute-only twin are not implemented for sharded optimizer state."
+            )
+        opt = unstack_leaves(state.opt_state, self._opt_layout)
+        value, aux, grads, _, model_state = self._gradients(state, opt, batch, None, True)
+        params, new_opt = self._update(
+            grads, opt, state.params, state.step, lambda: lax.pmean(value, self.axes)
+        )
+        metrics = {"loss": value, **dict(aux or {})}
+        synced, metrics = ordering.after(
+            (model_state if self._with_model_state else None, metrics), params
+        )
+        synced, metrics = self._outputs(synced, metrics, local_sgd=False)
+        if self._with_model_state:
+            model_state = synced
+        new_state = TrainState(
+            state.step + 1, params, stack_leaves(new_opt, self._opt_layout), model_state
+        )
+        return new_state, metrics

@@ -1,0 +1,47 @@
+"""Worker for tests/test_sharded_distributed.py: run under ``python -m jaxcomm.launch``
+(not a test module).
+
+Each process feeds its half of every global batch to a sharded step (f32, and int8
+gradients + bf16 param gathers) and to data parallelism, with clip_by_global_norm and
+AdamW; replicas are compared by their bits across processes every step
+(``check_replicas=1``); the f32 sharded losses and params must match data parallelism.
+"""
+
+import jaxcomm
+
+jaxcomm.init_distributed(collective_timeout_s=60, heartbeat_timeout_s=60)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from mlp import mlp_batches, mlp_init, mlp_loss  # noqa: E402
+
+mesh = jaxcomm.make_mesh()
+me = jax.process_index()
+p0 = mlp_init(jax.random.key(0), sizes=(12, 64, 64, 3))
+
+
+def run(compression=None, param_gather=None, shard=True, steps=3):
+    tx = optax.chain(
+        jaxcomm.sync_gradients(compression=compression),
+        optax.clip_by_global_norm(0.1),
+        optax.adamw(1e-2, weight_decay=0.1),
+    )
+    kw = {"shard_optimizer": True, "param_gather": param_gather} if shard else {}
+    dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, check_replicas=1, **kw)
+    state, losses = dp.init(p0), []
+    for batch in mlp_batches(steps, size=32):
+        local = {k: v[me * 16 : (me + 1) * 16] for k, v in batch.items()}
+        state, metrics = dp(state, local)
+        losses.append(float(metrics["loss"]))
+    return losses, [np.asarray(x.addressable_shards[0].data) for x in jax.tree.leaves(state.params)]
+
+
+ref, ref_params = run(shard=False)
+f32, f32_params = run()
+q, _ = run(jaxcomm.compression.int8(), jaxcomm.compression.bf16())
+np.testing.assert_allclose(f32, ref, rtol=1e-5)
+for a, b in zip(f32_params, ref_params, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+assert max(abs(a - b) for a, b in zip(q, ref, strict=True)) < 0.02, (q, ref)
+print(f"SHARDED_OK process={me}", flush=True)

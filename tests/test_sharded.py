@@ -1,0 +1,163 @@
+"""Sharded optimizer state (``data_parallel(shard_optimizer=True)``): equal to data
+parallelism in f32, compressed within the codec's error, no more bytes (fewer compressed).
+The state's size and the refusals: tests/test_sharded_build.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_replicas_equal
+from mlp import mlp_batches, mlp_init, mlp_loss
+
+import jaxcomm
+from jaxcomm.compression import bf16, int4, int8
+from jaxcomm.compression.quantize import dequantize, quantize
+from jaxcomm.sharded import ShardedState, make_shard_plan
+
+# 72200 elements: divisible by the 8 devices, so neither step pads (the byte test).
+SIZES = (16, 256, 256, 8)
+
+
+def _batches(n):
+    rng = np.random.default_rng(1)
+    return [
+        {
+            "x": rng.normal(size=(32, SIZES[0])).astype(np.float32),
+            "y": rng.integers(0, SIZES[-1], 32).astype(np.int32),
+        }
+        for _ in range(n)
+    ]
+
+
+def _adam_state(opt_state):
+    found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+    return next(x for x in found if isinstance(x, optax.ScaleByAdamState))
+
+
+def _step_pair(mesh, tx, **kw):
+    c = kw.pop("c", None)
+    chain = lambda: optax.chain(jaxcomm.sync_gradients(compression=c), *tx())  # noqa: E731
+    dp = jaxcomm.data_parallel(mlp_loss, chain(), mesh)
+    zp = jaxcomm.data_parallel(mlp_loss, chain(), mesh, shard_optimizer=True, **kw)
+    return dp, zp
+
+
+OPTIMIZERS = {
+    "adam": lambda: (optax.adam(1e-2),),
+    "adamw": lambda: (optax.adamw(1e-2, weight_decay=0.1),),
+    # max_norm far below the gradient's norm: every step clips
+    "clip_adamw": lambda: (optax.clip_by_global_norm(0.05), optax.adamw(1e-2, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_f32_sharded_equals_data_parallel(mesh, name):
+    p0 = mlp_init(jax.random.key(0))
+    dp, zp = _step_pair(mesh, OPTIMIZERS[name], check_replicas=5)
+    a, b = dp.init(p0), zp.init(p0)
+    assert zp.per_device_paths and all(".mu" in p or ".nu" in p for p in zp.per_device_paths)
+    for batch in mlp_batches(20, size=32):
+        a, ma = dp(a, batch)
+        b, mb = zp(b, batch)
+        np.testing.assert_allclose(mb["loss"], ma["loss"], rtol=1e-5, atol=1e-6)
+        assert assert_replicas_equal(b) > 0
+    for x, y in zip(jax.tree.leaves(b.params), jax.tree.leaves(a.params), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    # the stored shards read row after row are data parallelism's moments, packed
+    splan = make_shard_plan(jax.tree.leaves(p0), 8, ("inter", "intra"))
+    mu_dp = splan.plan.pack(jax.tree.leaves(_adam_state(a.opt_state).mu))[0]
+    mu = _adam_state(b.opt_state.inner).mu[0]
+    assert mu.shape == (8, -(-mu_dp.shape[0] // 8))
+    np.testing.assert_allclose(np.asarray(mu).reshape(-1)[: mu_dp.shape[0]], mu_dp, atol=1e-6)
+
+
+def _first_update(mesh, c, *, shard_optimizer=True):
+    """One SGD step's update (lr 1) with gradient codec ``c``, flat."""
+    p0 = mlp_init(jax.random.key(0), sizes=SIZES)
+    # data parallelism compresses every leaf too (min_size=0), as the sharded step does
+    kw = {} if shard_optimizer else {"min_size": 0}
+    tx = optax.chain(jaxcomm.sync_gradients(compression=c, **kw), optax.sgd(1.0))
+    zp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_optimizer=shard_optimizer)
+    s, _ = zp(zp.init(p0), _batches(1)[0])
+    new, old = jax.tree.leaves(s.params), jax.tree.leaves(p0)
+    return np.concatenate([(np.asarray(x) - y).ravel() for x, y in zip(new, old, strict=True)])
+
+
+@pytest.fixture(scope="module")
+def exact_update(mesh):
+    return _first_update(mesh, None)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int4"])
+def test_compressed_gradient_within_codec_error(mesh, exact_update, codec):
+    make = {"bf16": bf16, "int8": int8, "int4": int4}[codec]
+    exact = exact_update
+    err = lambda u: np.linalg.norm(u - exact) / np.linalg.norm(exact)  # noqa: E731
+    sharded = err(_first_update(mesh, make()))
+    # the codec's error in data parallelism (its two-phase mean): one rounding on the way
+    # in and one on the way out, where the sharded step rounds once per reduce-scatter stage
+    replicated = err(_first_update(mesh, make(), shard_optimizer=False))
+    assert 0 < sharded < 1.5 * replicated, (sharded, replicated)
+
+
+@pytest.fixture(scope="module")
+def f32_losses(mesh):
+    """Losses of 20 steps of f32 data parallelism (Adam) on the SIZES MLP."""
+    dp = jaxcomm.data_parallel(
+        mlp_loss, optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-2)), mesh
+    )
+    s, out = dp.init(mlp_init(jax.random.key(0), sizes=SIZES)), []
+    for batch in _batches(20):
+        s, m = dp(s, batch)
+        out.append(float(m["loss"]))
+    return out
+
+
+@pytest.mark.parametrize("gather", ["bf16", "int8"])
+def test_param_gather_decodes_the_master_on_every_device(mesh, f32_losses, gather):
+    p0 = mlp_init(jax.random.key(0), sizes=SIZES)
+    codec = {"bf16": bf16(), "int8": int8(block=256)}[gather]
+    _, zp = _step_pair(mesh, lambda: (optax.adam(1e-2),), c=int8(), param_gather=codec)
+    b, losses = zp.init(p0), []
+    for batch in _batches(20):
+        b, mb = zp(b, batch)
+        losses.append(float(mb["loss"]))
+        assert assert_replicas_equal(b) > 0
+    # training follows f32 data parallelism (int8 gradients, lossy params)
+    gap = max(abs(x - y) for x, y in zip(f32_losses, losses, strict=True))
+    assert gap < 0.02, (f32_losses, losses)
+    # params are the decoded f32 master chunks, bit for bit (the owner computes with them too)
+    assert isinstance(b.opt_state, ShardedState)
+    master = np.asarray(b.opt_state.master[0])  # (8, m): row r is device r's chunk
+    if gather == "bf16":
+        decoded = master.astype(jnp.bfloat16).astype(np.float32)
+    else:
+        m = master.shape[1]
+        blocks = -(-m // 256)
+        rows = np.pad(master, ((0, 0), (0, blocks * 256 - m)))
+        decoded = np.asarray(dequantize(*quantize(rows, 8, 256, None), 8, 256))[:, :m]
+    splan = make_shard_plan(jax.tree.leaves(p0), 8, ("inter", "intra"))
+    packed = np.asarray(splan.plan.pack(jax.tree.leaves(b.params))[0])
+    assert not np.array_equal(decoded, master)  # the gather is lossy ...
+    np.testing.assert_array_equal(packed, decoded.reshape(-1)[: packed.shape[0]])  # ... and exact
+
+
+def test_wire_bytes(mesh):
+    p0 = mlp_init(jax.random.key(0), sizes=SIZES)
+    batch = _batches(1)[0]
+
+    def total(dp):
+        s = dp.init(p0)
+        return jaxcomm.wire_bytes(dp.step_fn(s), s, dp.shard_batch(batch))
+
+    adam = lambda: (optax.adam(1e-3),)  # noqa: E731
+    dp, f32 = _step_pair(mesh, adam)
+    _, low = _step_pair(mesh, adam, c=int8(), param_gather=bf16())
+    base, wf, wl = total(dp), total(f32), total(low)
+    # reduce-scatter + all-gather = all-reduce: no more bytes
+    assert set(wf["by_kind"]) == {"reduce-scatter", "all-gather", "all-reduce"}
+    assert wf["by_kind"]["all-reduce"] < 16  # the loss's mean only
+    assert wf["total"] <= base["total"]
+    # int8 gradients (all-to-all) + bf16 params (all-gather)
+    assert wl["total"] <= 0.4 * base["total"], wl["total"] / base["total"]

@@ -1,0 +1,85 @@
+"""Sharded optimizer state at build time: 1/N of the state per device (read from the
+arrays' shardings; ResNet-152 from its shapes) and the settings that are refused."""
+
+import jax
+import optax
+import pytest
+from mlp import mlp_init, mlp_loss
+
+import jaxcomm
+from jaxcomm.compression import bf16, fp16, topk
+from jaxcomm.models import gradient_shapes
+from jaxcomm.sharded import per_device_bytes
+
+SIZES = (16, 256, 256, 8)
+
+
+def _pair(mesh, tx):
+    chain = lambda: optax.chain(jaxcomm.sync_gradients(), tx)  # noqa: E731
+    dp = jaxcomm.data_parallel(mlp_loss, chain(), mesh)
+    return dp, jaxcomm.data_parallel(mlp_loss, chain(), mesh, shard_optimizer=True)
+
+
+def test_state_is_one_nth_per_device(mesh):
+    p0 = mlp_init(jax.random.key(0), sizes=SIZES)
+    dp, zp = _pair(mesh, optax.adam(1e-3))
+    a, b = dp.init(p0), zp.init(p0)
+    # read from the arrays' shardings (addressable shards), not from shapes
+    full, shard = per_device_bytes(a.opt_state), per_device_bytes(b.opt_state)
+    assert shard <= full / 8 + 16, (shard, full)  # + Adam's count, replicated
+
+
+def test_state_is_one_nth_for_resnet152_shapes(mesh):
+    shapes = gradient_shapes("resnet152")
+    zp = jaxcomm.data_parallel(
+        mlp_loss,
+        optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-3)),
+        mesh,
+        shard_optimizer=True,
+    )
+    state = zp.abstract_state(shapes)  # nothing allocated
+    replicated = per_device_bytes(jax.eval_shape(optax.adam(1e-3).init, shapes))
+    sharded = per_device_bytes(state.opt_state)
+    assert replicated > 4e8  # 2 x 60M f32 moments
+    assert sharded <= replicated / 8 + 8 * 8 * 4 + 16, sharded / replicated
+
+
+def _build(mesh, *tx, sync=None, **kw):
+    sync = jaxcomm.sync_gradients() if sync is None else sync
+    zp = jaxcomm.data_parallel(mlp_loss, optax.chain(sync, *tx), mesh, shard_optimizer=True, **kw)
+    return zp.init(mlp_init(jax.random.key(0)))
+
+
+def test_transform_that_does_not_shard_is_refused(mesh):
+    # LAMB's trust ratio reads each leaf's norm: on flat shards it is another update
+    with pytest.raises(ValueError, match=r"position \[2\] does not shard"):
+        _build(mesh, optax.clip_by_global_norm(1.0), optax.lamb(1e-3))
+    # a weight-decay mask built from the leaves' shapes sees 1-D shards only
+    mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+    with pytest.raises(ValueError, match=r"position \[1\] does not shard"):
+        _build(mesh, optax.adamw(1e-3, weight_decay=0.1, mask=mask))
+
+
+@pytest.mark.parametrize(
+    "kw,error,match",
+    [
+        ({"sync": optax.identity()}, ValueError, "the sync first"),
+        ({"sync": jaxcomm.sync_gradients(compression=topk(0.1))}, ValueError, "no reduce-scatter"),
+        ({"sync": jaxcomm.sync_gradients(warmup_steps=3)}, NotImplementedError, "warmup_steps"),
+        ({"param_gather": fp16()}, ValueError, "all_gather"),
+        ({"microbatches": 2}, NotImplementedError, "microbatches"),
+        ({"sync": jaxcomm.sync_gradients(algorithm="flat")}, NotImplementedError, "algorithm"),
+        ({"sync": jaxcomm.sync_gradients(min_size=0)}, NotImplementedError, "min_size"),
+    ],
+)
+def test_unsupported_settings_are_refused(mesh, kw, error, match):
+    with pytest.raises(error, match=match):
+        _build(mesh, optax.adam(1e-3), **kw)
+
+
+def test_param_gather_needs_shard_optimizer(mesh):
+    with pytest.raises(ValueError, match="needs shard_optimizer=True"):
+        jaxcomm.data_parallel(
+            mlp_loss, optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-3)), mesh,
+            param_gather=bf16(),
+        )  # fmt: skip
