@@ -83,6 +83,7 @@ __all__ = [
     "predict",
     "predict_allgather",
     "reduction_time",
+    "sharded_time",
     "ring_time",
     "tree_time",
 ]
@@ -337,6 +338,34 @@ def _plan_gather_all(topo, p):
     return _Plan(_ring_steps(topo, r, (r + 1) % p, 1.0, p - 1) if p > 1 else (), 0.0)
 
 
+def _plan_scatter_inter(topo, p):
+    """Ring reduce-scatter (or all-gather) over the nodes on ``n/g`` per device (``g`` in
+    parallel, one per local rank): ``m - 1`` steps of ``n / (g m)``."""
+    g, m = topo.devices_per_node, topo.num_nodes
+    r = np.arange(p)
+    node, local = r // g, r % g
+    steps = _ring_steps(topo, r, ((node + 1) % m) * g + local, 1.0 / (g * m), m - 1)
+    return _Plan(steps if m > 1 else (), (m - 1) / m / g if m > 1 else 0.0)
+
+
+def _plan_shift_intra(topo, p):
+    """All-to-all inside every node: ``g - 1`` shifts of ``n/g``."""
+    g = topo.devices_per_node
+    r = np.arange(p)
+    node, local = r // g, r % g
+    steps = tuple(_step(topo, r, node * g + (local + k) % g, 1.0 / g) for k in range(1, g))
+    return _Plan(steps, (g - 1) / g)
+
+
+def _plan_shift_inter(topo, p):
+    """All-to-all over the nodes on ``n/g`` per device: ``m - 1`` shifts of ``n/(g m)``."""
+    g, m = topo.devices_per_node, topo.num_nodes
+    r = np.arange(p)
+    node, local = r // g, r % g
+    steps = tuple(_step(topo, r, ((node + k) % m) * g + local, 1.0 / (g * m)) for k in range(1, m))
+    return _Plan(steps, (m - 1) / m / g if m > 1 else 0.0)
+
+
 _PLANNERS = {
     "ring": _plan_ring,
     "tree": _plan_tree,
@@ -349,6 +378,9 @@ _PLANNERS = {
     "exchange_all": _plan_exchange_all,
     "gather_inter": _plan_gather_inter,
     "gather_all": _plan_gather_all,
+    "scatter_inter": _plan_scatter_inter,
+    "shift_intra": _plan_shift_intra,
+    "shift_inter": _plan_shift_inter,
 }
 
 
@@ -1039,3 +1071,72 @@ def _all_stages_compressed(
             kinds += list(call_kinds(alg, topology))  # P and Q
     codec_s += codec_seconds(compression, n, p, codec)
     return comm, codec_s, kinds
+
+
+def sharded_time(
+    nbytes: float,
+    topology: Topology,
+    *,
+    grad: Compression | None = None,
+    params: Compression | None = None,
+    codec: dict[str, Codec] | None = None,
+    call_s=None,
+) -> dict[str, float]:
+    """The collectives of one sharded-optimizer step (``data_parallel(shard_optimizer=True)``,
+    ZeRO-1/2) on ``nbytes`` f32 bytes of gradients per device, as ``jaxcomm.sharded`` runs
+    them, none overlapped with compute.
+
+    1. Gradients reduce-scattered inside the node, then over the nodes on ``n/g``: f32 by
+       ring reduce-scatters; with ``grad`` (bf16, int8, int4: ZeRO++'s qgZ) each hop an
+       all-to-all of its wire bytes, encoded and decoded per hop.
+    2. Params all-gathered over the nodes, then inside the node (``params``: bf16 or int8,
+       ZeRO++'s qwZ; encoded once, decoded whole).
+
+    f32 both ways sends what a hierarchical all-reduce sends (its reduce-scatter and
+    all-gather halves, the inter all-reduce split the same way).
+
+    Args:
+      nbytes: f32 gradient bytes per device (the parameter bytes too).
+      topology: the cluster.
+      grad: the gradient codec (None: f32).
+      params: the param gather's codec (None: f32).
+      codec: kernel -> :class:`Codec`; None: no codec time.
+      call_s: seconds per call, a number or a dict by kind.
+
+    Returns:
+      ``{'total_s', 'comm_s', 'codec_s', 'call_s', 'calls', 'wire_bytes'}``; ``wire_bytes``
+      what one device sends per step.
+
+    Example:
+      >>> sharded_time(240e6, topo, grad=parse_compression('int8'),
+      ...              params=parse_compression('bf16'))['wire_bytes']
+    """
+    n, g, m = float(nbytes), topology.devices_per_node, topology.num_nodes
+    wg = 1.0 if grad is None else grad.wire_fraction()
+    wp = 1.0 if params is None else params.wire_fraction()
+    scatter = ("intra", "scatter_inter") if grad is None else ("shift_intra", "shift_inter")
+    gather = ("scatter_inter", "intra")
+    comm = sum(_steps_time(_plan(k, topology).steps, wg * n) for k in scatter)
+    comm += sum(_steps_time(_plan(k, topology).steps, wp * n) for k in gather)
+    if grad is None:  # the sums of the ring reduce-scatters
+        comm += sum(_plan(k, topology).reduce_fraction for k in scatter) * n * topology.gamma
+    codec_s = 0.0
+    if grad is not None:  # each hop encodes its input and decodes what it receives
+        codec_s += codec_seconds(grad._replace(pattern="allreduce"), n + n / g, 1, codec)
+    if params is not None:  # the owned chunk encoded once, every chunk decoded
+        c = (codec or {}).get(params.codec_kernel or "", None)
+        if c is not None:
+            codec_s += c.encode_s_per_byte * n / (g * m) + c.decode_s_per_byte * n
+    levels = [g > 1, m > 1]
+    kinds = ["reduce-scatter" if grad is None else "all-to-all"] * sum(levels)
+    kinds += ["all-gather"] * sum(levels)
+    calls = _call_seconds(kinds, call_s)
+    half = (g - 1) / g * n + (m - 1) / m * n / g  # one device's bytes of one f32 half
+    return {
+        "total_s": comm + codec_s + calls,
+        "comm_s": comm,
+        "codec_s": codec_s,
+        "call_s": calls,
+        "calls": len(kinds),
+        "wire_bytes": wg * half + wp * half,
+    }

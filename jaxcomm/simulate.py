@@ -17,6 +17,11 @@ baseline              flat ``psum`` (NCCL's ring/tree), one collective per gradi
 +batching             gradients fused into ``--bucket-mb`` buckets (default 25 MiB, DDP)
 ====================  =====================================================================
 
+Beside them, the sharded-optimizer rows (``data_parallel(shard_optimizer=True)``, ZeRO-1/2):
+gradients reduce-scattered and params all-gathered hierarchically, f32 and ZeRO++-style int8
+gradients with bf16 params (:data:`SHARDED_ROWS`, ``jaxcomm.cost.sharded_time``), nothing
+overlapped with compute, with each row's bytes per device beside data parallelism's.
+
 Every collective call costs ``--launch-us`` (or the calibration's ``call_s`` by kind) plus
 ``jaxcomm.cost``'s time. Each row also states its bound: the speedup if its communication
 stream (codec included) were hidden behind compute, beside the baseline's own ceiling
@@ -49,6 +54,7 @@ __all__ = [
     "CODECS",
     "DEFAULT_COMPUTE_S",
     "ROWS",
+    "SHARDED_ROWS",
     "Workload",
     "busbw_table",
     "check_testbed",
@@ -80,6 +86,33 @@ ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("+topology", dict(algorithm="auto", overlap=True, compress=True, aware=True, batch=False)),
     ("+batching", dict(algorithm="auto", overlap=True, compress=True, aware=True, batch=True)),
 )  # fmt: skip
+
+
+#: The sharded rows: (name, gradient codec, param-gather codec), ``None`` for f32.
+SHARDED_ROWS: tuple[tuple[str, str | None, str | None], ...] = (
+    ("sharded f32", None, None),
+    ("sharded int8+bf16", "int8", "bf16"),
+)
+
+
+def _sharded_rows(
+    wl: Workload, topology: Topology, base: float, codec, calls
+) -> list[dict[str, Any]]:
+    """The :data:`SHARDED_ROWS` on ``topology``: the step is compute, then the
+    reduce-scatter and the param all-gather (``jaxcomm.cost.sharded_time``)."""
+    rows = []
+    for name, grad, params in SHARDED_ROWS:
+        r = cost.sharded_time(
+            wl.total_bytes, topology, grad=cost.parse_compression(grad),
+            params=cost.parse_compression(params), codec=codec, call_s=calls,
+        )  # fmt: skip
+        step = wl.compute_s + r["total_s"]
+        rows.append({"row": name, "step_s": step, "comm_s": r["total_s"],
+                     "codec_s": r["codec_s"], "call_s": r["call_s"], "calls": r["calls"],
+                     "exposed_s": r["total_s"], "comm_fraction": r["total_s"] / step,
+                     "wire_bytes": r["wire_bytes"], "speedup": base / step,
+                     "efficiency": wl.compute_s / step})  # fmt: skip
+    return rows
 
 
 def codec_table(name: str | None) -> tuple[dict[str, cost.Codec], str]:
@@ -199,6 +232,8 @@ def simulate(
             },  # fmt: skip
             "allreduce_s": ar,
             "rows": rows,
+            "sharded": _sharded_rows(wl, aware, base, codec, calls),
+            "dp_wire_bytes": cost.sharded_time(wl.total_bytes, aware)["wire_bytes"],
             "ceiling_speedup": base / wl.compute_s,
         }
     return out
@@ -265,6 +300,7 @@ def format_tables(result: dict[str, Any]) -> str:
             f"{n:>6} {'(ceiling)':<14} {'':>9} {r['ceiling_speedup']:7.2f}x  all communication "
             f"hidden: 1 / (1 - {r['rows'][0]['comm_fraction']:.3f}) of the baseline"
         )
+    lines += _format_sharded(result)
     if "calibration" in result:
         lines += ["", "calibration: prediction error per message size"]
         lines.append(f"{'axis':<8} {'collective':<18} {'p':>3} {'bytes':>11} {'measured ms':>12} "
@@ -276,6 +312,23 @@ def format_tables(result: dict[str, Any]) -> str:
                 f"{e['error'] * 100:6.1f}%"
             )
     return "\n".join(lines)
+
+
+def _format_sharded(result: dict[str, Any]) -> list[str]:
+    """The sharded rows' table: step time, speedup over the baseline, bytes per device
+    against data parallelism's f32 hierarchical all-reduce."""
+    lines = ["", "sharded optimizer state (ZeRO-1/2, nothing overlapped; bytes per device "
+             "against data parallelism's f32 hierarchical all-reduce)",
+             f"{'nodes':>6} {'row':<18} {'step ms':>9} {'speedup':>8} {'comm %':>7} "
+             f"{'codec ms':>9} {'MB/device':>10} {'x DP':>6}"]  # fmt: skip
+    for n, r in result["nodes"].items():
+        for row in r.get("sharded", []):
+            lines.append(
+                f"{n:>6} {row['row']:<18} {row['step_s'] * 1e3:9.1f} {row['speedup']:7.2f}x "
+                f"{row['comm_fraction'] * 100:6.1f}% {row['codec_s'] * 1e3:9.2f} "
+                f"{row['wire_bytes'] / 1e6:10.1f} {row['wire_bytes'] / r['dp_wire_bytes']:6.3f}"
+            )
+    return lines
 
 
 def plot(result: dict[str, Any], path: str) -> None:

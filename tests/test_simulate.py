@@ -113,6 +113,42 @@ def test_rows_and_json(rn50, tmp_path):
     assert "+batching" in text and "halving_doubling" in text and "(ceiling)" in text
 
 
+@pytest.mark.parametrize("nodes", [1, 16, 128])
+def test_sharded_f32_sends_a_hierarchical_all_reduce(nodes):
+    # ZeRO's reduce-scatter + all-gather are the halves of the hierarchical all-reduce:
+    # the same bytes per device, and about its time (the inter stage a ring, not NCCL's
+    # faster of ring and tree)
+    topo = T.fat_tree(nodes, 16, 8, oversubscription=2)
+    n = 240e6
+    f32 = cost.sharded_time(n, topo)
+    g, m = topo.devices_per_node, topo.num_nodes
+    assert f32["wire_bytes"] == pytest.approx(2 * ((g - 1) / g * n + (m - 1) / m * n / g))
+    assert f32["comm_s"] == pytest.approx(cost.predict("hierarchical", n, topo), rel=0.05)
+    assert f32["codec_s"] == 0.0
+    # ZeRO++: int8 gradients and bf16 param gathers at most 0.4x of the bytes
+    q = cost.sharded_time(n, topo, grad=cost.parse_compression("int8"),
+                          params=cost.parse_compression("bf16"), codec=cost.H200_CODEC)  # fmt: skip
+    assert q["wire_bytes"] <= 0.4 * f32["wire_bytes"]
+    assert q["codec_s"] > 0 and q["comm_s"] < f32["comm_s"]
+
+
+def test_sharded_rows_beside_the_stacked_ones(rn50):
+    res = simulate.simulate(rn50, lambda n: T.fat_tree(n, 16, 8, oversubscription=2), [16, 64],
+                            codec=cost.H200_CODEC)  # fmt: skip
+    for n in ("16", "64"):
+        node = res["nodes"][n]
+        rows = node["sharded"]
+        assert [r["row"] for r in rows] == [name for name, *_ in simulate.SHARDED_ROWS]
+        assert rows[0]["wire_bytes"] == pytest.approx(node["dp_wire_bytes"])
+        assert rows[1]["wire_bytes"] < 0.4 * node["dp_wire_bytes"]
+        base = node["rows"][0]["step_s"]
+        for r in rows:  # nothing overlapped: compute plus every collective and its codec
+            assert r["step_s"] == pytest.approx(rn50.compute_s + r["comm_s"])
+            assert r["speedup"] == pytest.approx(base / r["step_s"])
+    text = simulate.format_tables(res)
+    assert "sharded int8+bf16" in text and "x DP" in text
+
+
 def test_cli_writes_json_and_png(tmp_path, capsys):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
     rc = simulate.main(
