@@ -75,6 +75,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomm import outputs, xla_cpu
 from jaxcomm.axis_names import bind, bound_names, check_axis_name
 from jaxcomm.collectives import check_axes
+from jaxcomm.compression.adaptive import AdaptiveState
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
@@ -125,10 +126,14 @@ class _Log(NamedTuple):
 
 class _Recording:
     """Stands in for ``nnx.Optimizer.tx`` while the step is traced: records each update and
-    the syncs it ran (optax's extra argument ``sync_request``)."""
+    the syncs it ran (optax's extra argument ``sync_request``); with ``communicate=False``
+    (the compute-only twin) every sync passes the gradients through."""
 
-    def __init__(self, tx: optax.GradientTransformation, log: _Log, old: dict):
+    def __init__(
+        self, tx: optax.GradientTransformation, log: _Log, old: dict, communicate: bool = True
+    ):
         self._tx, self._log, self._old = accepting_requests(tx), log, old
+        self._communicate = communicate
         self.init = tx.init
 
     def update(self, grads, state, params=None, **kwargs):
@@ -143,8 +148,9 @@ class _Recording:
         # The transform sees the invariant params (weight decay must not make the update
         # vary); the model holds varying copies only so that gradients are per device.
         invariant = jax.tree.map(lambda p: self._old.get(id(p), p), params)
-        _refuse_averaged_gradients(grads)
-        request = SyncRequest(found=self._log.syncs)
+        if self._communicate:  # the twin runs unchecked: every value is typed invariant
+            _refuse_averaged_gradients(grads)
+        request = SyncRequest(communicate=self._communicate, found=self._log.syncs)
         updates, state = self._tx.update(grads, state, invariant, sync_request=request, **kwargs)
         self._log.updates.append((params, updates))
         return updates, state
@@ -265,6 +271,40 @@ def _marked(objs: tuple, state: Any) -> list[bool]:
     return [any(p[: len(q)] == q for q in prefixes) for p in paths]
 
 
+def _adaptive_fields(objs: tuple, state: Any) -> list[dict[str, int]]:
+    """Per adaptive compressor in the opt_state of an ``nnx.Optimizer`` / ``TrainState``
+    argument: the index, among the leaves of ``state`` (``nnx.split(objs)``), of each of
+    its :class:`AdaptiveState` fields but the residual."""
+    is_adaptive = lambda x: isinstance(x, AdaptiveState)  # noqa: E731
+    prefixes = []
+    for i, o in enumerate(objs):
+        if isinstance(o, nnx.Optimizer | TrainState):
+            flat = jax.tree_util.tree_flatten_with_path(o.opt_state, is_leaf=is_adaptive)[0]
+            prefixes += [(i, "opt_state", *_plain(p)) for p, x in flat if is_adaptive(x)]
+    paths = [_plain(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    out = []
+    for q in prefixes:
+        fields = {p[len(q)]: j for j, p in enumerate(paths) if p[: len(q)] == q}
+        fields.pop("residual", None)
+        out.append(fields)
+    return out
+
+
+def _adaptive_views(leaves: list, fields: list[dict[str, int]]) -> list[AdaptiveState]:
+    """The :class:`AdaptiveState` of each adaptive compressor, read from flat ``leaves``
+    (its residual left out)."""
+    return [AdaptiveState(residual=(), **{f: leaves[j] for f, j in fs.items()}) for fs in fields]
+
+
+def _with_adaptive(leaves: list, fields: list[dict[str, int]], states: list) -> list:
+    """``leaves`` with the fields (but the residual) of each of ``states`` written back."""
+    leaves = list(leaves)
+    for fs, a in zip(fields, states, strict=True):
+        for f, j in fs.items():
+            leaves[j] = getattr(a, f)
+    return leaves
+
+
 def _check_metrics(objs: Any) -> None:
     for _, node in nnx.iter_graph(objs):
         if isinstance(node, nnx.metrics.Metric) and not isinstance(
@@ -285,6 +325,8 @@ class NnxDataParallel:
       mesh: the mesh the step runs on (its axes typed ``Auto``, see the module docstring).
       axes: data-parallel axis names.
       per_device_paths: optimizer-state leaves stored per device (after the first call).
+      syncs: the ``GradientSync`` of each ``sync_gradients`` the step runs (after the
+        first call).
     """
 
     def __init__(
@@ -306,20 +348,34 @@ class NnxDataParallel:
             mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
         )
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
+        self.batch_sharding = NamedSharding(self.mesh, P(self.axes))
         self.check_replicas = check_replicas
         self._plans: dict = {}
         self.per_device_paths: list[str] = []
+        self.syncs: list = []  # the GradientSync of each sync_gradients the step runs
         self._calls = 0
+        self._feedback: Any = None  # set_feedback: the measured share goes into each step
+        self._feedback_step: Any = None
+        self._fields: list[dict[str, int]] = []  # where each AdaptiveState's fields are
         functools.update_wrapper(self, fn)
 
     # -- inside shard_map -------------------------------------------------------------
-    def _stacked_step(self, plan, leaves, args):
-        """The step inside shard_map: per-device leaves come and go with their device axis."""
+    def _stacked_step(self, plan, leaves, args, share=None, *, write=None, communicate=True):
+        """The step inside shard_map: per-device leaves come and go with their device axis.
+
+        With ``share`` (the measured communication share, one value per device), its mean
+        over the devices is written into every adaptive compressor's state by
+        ``write(states, share)`` before the step; with ``communicate=False`` every sync
+        passes the gradients through (the compute-only twin)."""
         per = plan[3]
-        result, out = self._local(plan, unstack_leaves(leaves, per), args)
+        leaves = unstack_leaves(leaves, per)
+        if share is not None:
+            views = write(_adaptive_views(leaves, self._fields), lax.pmean(share[0], self.axes))
+            leaves = _with_adaptive(leaves, self._fields, views)
+        result, out = self._local(plan, leaves, args, communicate=communicate)
         return stack_leaves(result, per), out
 
-    def _local(self, plan, leaves, args, rec=None):
+    def _local(self, plan, leaves, args, rec=None, *, communicate=True):
         """One device's step on its local leaves; returns the new leaves and outputs."""
         graphdef, treedef, kinds, _, nodes = plan
         dev = lax.axis_index(self.axes)
@@ -337,7 +393,7 @@ class NnxDataParallel:
         index = {id(v): i for i, (v, k) in enumerate(zip(inside, kinds, strict=True))}
         log = _Log([], [])
         objs, restore, has_opt = self._enter(
-            graphdef, jax.tree.unflatten(treedef, inside), log, old
+            graphdef, jax.tree.unflatten(treedef, inside), log, old, communicate
         )
         try:
             names = bind(self._aliases, axes=self.axes, where=self._name)
@@ -345,6 +401,8 @@ class NnxDataParallel:
                 out = self._fn(*self._fill(nodes, objs, args))
         finally:
             restore()
+        if rec is not None:
+            rec["syncs"] = log.syncs
         if has_opt and not log.syncs:
             raise ValueError(
                 f"{self._name}: the optimizer's transform never synchronises gradients, so "
@@ -450,6 +508,7 @@ class NnxDataParallel:
             rec: dict = {"varying_update": []}
             self._local((graphdef, treedef, kinds, None, nodes), lv, a, rec)
             self._refuse_varying(rec, kinds, marked, paths)
+            self.syncs = list({id(x): x for x in rec["syncs"]}.values())
             return rec["vary"]
 
         per = infer_per_device(
@@ -476,18 +535,24 @@ class NnxDataParallel:
             ),
         )
         plan = (graphdef, treedef, kinds, per, nodes)
-        specs = leaf_specs(leaves, per, self.axes)
-        step = jax.jit(
-            jax.shard_map(
-                functools.partial(self._stacked_step, plan),
-                mesh=self.mesh,
-                in_specs=(specs, P(self.axes)),
-                out_specs=(specs, P()),
-                check_vma=True,
-            )
-        )
+        step = self._jit(plan, leaf_specs(leaves, per, self.axes))
         self._plans[key] = (plan, step)
         return plan, step
+
+    def _jit(self, plan, specs, *, write=None, communicate=True):
+        """The jitted shard_map of the step; with ``write`` (a feedback's) it takes the
+        measured share as a third input; ``communicate=False``: the compute-only twin, its
+        params drifting apart, so unchecked by shard_map's replication check."""
+        body = functools.partial(self._stacked_step, plan, write=write, communicate=communicate)
+        return jax.jit(
+            jax.shard_map(
+                body,
+                mesh=self.mesh,
+                in_specs=(specs, P(self.axes), *((P(self.axes),) if write else ())),
+                out_specs=(specs, P()),
+                check_vma=communicate,
+            )
+        )
 
     def _refuse_varying(self, rec: dict, kinds, marked, paths: list[str]) -> None:
         """Refuses what a traced step left varying across devices that must agree: an
@@ -529,7 +594,9 @@ class NnxDataParallel:
                 )
 
     # -- call -------------------------------------------------------------------------
-    def __call__(self, *args):
+    def _prepare(self, args: tuple) -> tuple:
+        """The step's graph objects, its plan and jitted step, and its inputs on the mesh:
+        ``(objs, state, plan, step, leaves, data)``."""
         nodes = [self._is_node(a) for a in args]
         objs = tuple(a for a, n in zip(args, nodes, strict=True) if n)
         data = [None if n else a for a, n in zip(args, nodes, strict=True)]
@@ -538,7 +605,7 @@ class NnxDataParallel:
         graphdef, state, kinds = self._split(objs)
         leaves, treedef = jax.tree.flatten(state)
         data = self._shard(data)
-        (_, _, _, per, _), step = self._plan(
+        plan, step = self._plan(
             graphdef, treedef, kinds, leaves, tuple(nodes), data, _marked(objs, state)
         )
         stacked = NamedSharding(self.mesh, P(self.axes))
@@ -551,14 +618,95 @@ class NnxDataParallel:
                 return x  # stacked by an earlier call
             return jax.device_put(jnp.broadcast_to(x, (self.num_devices, *np.shape(x))), stacked)
 
-        leaves = [put(x, f) for x, f in zip(leaves, per, strict=True)]
-        new, out = step(leaves, data)
+        leaves = [put(x, f) for x, f in zip(leaves, plan[3], strict=True)]
+        return objs, state, plan, step, leaves, data
+
+    def __call__(self, *args):
+        objs, _, plan, step, leaves, data = self._prepare(args)
+        if self._feedback is None:
+            new, out = step(leaves, data)
+        else:
+            new, out = self._feedback_step(leaves, data, self._feedback.before_step())
         if xla_cpu.one_step_in_flight(self.mesh):
             jax.block_until_ready(new)
         self._calls += 1
         if self.check_replicas and self._calls % self.check_replicas == 0:
             _check_replicas(key_data(new), mesh=self.mesh, what=f"state (step {self._calls})")
-        return self._write_back(objs, jax.tree.unflatten(treedef, new), out)
+        if self._feedback is not None:
+            self._feedback.after_step(new)
+        return self._write_back(objs, jax.tree.unflatten(plan[1], new), out)
+
+    # -- what jaxcomm.CommProfiler.drive reads -----------------------------------------
+    def drive_inputs(self, *args) -> tuple[list, Any]:
+        """The inputs of the compiled step for these arguments (as the step is called):
+        ``(leaves, batch)``, the state's flat leaves and the batch on the mesh, for
+        ``jaxcomm.CommProfiler.drive``, which times the step on them several times.
+
+        Returns:
+          ``(leaves, batch)``; the first is the state :meth:`adaptive_states` reads.
+        """
+        objs, state, _, _, leaves, data = self._prepare(args)
+        self._fields = _adaptive_fields(objs, state)
+        return leaves, data
+
+    def set_feedback(self, feedback: Any, *args) -> Any:
+        """Feeds a measurement into every later step, and compiles that step now.
+
+        From now on each call passes ``feedback.before_step()`` (an f32 array of one
+        value per device, laid out like the batch: the measured communication share) into
+        the step as an explicit input; inside, its mean over the devices is written into
+        every adaptive compressor's state with ``feedback.write(states, share)`` before the
+        user's step runs, and the new state's leaves go to ``feedback.after_step(leaves)``.
+        ``jaxcomm.CommProfiler.drive`` is the feedback that measures the share; users call
+        that.
+
+        Args:
+          feedback: an object with ``before_step() -> jax.Array``,
+            ``write(states, share) -> states`` (traced) and ``after_step(leaves)``.
+          *args: the step's arguments, as it is called (it is compiled for them).
+
+        Returns:
+          The ``jax.stages.Compiled`` step: ``compiled(leaves, batch, share)``.
+        """
+        objs, state, plan, _, leaves, data = self._prepare(args)
+        self._fields = _adaptive_fields(objs, state)
+        step = self._jit(plan, leaf_specs(leaves, plan[3], self.axes), write=feedback.write)
+        share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self.batch_sharding)
+        self._feedback_step = step.lower(leaves, data, share).compile()
+        self._feedback = feedback
+        return self._feedback_step
+
+    def compile(self, *args, communicate: bool = True) -> Any:
+        """The step compiled for these arguments (as the step is called).
+
+        Args:
+          *args: the step's arguments.
+          communicate: False builds the compute-only twin: every ``sync_gradients`` passes
+            the gradients through (no gradient collective; the params drift apart, so no
+            replication check). It returns the new state without writing it back.
+
+        Returns:
+          A ``jax.stages.Compiled`` step ``compiled(*drive_inputs(*args))`` returning the
+          new state's leaves and the outputs.
+
+        Example:
+          >>> twin = train_step.compile(model, optimizer, metrics, batch, communicate=False)
+          >>> jaxcomm.wire_bytes(twin, mesh=mesh)["total"]   # the metrics' scalars only
+        """
+        _, _, plan, _, leaves, data = self._prepare(args)
+        step = self._jit(plan, leaf_specs(leaves, plan[3], self.axes), communicate=communicate)
+        return step.lower(leaves, data).compile()
+
+    def adaptive_states(self, leaves: list) -> list[AdaptiveState]:
+        """The state of each adaptive compressor, read from the step's state ``leaves``
+        (as :meth:`drive_inputs` returns them and the step updates them); the residual is
+        left out."""
+        return _adaptive_views(leaves, self._fields)
+
+    def replace_adaptive(self, leaves: list, fn: Callable) -> list:
+        """``leaves`` with ``fn`` applied to each adaptive compressor's state (its fields
+        but the residual)."""
+        return _with_adaptive(leaves, self._fields, [fn(a) for a in self.adaptive_states(leaves)])
 
     # -- NNX: graph nodes, Variable types, in-place updates ----------------------------
     _name = "nnx_data_parallel"
@@ -583,12 +731,12 @@ class NnxDataParallel:
         return graphdef, state, tuple(kinds)
 
     @staticmethod
-    def _enter(graphdef, state, log: _Log, old: dict):
+    def _enter(graphdef, state, log: _Log, old: dict, communicate: bool = True):
         objs = nnx.merge(graphdef, state)
         opts = [o for _, o in nnx.iter_graph(objs) if isinstance(o, nnx.Optimizer)]
         txs = [o.tx for o in opts]
         for o in opts:
-            o.tx = _Recording(o.tx, log, old)
+            o.tx = _Recording(o.tx, log, old, communicate)
 
         def restore():
             for o, tx in zip(opts, txs, strict=True):
@@ -691,8 +839,8 @@ class LinenDataParallel(NnxDataParallel):
         return None, objs, tuple(_linen_kind(p, x) for p, x in flat)
 
     @staticmethod
-    def _enter(graphdef, states, log: _Log, old: dict):
-        states = tuple(s.replace(tx=_Recording(s.tx, log, old)) for s in states)
+    def _enter(graphdef, states, log: _Log, old: dict, communicate: bool = True):
+        states = tuple(s.replace(tx=_Recording(s.tx, log, old, communicate)) for s in states)
         return states, lambda: None, bool(states)
 
     @staticmethod

@@ -185,6 +185,16 @@ class PmapDataParallel(LinenDataParallel):
             leaves[i] = r
         return jax.tree.unflatten(treedef, leaves)
 
+    def drive_inputs(self, *args):
+        """Refuses ``jaxcomm.CommProfiler.drive``: it reads and times the step's state in
+        the global layout, not in pmap's per-device rows."""
+        raise TypeError(
+            "CommProfiler.drive does not drive a pmap_data_parallel step (its state comes "
+            "and goes in pmap's per-device rows); decorate the step with "
+            "jaxcomm.linen_data_parallel(mesh, axis_name=...) and pass the state unreplicated "
+            "(flax.jax_utils.unreplicate) and the global batch to drive it."
+        )
+
     def __call__(self, *args):
         """Runs the step on pmap-layout arguments; returns pmap-layout outputs."""
         states = tuple(a for a in args if _is_state(a))

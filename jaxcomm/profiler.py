@@ -50,7 +50,6 @@ from jaxcomm import hlo, wire
 from jaxcomm.compression.adaptive import (
     REASONS,
     AdaptiveState,
-    adaptive_states,
     ladder,
     with_comm_share,
 )
@@ -72,6 +71,9 @@ def compute_only_step(dp: Any, state: Any, batch: Any) -> Callable:
 
     Returns:
       A callable ``twin(state, batch)`` running the step without gradient collectives.
+
+    Example:
+      >>> twin = compute_only_step(dp, state, dp.shard_batch(batch))
     """
     return dp.compile(state, batch, communicate=False)
 
@@ -269,24 +271,27 @@ class CommProfiler:
 
     def drive(
         self,
-        dp: Any,
-        state: Any,
-        batch: Any,
-        *,
+        step: Any,
+        *args: Any,
         twin_reps: int = 3,
         calibrate: bool = True,
         retime_twin: int = 10,
     ) -> CommProfiler:
-        """Puts the measured network in the loop of ``dp``'s adaptive compressors.
+        """Puts the measured network in the loop of ``step``'s adaptive compressors.
 
-        After this one call, every ``dp(state, batch)`` passes the exposed communication
+        ``step`` is a :class:`jaxcomm.DataParallel` (``drive(dp, state, batch)``), a
+        :func:`jaxcomm.nnx_data_parallel` step (``drive(train_step, model, optimizer,
+        metrics, batch)``: its arguments, as it is called) or a
+        :func:`jaxcomm.linen_data_parallel` step (``drive(train_step, state, batch)``).
+        After this one call, every call of ``step`` passes the exposed communication
         share measured over the last window into the step (an explicit input, written into
         each :class:`~jaxcomm.compression.AdaptiveState` by
         :func:`~jaxcomm.compression.with_comm_share`), and every level change is logged
         with its reason (JSON lines, TensorBoard).
 
-        1. Compile ``dp``'s step with the share as a third input (the HLO census of
-           :meth:`attach` is read from it); time the compute-only twin (``compute_time``).
+        1. Compile the step with the share as an extra input (the HLO census of
+           :meth:`attach` is read from it); time the compute-only twin (``compute_time``:
+           the same step with every ``sync_gradients`` passing gradients through).
         2. Windows are the adaptive compressor's ``adjustment_step`` steps (aligned with
            its ``window_steps``). At a window's end the driver waits for the state (one
            host synchronisation per window) and measures ``step_time`` = the window's wall
@@ -310,10 +315,11 @@ class CommProfiler:
         The share counts all the twin does not run (host time included) as communication.
 
         Args:
-          dp: a :class:`jaxcomm.DataParallel` whose optimizer holds at least one
+          step: a :class:`jaxcomm.DataParallel`, :class:`jaxcomm.nnx.NnxDataParallel` or
+            :class:`jaxcomm.nnx.LinenDataParallel` whose optimizer holds at least one
             ``sync_gradients(compression=adaptive(...))``.
-          state: its current state (the windows align with its ``window_steps``).
-          batch: an example batch.
+          *args: its arguments as it is called (the state or the NNX objects, current:
+            the windows align with their ``window_steps``; and an example batch).
           twin_reps: timed runs of the compute-only twin (and of each rung).
           calibrate: time each rung once to separate its kernels from communication
             (one adaptive compressor only; see step 3).
@@ -325,10 +331,11 @@ class CommProfiler:
           rung (s; zeros without ``calibrate``, empty with several adaptive compressors).
 
         Raises:
-          TypeError: ``dp`` is not a :class:`jaxcomm.DataParallel`.
-          ValueError: no adaptive compressor in ``state.opt_state``, several with
-            different ``adjustment_step``, or ``accumulate='overlap'`` (the compressor
-            then counts reductions, not steps).
+          TypeError: ``step`` is none of those (:func:`jaxcomm.pmap_data_parallel`
+            included: its state is stored per device).
+          ValueError: no adaptive compressor in the optimizer state, several with
+            different ``adjustment_step``, ``donate=True`` or ``accumulate='overlap'``
+            (the compressor then counts reductions, not steps).
 
         Example:
           >>> prof = jaxcomm.CommProfiler(log_file="adapt.jsonl")
@@ -336,28 +343,35 @@ class CommProfiler:
           >>> for batch in data:
           ...     state, metrics = dp(state, batch)
           >>> prof.level_changes[0]["reason"]
+
+          With Flax NNX (Linen: ``prof.drive(train_step, state, batch)``):
+
+          >>> prof.drive(train_step, model, optimizer, metrics, batch)
+          >>> for batch in data:
+          ...     train_step(model, optimizer, metrics, batch)
         """
         twin_reps = check_int("twin_reps", twin_reps, minimum=1)
         retime_twin = check_int(
             "retime_twin", retime_twin, minimum=0, fix="windows between twin re-timings; 0: never"
         )
-        found, window = _drivable(dp, state)
-        batch = dp.shard_batch(batch)
-        driver = _Driver(self, dp, window, int(np.asarray(found[0].window_steps)))
-        compiled = dp.set_feedback(driver, state, batch)
-        ladders = _ladders(dp)
+        inputs = _front_end(step).drive_inputs(*args)
+        found, window = _drivable(step, inputs[0])
+        driver = _Driver(self, step, window, int(np.asarray(found[0].window_steps)))
+        compiled = step.set_feedback(driver, *args)
+        ladders = _ladders(step)
         driver.ladders = ladders if len(ladders) == len(found) else None
-        self.module = hlo.parse_collectives(compiled.as_text(), mesh=dp.mesh)
+        self.module = hlo.parse_collectives(compiled.as_text(), mesh=step.mesh)
         self.wire = wire.summarize(self.module)
-        twin = compute_only_step(dp, state, batch)
-        self.compute_time = median_time(twin, (state, batch), twin_reps)
+        twin = step.compile(*args, communicate=False)
+        self.compute_time = median_time(twin, inputs, twin_reps)
         driver.levels = [int(np.asarray(a.level)) for a in found]
         rungs = len(ladders[0]) if len(found) == 1 and driver.ladders else 0
         self.kernel_times = [0.0] * rungs
         if calibrate and rungs > 1:
             share = driver._put(-1.0)
+            rest = (*inputs[1:], share)
             times = [
-                median_time(compiled, (_at_level(state, lv), batch, share), twin_reps)
+                median_time(compiled, (_at_level(step, inputs[0], lv), *rest), twin_reps)
                 for lv in range(rungs)
             ]
             self.kernel_times = _kernel_times(times, self.compute_time, ladders[0].wire)
@@ -365,7 +379,7 @@ class CommProfiler:
         driver.compute0 = self.compute_time
         driver.recent = [self.compute_time]
         if retime_twin > 0:
-            driver.twin, driver.retime = (twin, batch), retime_twin
+            driver.twin, driver.retime = (twin, inputs[1:]), retime_twin
         return self
 
     # -- recording ----------------------------------------------------------------------
@@ -451,26 +465,40 @@ class CommProfiler:
             self._tb.close()
 
 
-def _drivable(dp: Any, state: Any) -> tuple[list[AdaptiveState], int]:
-    """The adaptive states of ``state`` and their one window, or a clear error for a step
-    :meth:`CommProfiler.drive` cannot drive."""
-    if not hasattr(dp, "set_feedback"):
+_FRONT_END = ("drive_inputs", "set_feedback", "compile", "adaptive_states", "replace_adaptive")
+
+
+def _front_end(step: Any) -> Any:
+    """``step`` if it is a front end :meth:`CommProfiler.drive` can drive, else a clear error.
+
+    A front end has ``mesh``, ``num_devices``, ``batch_sharding`` (how the share's one
+    value per device is laid out), ``syncs`` (the ``GradientSync`` of each
+    ``sync_gradients`` its step runs) and these methods, each taking the step's arguments
+    as it is called or the program's state (the first of ``drive_inputs``):
+
+    - ``drive_inputs(*args)``: the inputs of the compiled programs below, placed on the
+      mesh (the state first); refuses a step that cannot be driven.
+    - ``set_feedback(feedback, *args)``: compiles the step with the share as its last
+      input, written into the optimizer state by ``feedback.write(opt_state, share)``
+      inside the step; every later call passes ``feedback.before_step()`` and hands the
+      new state to ``feedback.after_step(state)``. Returns the compiled step.
+    - ``compile(*args, communicate=False)``: the compiled compute-only twin.
+    - ``adaptive_states(state)``: the ``AdaptiveState`` of each adaptive compressor.
+    - ``replace_adaptive(state, fn)``: ``state`` with ``fn`` applied to each of them.
+    """
+    if not all(callable(getattr(step, m, None)) for m in _FRONT_END):
         raise TypeError(
-            f"CommProfiler.drive needs a jaxcomm.DataParallel (from jaxcomm.data_parallel), "
-            f"got {type(dp).__name__}."
+            f"CommProfiler.drive drives a jaxcomm.DataParallel (jaxcomm.data_parallel) or a "
+            f"step decorated with jaxcomm.nnx_data_parallel / jaxcomm.linen_data_parallel, "
+            f"got {type(step).__name__}; build the step with one of those."
         )
-    if getattr(dp, "_donate", False):
-        raise ValueError(
-            "CommProfiler.drive times the compute-only twin and each rung on the state "
-            "you pass (several runs of it), but data_parallel(donate=True) consumes the "
-            "state's buffers on every step; build the step with donate=False to drive it."
-        )
-    if dp.microbatches > 1 and dp.accumulate == "overlap":
-        raise ValueError(
-            "CommProfiler.drive: accumulate='overlap' reduces every microbatch, so the "
-            "adaptive windows would count reductions, not steps; use accumulate='local'."
-        )
-    found = adaptive_states(state.opt_state)
+    return step
+
+
+def _drivable(dp: Any, state: Any) -> tuple[list[AdaptiveState], int]:
+    """The adaptive states of ``state`` (the program's state) and their one window, or a
+    clear error for a step :meth:`CommProfiler.drive` cannot drive."""
+    found = dp.adaptive_states(state)
     if not found:
         raise ValueError(
             "CommProfiler.drive: the optimizer state holds no adaptive compressor; use "
@@ -514,28 +542,24 @@ def _kernel_times(times: list[float], compute: float, fractions: tuple[float, ..
     ]
 
 
-def _at_level(state: Any, level: int) -> Any:
-    """``state`` with every adaptive compressor at rung ``level`` (new level arrays only;
-    the other leaves are shared, so the copy costs nothing)."""
+def _at_level(dp: Any, state: Any, level: int) -> Any:
+    """``state`` (``dp``'s program state) with every adaptive compressor at rung ``level``
+    (new level arrays only; the other leaves are shared, so the copy costs nothing)."""
 
-    def visit(node):
-        if not isinstance(node, AdaptiveState):
-            return node
+    def put(like, value):
+        value = np.asarray(value, like.dtype)
+        return jax.make_array_from_callback(like.shape, like.sharding, lambda _: value)
 
-        def put(like, value):
-            value = np.asarray(value, like.dtype)
-            return jax.make_array_from_callback(like.shape, like.sharding, lambda _: value)
-
-        # A fresh window too: a state at a window's end would let the controller change
-        # the rung inside the timed step.
-        return node._replace(
+    # A fresh window too: a state at a window's end would let the controller change the
+    # rung inside the timed step.
+    return dp.replace_adaptive(
+        state,
+        lambda node: node._replace(
             level=put(node.level, level),
             window_steps=put(node.window_steps, 0),
             error_sum=put(node.error_sum, 0.0),
-        )
-
-    is_adaptive = lambda n: isinstance(n, AdaptiveState)  # noqa: E731
-    return state._replace(opt_state=jax.tree.map(visit, state.opt_state, is_leaf=is_adaptive))
+        ),
+    )
 
 
 class _Scalars(NamedTuple):
@@ -548,15 +572,16 @@ class _Scalars(NamedTuple):
 
 
 class _Driver:
-    """The feedback of :meth:`CommProfiler.drive` (``DataParallel.set_feedback``)."""
+    """The feedback of :meth:`CommProfiler.drive` (the front end's ``set_feedback``)."""
 
     def __init__(self, prof: CommProfiler, dp: Any, window: int, phase: int):
         self.prof = prof
+        self._front = dp
         self.window = window
         self.levels: list[int] = []
         self.ladders: list | None = None
         self.kernel: list[float] = [0.0]  # drive(): each rung's kernel time (s)
-        self.twin: tuple | None = None  # drive(retime_twin=True): (twin, example batch)
+        self.twin: tuple | None = None  # drive(retime_twin=N): (twin, its other inputs)
         self.compute0 = 0.0  # the twin's time when the kernels were calibrated
         self.recent: list[float] = []  # the twin's last timed runs
         self.retime = 0  # windows between twin runs
@@ -603,7 +628,7 @@ class _Driver:
         self._windows += 1
         if self.twin is not None and self._windows % self.retime == 0:
             fn, example = self.twin  # the load now, out of the windows' clock
-            jax.block_until_ready(fn(state, example))
+            jax.block_until_ready(fn(state, *example))
             self.recent = [*self.recent, self._clock() - now][-3:]
             self.prof.compute_time = float(np.median(self.recent))
         # The next window's clock starts at its first step: a pause between windows
@@ -613,7 +638,7 @@ class _Driver:
         found = jax.device_get(
             [_Scalars(a.level, a.error_sum, a.window_steps, a.last_error, a.last_reason,
                       a.comm_share)
-             for a in adaptive_states(state.opt_state)]
+             for a in self._front.adaptive_states(state)]
         )  # fmt: skip
         # The rung the window ran (decisions are taken at a window's first step).
         compute = self.prof.compute_time or 0.0

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomm import ordering, outputs, xla_cpu
 from jaxcomm.axis_names import bind
 from jaxcomm.collectives import allreduce_floats, check_axes
+from jaxcomm.compression.adaptive import AdaptiveState, adaptive_states
 from jaxcomm.compression.cast import Fp16State
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import agree, check_same_on_processes
@@ -929,6 +930,40 @@ class DataParallel:
         self._compiled_step = self.compile(state, batch, feedback=feedback)
         self._feedback = feedback
         return self._compiled_step
+
+    # -- what jaxcomm.CommProfiler.drive reads --------------------------------------------
+    def drive_inputs(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+        """The inputs of the compiled step (``state``, the batch on the mesh), for
+        ``jaxcomm.CommProfiler.drive``, which times the step on them several times.
+
+        Raises:
+          ValueError: ``donate=True`` (each run consumes the state), or
+            ``accumulate='overlap'`` (the adaptive windows would count reductions).
+        """
+        if self._donate:
+            raise ValueError(
+                "CommProfiler.drive times the compute-only twin and each rung on the state "
+                "you pass (several runs of it), but data_parallel(donate=True) consumes the "
+                "state's buffers on every step; build the step with donate=False to drive it."
+            )
+        if self._overlapped:
+            raise ValueError(
+                "CommProfiler.drive: accumulate='overlap' reduces every microbatch, so the "
+                "adaptive windows would count reductions, not steps; use accumulate='local'."
+            )
+        return state, self.shard_batch(batch)
+
+    @staticmethod
+    def adaptive_states(state: TrainState) -> list[AdaptiveState]:
+        """The state of each adaptive compressor in ``state.opt_state``, in tree order."""
+        return adaptive_states(state.opt_state)
+
+    @staticmethod
+    def replace_adaptive(state: TrainState, fn: Callable) -> TrainState:
+        """``state`` with ``fn`` applied to each adaptive compressor's state."""
+        visit = lambda n: fn(n) if isinstance(n, AdaptiveState) else n  # noqa: E731
+        is_adaptive = lambda n: isinstance(n, AdaptiveState)  # noqa: E731
+        return state._replace(opt_state=jax.tree.map(visit, state.opt_state, is_leaf=is_adaptive))
 
     def compile(
         self, state: TrainState, batch: Any, *, feedback: Any = None, communicate: bool = True
