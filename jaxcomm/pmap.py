@@ -80,34 +80,19 @@ class PmapDataParallel(LinenDataParallel):
         # each device reads (or writes) its own row. Unchecked on purpose (check_vma=False):
         # the rows of a replicated leaf are equal by construction (jax_utils.replicate, or
         # a step's output proven invariant).
-        self._rows_to_replicas = jax.jit(
-            jax.shard_map(
-                lambda xs: [x[0] for x in xs],
-                mesh=self.mesh,
-                in_specs=stacked,
-                out_specs=rep,
-                check_vma=False,
-            )
-        )
-        self._replicas_to_rows = jax.jit(
-            jax.shard_map(
-                lambda xs: [x[None] for x in xs],
-                mesh=self.mesh,
-                in_specs=rep,
-                out_specs=stacked,
-                check_vma=False,
-            )
-        )
+        self._rows_to_replicas = self._per_device(lambda xs: [x[0] for x in xs], stacked, rep)
+        self._replicas_to_rows = self._per_device(lambda xs: [x[None] for x in xs], rep, stacked)
         # Outputs, one row per device on every device: each device keeps its own row.
-        self._own_rows = jax.jit(
-            jax.shard_map(
-                lambda xs: [x[lax.axis_index(self.axes)][None] for x in xs],
-                mesh=self.mesh,
-                in_specs=rep,
-                out_specs=stacked,
-                check_vma=False,
-            )
+        self._own_rows = self._per_device(
+            lambda xs: [x[lax.axis_index(self.axes)][None] for x in xs], rep, stacked
         )
+
+    def _per_device(self, fn: Callable, in_spec: P, out_spec: P) -> Callable:
+        """``fn`` on each device's own part of a list of arrays, jitted (no data moves)."""
+        mapped = jax.shard_map(
+            fn, mesh=self.mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False
+        )
+        return jax.jit(mapped)
 
     # -- inside shard_map ---------------------------------------------------------------
     def _body(self, *args):
