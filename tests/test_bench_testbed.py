@@ -33,3 +33,26 @@ def test_table_puts_each_method_beside_its_link_bound():
     assert "int8" in text and f"{res['int8']['link_efficiency']:.2f}" in text
     assert "50% of the shorter hidden" in text
     assert "3.00x" in text  # flat / int8
+
+
+def test_zero_testbed_rows_get_link_bound_and_efficiency():
+    from experiments.bench import zero
+
+    rows = {
+        "dp-f32": {"crossing_inter": 31.25e6, "step_s": 1.5},
+        "zero-int8-bf16": {"crossing_inter": 12.5e6, "step_s": 0.5},
+    }
+    zero.bookkeep(rows, 250e6, 0.1)
+    assert rows["dp-f32"]["link_bound_s"] == pytest.approx(1.0)  # 31.25 MB at 31.25 MB/s
+    assert rows["dp-f32"]["efficiency"] == pytest.approx(1.0 / 1.4)
+    assert rows["zero-int8-bf16"]["exposed_s"] == pytest.approx(0.4)
+    assert rows["zero-int8-bf16"]["efficiency"] == pytest.approx(0.4 / 0.4)
+    res = {"model": "m", "params": 1e6, "mesh": {"inter": 2, "intra": 2}, "link": "250mbit",
+           "compute_only_s": 0.1, "rows": {k: v | {"gradients": "f32", "param_gather": "-"}
+                                           for k, v in rows.items()}}  # fmt: skip
+    text = zero._testbed_table(res)
+    assert "1.000" in text and "0.71" in text and "zero-int8-bf16" in text
+    # no compute-only time or no link rate: no efficiency, no bound
+    zero.bookkeep(rows, 0, None)
+    assert rows["dp-f32"]["link_bound_s"] is None and rows["dp-f32"]["efficiency"] is None
+    assert "-" in zero._testbed_table(res)

@@ -7,12 +7,27 @@ synthetic loss whose gradient is ``2 p mean(x)``: the bytes depend on the shapes
 - bytes per device per step from the compiled HLO (``jaxcomm.wire_bytes``) and their
   ratio to f32 data parallelism, and the bytes that cross a node's link (``'inter'``);
 - the optimizer state one device holds (Adam), read from the arrays' shardings;
-- the step time on this machine (median of ``--steps`` after one warm-up step).
+- the step time on this machine (median of ``--steps`` after ``--warmup`` steps).
 
 Then the memory of Adam's state per device on ``--memory-model`` (ResNet-152 by default)
 from abstract shapes (nothing allocated), replicated and sharded; with ``--digits``, every
 row's test accuracy on the digits MLP (300 steps, seed 0; the quality guard). Table and
 JSON.
+
+Under ``python -m jaxcomm.testbed`` (one process per node, ``JAXCOMM_COORDINATOR`` set) it
+runs on the emulated network instead: the processes on ``'inter'``, their devices on
+``'intra'``, the same synthetic loss over ``--model``'s gradient shapes, and per row the
+step time (median of ``--steps`` timed steps after ``--warmup``, one host sync per step),
+the bytes that cross a node's link per step (``wire_bytes(..)['crossing']['inter']``),
+their line-rate time (the link bound: bytes * 8 / the link's bit/s), and the efficiency
+bound / exposed, where exposed is the step time minus the compute-only twin's (the same
+gradient and Adam update of the whole tree on one device, no collective). Every process
+compiles and runs every row in the same order; after the timed steps the replicated
+params are compared across all devices (``jaxcomm.check_replicas``).
+
+Example:
+  python -m jaxcomm.testbed --nodes 2 --devices-per-node 2 --link 250mbit -- \
+    python -m experiments.bench zero --rows dp-f32,zero-f32 --json out.json
 """
 
 from __future__ import annotations
@@ -51,7 +66,7 @@ def _loss(params, batch):
     return scale * sum(jnp.vdot(p, p) for p in jax.tree.leaves(params))
 
 
-def _row(mesh, params, batch, shard, grad, gather, steps):
+def _row(mesh, params, batch, shard, grad, gather, warmup, steps):
     import jaxcomm
     from jaxcomm.sharded import per_device_bytes
 
@@ -61,7 +76,7 @@ def _row(mesh, params, batch, shard, grad, gather, steps):
     state = dp.init(params)
     wire = jaxcomm.wire_bytes(dp.step_fn(state), state, dp.shard_batch(batch))
     times = []
-    for _ in range(steps + 1):
+    for _ in range(warmup + steps):
         t = time.perf_counter()
         state, metrics = dp(state, batch)
         jax.block_until_ready(state)
@@ -71,9 +86,142 @@ def _row(mesh, params, batch, shard, grad, gather, steps):
         "by_kind": wire["by_kind"],
         "crossing_inter": wire["crossing"].get("inter", 0.0),
         "opt_state_bytes_per_device": per_device_bytes(state.opt_state),
-        "step_ms": 1e3 * float(np.median(times[1:])),
+        "step_ms": 1e3 * float(np.median(times[warmup:])),
         "loss": float(metrics["loss"]),
     }
+
+
+TESTBED_ROWS = ("dp-f32", "dp-int8", "zero-f32", "zero-bf16", "zero-int8-bf16")
+
+
+def _compute_only(params, batch, warmup: int, steps: int) -> float:
+    """Median seconds of the step's compute alone: gradient and Adam update of the whole
+    tree on one local device, no collective (data parallelism's per-device compute; the
+    sharded rows run Adam on a 1/N slice, so for them it is an upper bound)."""
+    tx = optax.adam(1e-3)
+    dev = jax.local_devices()[0]
+    params, batch = jax.device_put((params, batch), dev)
+    opt = jax.device_put(tx.init(params), dev)  # committed, as the step's outputs are
+
+    @jax.jit
+    def step(params, opt, batch):
+        grads = jax.grad(_loss)(params, batch)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    times = []
+    for _ in range(max(warmup, 1) + steps):
+        t = time.perf_counter()
+        params, opt = jax.block_until_ready(step(params, opt, batch))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[max(warmup, 1) :]))
+
+
+def _testbed_row(mesh, params, batch, shard, grad, gather, warmup, steps):
+    import jaxcomm
+
+    tx = optax.chain(jaxcomm.sync_gradients(compression=_codec(grad)), optax.adam(1e-3))
+    kw = {"shard_optimizer": True, "param_gather": _codec(gather)} if shard else {}
+    dp = jaxcomm.data_parallel(_loss, tx, mesh, **kw)
+    state = dp.init(params)
+    local = dp.shard_batch(batch)
+    wire = jaxcomm.wire_bytes(dp.step_fn(state), state, local)
+    times = []
+    for _ in range(warmup + steps):
+        t = time.perf_counter()
+        state, metrics = dp(state, local)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t)
+    jaxcomm.check_replicas(state.params, mesh=mesh, what="params")
+    return {
+        "bytes": wire["total"],
+        "crossing_inter": wire["crossing"].get("inter", 0.0),
+        "step_s": float(np.median(times[warmup:])),
+        "step_times_s": times,
+        "loss": float(metrics["loss"]),
+    }
+
+
+def bookkeep(rows: dict, link_bps: float, compute_s: float | None) -> dict:
+    """Adds each row's link bound and efficiency, in place.
+
+    Args:
+      rows: ``{name: row}``, each with ``crossing_inter`` (bytes across a node's link per
+        step, one direction) and ``step_s``.
+      link_bps: the link's rate in bit/s (0: unknown, no bound).
+      compute_s: the compute-only step time, or None where there is none.
+
+    Returns:
+      ``rows``, each with ``link_bound_s`` (``crossing_inter * 8 / link_bps``), ``exposed_s``
+      (``step_s - compute_s``) and ``efficiency`` (bound / exposed; None where either is
+      unknown or exposed is not positive).
+    """
+    for r in rows.values():
+        bound = r["crossing_inter"] * 8 / link_bps if link_bps else None
+        exposed = None if compute_s is None else r["step_s"] - compute_s
+        r["link_bound_s"] = bound
+        r["exposed_s"] = exposed
+        r["efficiency"] = bound / exposed if bound is not None and exposed and exposed > 0 else None
+    return rows
+
+
+def run_testbed(model: str, rows: list[str], warmup: int, steps: int) -> dict:
+    """The rows on the emulated network (one process per node); see the module docstring."""
+    import jaxcomm
+    from jaxcomm.models import gradient_shapes
+
+    mesh = jaxcomm.make_mesh()  # the processes on 'inter', their devices on 'intra'
+    shapes = gradient_shapes(model)
+    rng = np.random.default_rng(0)  # the same params on every process
+    params = jax.tree.map(lambda s: (0.01 * rng.standard_normal(s.shape)).astype(s.dtype), shapes)
+    # each process passes its own part of the global batch (2 rows per device)
+    local = {"x": rng.normal(size=(2 * jax.local_device_count(), 4)).astype(np.float32)}
+    compute_s = _compute_only(params, {"x": local["x"][:2]}, warmup, steps)
+    out = {}
+    for name in rows:
+        shard, grad, gather = ROWS[name]
+        out[name] = _testbed_row(mesh, params, local, shard, grad, gather, warmup, steps) | {
+            "shard_optimizer": shard,
+            "gradients": grad or "f32",
+            "param_gather": gather or ("f32" if shard else "-"),
+        }
+        if jax.process_index() == 0:
+            print(f"done: {name} {out[name]['step_s']:.3f} s", flush=True)
+    link_bps = float(os.environ.get("JAXCOMM_TESTBED_LINK_BPS", 0))
+    bookkeep(out, link_bps, compute_s)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    return {
+        "model": model,
+        "params": n,
+        "loss": "synthetic: scale * sum |p|^2 over the model's gradient shapes",
+        "mesh": dict(mesh.shape),
+        "link": os.environ.get("JAXCOMM_TESTBED_LINK"),
+        "link_bps": link_bps,
+        "compute_only_s": compute_s,
+        "warmup": warmup,
+        "rows": out,
+    }
+
+
+def _testbed_table(res: dict) -> str:
+    m = res["mesh"]
+    lines = [
+        f"{res['model']} ({res['params'] / 1e6:.2f}M params, synthetic loss), "
+        f"{m['inter']} nodes x {m['intra']} devices, link {res['link']}, Adam; "
+        f"compute-only step {1e3 * res['compute_only_s']:.0f} ms",
+        f"{'row':16} {'grads':>6} {'params':>6} {'link MB':>8} {'bound s':>8} "
+        f"{'step s':>8} {'exposed s':>9} {'bound/exp':>9}",
+    ]
+    for name, r in res["rows"].items():
+        bound = "-" if r["link_bound_s"] is None else f"{r['link_bound_s']:.3f}"
+        exposed = "-" if r["exposed_s"] is None else f"{r['exposed_s']:.3f}"
+        eff = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+        lines.append(
+            f"{name:16} {r['gradients']:>6} {r['param_gather']:>6} "
+            f"{r['crossing_inter'] / 1e6:8.2f} {bound:>8} {r['step_s']:8.3f} {exposed:>9} "
+            f"{eff:>9}"
+        )
+    return "\n".join(lines)
 
 
 def memory(mesh, model: str) -> dict:
@@ -110,7 +258,7 @@ def digits(rows: list[str]) -> dict:
     return out
 
 
-def run(model: str, memory_model: str, rows: list[str], steps: int) -> dict:
+def run(model: str, memory_model: str, rows: list[str], steps: int, warmup: int = 1) -> dict:
     """The rows on ``model``'s gradient tree and the memory of ``memory_model``."""
     import jaxcomm
     from jaxcomm.models import gradient_shapes
@@ -123,7 +271,7 @@ def run(model: str, memory_model: str, rows: list[str], steps: int) -> dict:
     out = {}
     for name in rows:
         shard, grad, gather = ROWS[name]
-        out[name] = _row(mesh, params, batch, shard, grad, gather, steps) | {
+        out[name] = _row(mesh, params, batch, shard, grad, gather, warmup, steps) | {
             "shard_optimizer": shard,
             "gradients": grad or "f32",
             "param_gather": gather or ("f32" if shard else "-"),
@@ -169,37 +317,63 @@ def main(argv: list[str] | None = None) -> int:
         description="Sharded optimizer state (data_parallel(shard_optimizer=True)) beside "
         "data parallelism on 8 (fake) devices: bytes per step from the compiled HLO, Adam "
         "state per device from the arrays' shardings, step time; Adam state of "
-        "--memory-model from its shapes.",
+        "--memory-model from its shapes. Under python -m jaxcomm.testbed (one process per "
+        "node) it runs the rows on the emulated network instead: step time, the bytes "
+        "crossing a node's link, their line-rate time (link bound) and bound / exposed.",
     )
     p.add_argument("--model", default="resnet18", help="gradient tree of the rows")
     p.add_argument("--memory-model", default="resnet152", help="model of the memory line")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {list(ROWS)}")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one)")
+    p.add_argument(
+        "--rows",
+        default=None,
+        help=f"comma-separated, of {list(ROWS)} (default: all; under the testbed "
+        f"{','.join(TESTBED_ROWS)})",
+    )
+    p.add_argument("--steps", type=int, default=3, help="timed steps per row")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps per row before the timed ones"
+    )
     p.add_argument("--digits", action="store_true", help="also each row's digits accuracy")
     p.add_argument("--json", default="runs/zero_bench.json", help="output JSON path")
     args = p.parse_args(argv)
-    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    testbed = bool(os.environ.get("JAXCOMM_COORDINATOR"))  # under jaxcomm.testbed / launch
+    rows = args.rows or ",".join(TESTBED_ROWS if testbed else ROWS)
+    rows = [r.strip() for r in rows.split(",") if r.strip()]
     bad = sorted(set(rows) - set(ROWS))
     if bad:
         p.error(f"--rows: unknown {bad}; choose from {list(ROWS)}")
-    if jax.device_count() < 8:
-        from experiments.bench.digits import reexec_with_fake_devices
-
-        return reexec_with_fake_devices("zero", argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if testbed and args.digits:
+        p.error("--digits runs on fake devices in one process, not under the testbed")
     t0 = time.perf_counter()
-    res = run(args.model, args.memory_model, rows, args.steps)
-    if args.digits:
-        res["digits"] = digits(rows)
+    if testbed:
+        import jaxcomm
+
+        jaxcomm.init_distributed(collective_timeout_s=300)
+        res = run_testbed(args.model, rows, args.warmup, args.steps)
+    else:
+        if jax.device_count() < 8:
+            from experiments.bench.digits import reexec_with_fake_devices
+
+            return reexec_with_fake_devices("zero", argv)
+        res = run(args.model, args.memory_model, rows, args.steps, args.warmup)
+        if args.digits:
+            res["digits"] = digits(rows)
     res |= {
         "steps": args.steps,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpus": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0],
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
+        "processes": jax.process_count(),
         "seconds": time.perf_counter() - t0,
     }
-    print(_table(res))
+    if jax.process_index() != 0:
+        return 0
+    print(_testbed_table(res) if testbed else _table(res))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=2, default=float)
