@@ -179,12 +179,7 @@ def run_testbed(model: str, rows: list[str], warmup: int, steps: int) -> dict:
     compute_s = _compute_only(params, {"x": local["x"][:2]}, warmup, steps)
     out = {}
     for name in rows:
-        shard, grad, gather = ROWS[name]
-        out[name] = _testbed_row(mesh, params, local, shard, grad, gather, warmup, steps) | {
-            "shard_optimizer": shard,
-            "gradients": grad or "f32",
-            "param_gather": gather or ("f32" if shard else "-"),
-        }
+        out[name] = _described(name, _testbed_row(mesh, params, local, *ROWS[name], warmup, steps))
         if jax.process_index() == 0:
             print(f"done: {name} {out[name]['step_s']:.3f} s", flush=True)
     link_bps = float(os.environ.get("JAXCOMM_TESTBED_LINK_BPS", 0))
@@ -270,12 +265,7 @@ def run(model: str, memory_model: str, rows: list[str], steps: int, warmup: int 
     batch = {"x": rng.normal(size=(8, 4)).astype(np.float32)}
     out = {}
     for name in rows:
-        shard, grad, gather = ROWS[name]
-        out[name] = _row(mesh, params, batch, shard, grad, gather, warmup, steps) | {
-            "shard_optimizer": shard,
-            "gradients": grad or "f32",
-            "param_gather": gather or ("f32" if shard else "-"),
-        }
+        out[name] = _described(name, _row(mesh, params, batch, *ROWS[name], warmup, steps))
     base = out.get("dp-f32", next(iter(out.values())))
     for r in out.values():
         r["bytes_ratio"] = r["bytes"] / base["bytes"]
@@ -309,6 +299,16 @@ def _table(res: dict) -> str:
         f"{m['sharded_bytes'] / 2**20:.1f} MiB ({m['ratio']:.4f}x)"
     )
     return "\n".join(lines)
+
+
+def _described(name: str, result: dict) -> dict:
+    """A row's measurements with what it ran: sharding, gradient codec, param gather."""
+    shard, grad, gather = ROWS[name]
+    return result | {
+        "shard_optimizer": shard,
+        "gradients": grad or "f32",
+        "param_gather": gather or ("f32" if shard else "-"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
