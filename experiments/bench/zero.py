@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,21 +67,34 @@ def _loss(params, batch):
     return scale * sum(jnp.vdot(p, p) for p in jax.tree.leaves(params))
 
 
-def _row(mesh, params, batch, shard, grad, gather, warmup, steps):
+def _built(mesh, params, batch, shard, grad, gather):
+    """A row's step (data parallelism or sharded, the gradient codec and the param gather),
+    its initial state, the batch on the mesh and the step's HLO bytes."""
     import jaxcomm
-    from jaxcomm.sharded import per_device_bytes
 
     tx = optax.chain(jaxcomm.sync_gradients(compression=_codec(grad)), optax.adam(1e-3))
     kw = {"shard_optimizer": True, "param_gather": _codec(gather)} if shard else {}
     dp = jaxcomm.data_parallel(_loss, tx, mesh, **kw)
     state = dp.init(params)
-    wire = jaxcomm.wire_bytes(dp.step_fn(state), state, dp.shard_batch(batch))
+    batch = dp.shard_batch(batch)
+    return dp, state, batch, jaxcomm.wire_bytes(dp.step_fn(state), state, batch)
+
+
+def _timed(step, carry, runs: int) -> tuple[Any, list[float]]:
+    """``carry = step(carry)`` ``runs`` times, each waited for; the carry and each time."""
     times = []
-    for _ in range(warmup + steps):
+    for _ in range(runs):
         t = time.perf_counter()
-        state, metrics = dp(state, batch)
-        jax.block_until_ready(state)
+        carry = jax.block_until_ready(step(carry))
         times.append(time.perf_counter() - t)
+    return carry, times
+
+
+def _row(mesh, params, batch, shard, grad, gather, warmup, steps):
+    from jaxcomm.sharded import per_device_bytes
+
+    dp, state, batch, wire = _built(mesh, params, batch, shard, grad, gather)
+    (state, metrics), times = _timed(lambda c: dp(c[0], batch), (state, None), warmup + steps)
     return {
         "bytes": wire["total"],
         "by_kind": wire["by_kind"],
@@ -109,29 +123,16 @@ def _compute_only(params, batch, warmup: int, steps: int) -> float:
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt
 
-    times = []
-    for _ in range(max(warmup, 1) + steps):
-        t = time.perf_counter()
-        params, opt = jax.block_until_ready(step(params, opt, batch))
-        times.append(time.perf_counter() - t)
+    runs = max(warmup, 1) + steps
+    _, times = _timed(lambda c: step(*c, batch), (params, opt), runs)
     return float(np.median(times[max(warmup, 1) :]))
 
 
 def _testbed_row(mesh, params, batch, shard, grad, gather, warmup, steps):
     import jaxcomm
 
-    tx = optax.chain(jaxcomm.sync_gradients(compression=_codec(grad)), optax.adam(1e-3))
-    kw = {"shard_optimizer": True, "param_gather": _codec(gather)} if shard else {}
-    dp = jaxcomm.data_parallel(_loss, tx, mesh, **kw)
-    state = dp.init(params)
-    local = dp.shard_batch(batch)
-    wire = jaxcomm.wire_bytes(dp.step_fn(state), state, local)
-    times = []
-    for _ in range(warmup + steps):
-        t = time.perf_counter()
-        state, metrics = dp(state, local)
-        jax.block_until_ready(state)
-        times.append(time.perf_counter() - t)
+    dp, state, local, wire = _built(mesh, params, batch, shard, grad, gather)
+    (state, metrics), times = _timed(lambda c: dp(c[0], local), (state, None), warmup + steps)
     jaxcomm.check_replicas(state.params, mesh=mesh, what="params")
     return {
         "bytes": wire["total"],
