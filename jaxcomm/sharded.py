@@ -57,7 +57,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import ordering
-from jaxcomm.collectives import all_gather_invariant, reduce_scatter
+from jaxcomm.collectives import all_gather_invariant, pad_to_multiple, reduce_scatter
 from jaxcomm.compression.base import BufferCodec, Compressor
 from jaxcomm.compression.keys import dither_seed, step_key
 from jaxcomm.distributed import check_same_on_processes
@@ -134,11 +134,7 @@ class ShardPlan:
 
     def padded(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
         """The leaves packed, each buffer zero-padded to ``N m`` elements."""
-        out = []
-        for buf, m in zip(self.plan.pack(leaves), self.chunk_elements, strict=True):
-            pad = self.devices * m - buf.shape[0]
-            out.append(jnp.pad(buf, (0, pad)) if pad else buf)
-        return out
+        return [pad_to_multiple(buf, self.devices)[0] for buf in self.plan.pack(leaves)]
 
     def rank(self) -> jax.Array:
         """This device's chunk index (inside ``jax.shard_map``): its row-major position
