@@ -257,33 +257,36 @@ def _plain(path: tuple) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
 
 
-def _marked(objs: tuple, state: Any) -> list[bool]:
-    """Per leaf of ``state`` (``nnx.split(objs)``): inside a ``jaxcomm.PerDevice`` of the
-    opt_state of an ``nnx.Optimizer`` argument (a compressor's error feedback)."""
+def _opt_state_nodes(objs: tuple, kind: type) -> list[tuple]:
+    """The path prefix of every ``kind`` node in the opt_state of an ``nnx.Optimizer`` /
+    ``TrainState`` argument, as paths among the leaves of ``nnx.split(objs)`` read."""
+    is_kind = lambda x: isinstance(x, kind)  # noqa: E731
     prefixes = []
     for i, o in enumerate(objs):
         if isinstance(o, nnx.Optimizer | TrainState):
-            flat = jax.tree_util.tree_flatten_with_path(
-                o.opt_state, is_leaf=lambda x: isinstance(x, PerDevice)
-            )[0]
-            prefixes += [(i, "opt_state", *_plain(p)) for p, x in flat if isinstance(x, PerDevice)]
-    paths = [_plain(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    return [any(p[: len(q)] == q for q in prefixes) for p in paths]
+            flat = jax.tree_util.tree_flatten_with_path(o.opt_state, is_leaf=is_kind)[0]
+            prefixes += [(i, "opt_state", *_plain(p)) for p, x in flat if is_kind(x)]
+    return prefixes
+
+
+def _leaf_paths(state: Any) -> list[tuple]:
+    return [_plain(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+def _marked(objs: tuple, state: Any) -> list[bool]:
+    """Per leaf of ``state`` (``nnx.split(objs)``): inside a ``jaxcomm.PerDevice`` of the
+    opt_state of an ``nnx.Optimizer`` argument (a compressor's error feedback)."""
+    prefixes = _opt_state_nodes(objs, PerDevice)
+    return [any(p[: len(q)] == q for q in prefixes) for p in _leaf_paths(state)]
 
 
 def _adaptive_fields(objs: tuple, state: Any) -> list[dict[str, int]]:
     """Per adaptive compressor in the opt_state of an ``nnx.Optimizer`` / ``TrainState``
     argument: the index, among the leaves of ``state`` (``nnx.split(objs)``), of each of
     its :class:`AdaptiveState` fields but the residual."""
-    is_adaptive = lambda x: isinstance(x, AdaptiveState)  # noqa: E731
-    prefixes = []
-    for i, o in enumerate(objs):
-        if isinstance(o, nnx.Optimizer | TrainState):
-            flat = jax.tree_util.tree_flatten_with_path(o.opt_state, is_leaf=is_adaptive)[0]
-            prefixes += [(i, "opt_state", *_plain(p)) for p, x in flat if is_adaptive(x)]
-    paths = [_plain(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    paths = _leaf_paths(state)
     out = []
-    for q in prefixes:
+    for q in _opt_state_nodes(objs, AdaptiveState):
         fields = {p[len(q)]: j for j, p in enumerate(paths) if p[: len(q)] == q}
         fields.pop("residual", None)
         out.append(fields)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomm import ordering, outputs, xla_cpu
 from jaxcomm.axis_names import bind
 from jaxcomm.collectives import allreduce_floats, check_axes
-from jaxcomm.compression.adaptive import AdaptiveState, adaptive_states
+from jaxcomm.compression.adaptive import AdaptiveState, adaptive_states, map_adaptive
 from jaxcomm.compression.cast import Fp16State
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import agree, check_same_on_processes
@@ -961,9 +961,7 @@ class DataParallel:
     @staticmethod
     def replace_adaptive(state: TrainState, fn: Callable) -> TrainState:
         """``state`` with ``fn`` applied to each adaptive compressor's state."""
-        visit = lambda n: fn(n) if isinstance(n, AdaptiveState) else n  # noqa: E731
-        is_adaptive = lambda n: isinstance(n, AdaptiveState)  # noqa: E731
-        return state._replace(opt_state=jax.tree.map(visit, state.opt_state, is_leaf=is_adaptive))
+        return state._replace(opt_state=map_adaptive(state.opt_state, fn))
 
     def compile(
         self, state: TrainState, batch: Any, *, feedback: Any = None, communicate: bool = True

@@ -33,6 +33,7 @@ from jaxcomm.compression.adaptive import (
     adaptive,
     adaptive_states,
     ladder,
+    map_adaptive,
     with_comm_share,
 )
 from jaxcomm.compression.base import (
@@ -72,6 +73,7 @@ __all__ = [
     "int8",
     "int_codec",
     "ladder",
+    "map_adaptive",
     "powersgd",
     "quantized",
     "random_k",

@@ -74,6 +74,7 @@ __all__ = [
     "error_of_mean",
     "error_sketch",
     "ladder",
+    "map_adaptive",
     "with_comm_share",
 ]
 
@@ -779,10 +780,16 @@ def with_comm_share(opt_state: Any, share: jax.Array) -> Any:
     Example:
       >>> opt_state = with_comm_share(opt_state, share)   # inside the jitted step
     """
+    share = jnp.asarray(share, jnp.float32)
+    return map_adaptive(opt_state, lambda node: node._replace(comm_share=share))
 
-    def visit(node):
-        if isinstance(node, AdaptiveState):
-            return node._replace(comm_share=jnp.asarray(share, jnp.float32))
-        return node
 
-    return jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, AdaptiveState))
+def map_adaptive(opt_state: Any, fn: Callable[[AdaptiveState], AdaptiveState]) -> Any:
+    """``opt_state`` (any pytree) with ``fn`` applied to each :class:`AdaptiveState` in it.
+
+    Example:
+      >>> opt_state = map_adaptive(opt_state, lambda a: a._replace(hold=jnp.int32(0)))
+    """
+    is_adaptive = lambda x: isinstance(x, AdaptiveState)  # noqa: E731
+    visit = lambda x: fn(x) if is_adaptive(x) else x  # noqa: E731
+    return jax.tree.map(visit, opt_state, is_leaf=is_adaptive)
