@@ -262,6 +262,13 @@ def test_first_true_rejects_bad_input(mask, k, match):
         (lambda: C.adaptive(comm_low=0.5, comm_high=0.2), r"comm_high=0.2 is out of range"),
         (lambda: C.adaptive(topk_method="approx"), r"topk_method='approx' is not known"),
         (lambda: C.bf16(via="nccl"), r"via='nccl' is not known"),
+        (lambda: C.bf16_codec(via="nccl"), r"via='nccl' is not known; choose one of"),
+        (lambda: C.int_codec(5, 256, stochastic=True), r"bits=5 is not supported; allowed"),
+        (lambda: C.int_codec(4, 255, stochastic=True), r"block=255 must be even for int4"),
+        (lambda: C.int_codec(8, 0, stochastic=True), r"block=0 must be an integer >= 1"),
+        (lambda: C.topk_codec(0.0), r"ratio=0.0 is out of range; allowed \(0.0, 1.0\]"),
+        (lambda: C.topk_codec(0.1, method="approx"), r"method='approx' is not known"),
+        (lambda: C.random_k_codec(1.5), r"ratio=1.5 is out of range; allowed \(0.0, 1.0\]"),
         (lambda: jaxcomm.sync_gradients(warmup_steps=-1), r"warmup_steps=-1 must be an integer"),
         (lambda: jaxcomm.sync_gradients(min_size=-5), r"min_size=-5"),
         (lambda: jaxcomm.sync_gradients(compress_stage="intra"), r"compress_stage='intra'"),
@@ -274,6 +281,11 @@ def test_first_true_rejects_bad_input(mask, k, match):
 def test_bad_input_raises_at_construction(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_from_codec_takes_a_codec():
+    with pytest.raises(TypeError, match=r"from_codec\(codec=.*expected a BufferCodec"):
+        C.from_codec(C.int8())
 
 
 def test_compression_must_be_a_compressor():

@@ -230,10 +230,20 @@ def from_codec(codec: BufferCodec, *, error_feedback: bool = False, name: str = 
     Returns:
       A :class:`Compressor` whose state is the residuals (or ``()``).
 
+    Raises:
+      TypeError: ``codec`` is not a :class:`BufferCodec`.
+
     Example:
       >>> codec = int_codec(8, 256, stochastic=True)
       >>> tx = jaxcomm.sync_gradients(compression=from_codec(codec, error_feedback=True))
     """
+
+    if not isinstance(codec, BufferCodec):
+        raise TypeError(
+            f"from_codec(codec={codec!r}): expected a BufferCodec, e.g. int_codec(8, 256, "
+            "stochastic=True) or BufferCodec('name', mean); a compressor such as int8() is "
+            "one already (pass it to sync_gradients(compression=...) as it is)."
+        )
 
     def init(specs):
         return ef.init_residuals(specs) if error_feedback else ()

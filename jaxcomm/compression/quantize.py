@@ -329,14 +329,20 @@ def int_codec(bits: int, block: int, *, stochastic: bool, materialize: bool = Tr
 
     Args:
       bits: 8 or 4.
-      block: elements per scale (checked by the callers: even for 4 bits).
+      block: elements per scale (even for 4 bits).
       stochastic: stochastic rounding from the two phases' dither seeds, else nearest.
       materialize: decode into a buffer of its own (``two_phase_mean``); False inside a
         ``lax.switch`` branch, whose outputs are buffers already.
 
     Returns:
       A :class:`~jaxcomm.compression.base.BufferCodec` that gathers its encoded means.
+
+    Raises:
+      ValueError: ``bits`` not in (4, 8), ``block < 1``, or odd for 4 bits.
     """
+    if bits not in _QMAX:
+        raise ValueError(f"bits={bits!r} is not supported; allowed: {sorted(_QMAX)} (int4, int8).")
+    block = _check_block(block, bits)
 
     def mean(c, ctx, i, seeds):
         m, sent = two_phase_mean(
@@ -391,7 +397,7 @@ def int8(block: int = 256, stochastic: bool = True, *, error_feedback: bool = Fa
     Example:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.int8(block=256))
     """
-    codec = int_codec(8, _check_block(block, 8), stochastic=bool(stochastic))
+    codec = int_codec(8, block, stochastic=bool(stochastic))
     return from_codec(codec, error_feedback=bool(error_feedback))
 
 
@@ -412,7 +418,7 @@ def int4(block: int = 256, stochastic: bool = True, *, error_feedback: bool = Fa
     Example:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.int4(block=128))
     """
-    codec = int_codec(4, _check_block(block, 4), stochastic=bool(stochastic))
+    codec = int_codec(4, block, stochastic=bool(stochastic))
     return from_codec(codec, error_feedback=bool(error_feedback))
 
 

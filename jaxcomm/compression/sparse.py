@@ -290,17 +290,21 @@ def topk(
     Example:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.topk(0.01))
     """
-    ratio = check_range("ratio", ratio, 0.0, 1.0, low_open=True, fix="e.g. ratio=0.01")
-    sample_ratio = check_range("sample_ratio", sample_ratio, 0.0, 1.0, low_open=True)
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not known; choose one of {list(METHODS)}.")
     codec = topk_codec(ratio, method=method, sample_ratio=sample_ratio)
     return from_codec(codec, error_feedback=bool(error_feedback), name=f"topk({ratio:g})")
 
 
 def topk_codec(ratio: float, *, method: str = "auto", sample_ratio: float = 0.01) -> BufferCodec:
     """:func:`topk`'s per-buffer mean (:func:`topk_mean`, the sample's offset from a
-    per-device seed), also an adaptive rung; arguments as :func:`topk`'s, checked there."""
+    per-device seed), also an adaptive rung; arguments as :func:`topk`'s.
+
+    Raises:
+      ValueError: ``ratio`` or ``sample_ratio`` not in (0, 1], unknown ``method``.
+    """
+    ratio = check_range("ratio", ratio, 0.0, 1.0, low_open=True, fix="e.g. ratio=0.01")
+    sample_ratio = check_range("sample_ratio", sample_ratio, 0.0, 1.0, low_open=True)
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not known; choose one of {list(METHODS)}.")
 
     def mean(c, ctx, i, seed):
         return topk_mean(
@@ -335,7 +339,6 @@ def random_k(ratio: float, *, error_feedback: bool = True) -> Compressor:
     Example:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.random_k(0.05))
     """
-    ratio = check_range("ratio", ratio, 0.0, 1.0, low_open=True, fix="e.g. ratio=0.05")
     codec = random_k_codec(ratio, scale=not error_feedback)
     return from_codec(codec, error_feedback=bool(error_feedback), name=f"random_k({ratio:g})")
 
@@ -345,9 +348,13 @@ def random_k_codec(ratio: float, *, scale: bool = False) -> BufferCodec:
     shared by every device), also an adaptive rung.
 
     Args:
-      ratio: fraction of entries sent, in (0, 1] (checked by the callers).
+      ratio: fraction of entries sent, in (0, 1].
       scale: scale the sent values by the stratum size (unbiased without error feedback).
+
+    Raises:
+      ValueError: ``ratio`` not in (0, 1].
     """
+    ratio = check_range("ratio", ratio, 0.0, 1.0, low_open=True, fix="e.g. ratio=0.05")
 
     def mean(c, ctx, i, key):
         return random_k_mean(c, ctx.axes, ctx.algorithm, ratio=ratio, key=key, scale=scale)
