@@ -120,6 +120,41 @@ def test_replicas_agree_with_microbatches(mesh, params, algorithm):
     assert _changed(state.params, params)
 
 
+# shard_optimizer: (gradient compressor, param gather), None for f32
+SHARDED = {
+    "f32": (None, None),
+    "bf16-bf16": ("bf16", "bf16"),
+    "int8-bf16": ("int8", "bf16"),
+    "int4-int8": ("int4", "int8"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARDED))
+def test_replicas_agree_with_sharded_optimizer(mesh, params, name):
+    grad, gather = (None if c is None else getattr(C, c)() for c in SHARDED[name])
+    tx = optax.chain(jaxcomm.sync_gradients(compression=grad), optax.adam(1e-2))
+    dp = jaxcomm.data_parallel(
+        mlp_loss, tx, mesh, shard_optimizer=True, param_gather=gather, check_replicas=1,
+        compiler_options=FAST,
+    )  # fmt: skip
+    state, _ = train(dp, dp.init(params), _batches())
+    assert _changed(state.params, params)
+
+
+def test_replicas_agree_with_a_codec_of_ones_own(mesh, params):
+    def mean(c, ctx, i, seed):  # values on a grid, summed by psum
+        sent = jnp.round(c * 64) / 64
+        return jax.lax.psum(sent, ctx.axes) / jax.lax.psum(1, ctx.axes), sent
+
+    grid = C.from_codec(C.BufferCodec("grid", mean), error_feedback=True)
+    for stage in ("all", "inter"):
+        sync = jaxcomm.sync_gradients(compression=grid, compress_stage=stage, min_size=64)
+        tx = optax.chain(sync, optax.adam(1e-2))
+        dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, check_replicas=1, compiler_options=FAST)
+        state, _ = train(dp, dp.init(params), _batches())
+        assert _changed(state.params, params)
+
+
 def _sync():
     return jaxcomm.sync_gradients(compression=C.int8(block=32, error_feedback=True), min_size=64)
 
