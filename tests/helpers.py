@@ -8,6 +8,10 @@ true by declaration and cannot fail). This comparison is written independently o
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -19,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomm.state import state_partition_specs
 
 AX = ("inter", "intra")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def per_device(mesh, x: Any, axes: tuple[str, ...] = AX) -> Any:
@@ -135,3 +140,27 @@ def assert_trees_bitwise_equal(a: Any, b: Any) -> None:
         if jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
         assert _bits(x) == _bits(y), f"{jax.tree_util.keystr(path)} differs"
+
+
+def launch_two_processes(*command: str, timeout: float, env: dict | None = None) -> str:
+    """Runs ``command`` as 2 processes x 2 CPU devices under ``python -m jaxcomm.launch``
+    (``jax.distributed`` over gloo on loopback), the repository and ``tests/`` importable.
+
+    Returns:
+      The processes' stdout and stderr (lines prefixed ``[rank]``); asserts they all
+      exited with 0.
+    """
+    from jaxcomm import distributed
+
+    full = {k: v for k, v in os.environ.items() if k not in distributed.ENV_VARS}
+    full |= {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # 2 devices each, not conftest's 8
+    path = [str(ROOT), str(ROOT / "tests"), full.get("PYTHONPATH", "")]
+    full["PYTHONPATH"] = os.pathsep.join(path)
+    full |= env or {}
+    cmd = [sys.executable, "-m", "jaxcomm.launch", "--nprocs", "2", "--local-devices", "2"]
+    p = subprocess.run(
+        [*cmd, "--", *command], env=full, capture_output=True, text=True, timeout=timeout
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    return out

@@ -1,8 +1,6 @@
 """Issue 29 for the Flax front ends: every way a step can be written is either equal to the
 one-device computation of the same script or refused when the step is built."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,14 +12,12 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from helpers import assert_replicas_equal
+from helpers import assert_replicas_equal, launch_two_processes
 from test_flax import linen_batch, linen_state, linen_step
 
 import jaxcomm
-from jaxcomm import distributed
 from jaxcomm.nnx import key_data
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(Path(__file__).with_name("_dist_flax_worker.py"))
 MASK = (np.arange(64 * 10).reshape(64, 10) % 3 != 0).astype(np.float32)  # zeroes a third
 
@@ -228,17 +224,6 @@ def test_linen_raw_key_shaped_field_without_a_key_name_is_refused(mesh):
 
 
 def test_per_process_seeds_are_refused_at_the_first_call():
-    env = {k: v for k, v in os.environ.items() if k not in distributed.ENV_VARS}
-    env.update(
-        XLA_FLAGS="",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-    )
-    cmd = [sys.executable, "-m", "jaxcomm.launch", "--nprocs", "2", "--local-devices", "2"]
-    p = subprocess.run(
-        [*cmd, "--", sys.executable, WORKER], env=env, capture_output=True, text=True, timeout=60
-    )
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out
+    out = launch_two_processes(sys.executable, WORKER, timeout=60)
     for rank in (0, 1):
         assert f"[{rank}] SAME_SEED_OK" in out and f"[{rank}] REFUSED_OK" in out, out

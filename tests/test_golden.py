@@ -7,18 +7,14 @@ change of bits in the commit).
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from golden import CASES, load, run_case, save
-
-from jaxcomm import distributed
+from helpers import launch_two_processes
 
 WRITE = os.environ.get("JAXCOMM_GOLDEN_WRITE") == "1"
 WORKER = str(Path(__file__).with_name("_golden_worker.py"))
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _compare(setting: str, got: dict) -> None:
@@ -48,15 +44,8 @@ def test_golden_cases_cover_every_option():
 
 
 def test_every_option_bit_for_bit_in_two_processes(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in distributed.ENV_VARS}
-    env.update(XLA_FLAGS="", JAX_PLATFORMS="cpu", JC_GOLDEN_OUT=str(tmp_path))
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "jaxcomm.launch", "--nprocs", "2", "--local-devices", "2"]
-    p = subprocess.run(
-        [*cmd, "--", sys.executable, WORKER], env=env, capture_output=True, text=True, timeout=600
-    )
-    if p.returncode != 0:
-        pytest.fail(f"golden worker failed:\n{(p.stdout + p.stderr)[-4000:]}")
+    env = {"JC_GOLDEN_OUT": str(tmp_path)}
+    launch_two_processes(sys.executable, WORKER, timeout=600, env=env)
     got = {}
     for k in (0, 1):
         for case, leaves in json.loads((tmp_path / f"p{k}.json").read_text()).items():
