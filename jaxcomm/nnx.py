@@ -49,6 +49,12 @@ names in scope. A step written for ``jax.pmap`` runs under
 :func:`jaxcomm.pmap_data_parallel` (``jaxcomm/pmap.py``, pmap's layouts). Gradients that
 reach the optimizer averaged already (the step's own ``lax.pmean(grads, ...)``) are refused.
 
+With ``shard_optimizer=True`` the optimizer's state is sharded (ZeRO-1/2,
+:mod:`jaxcomm.sharded`): at the first call its fresh state is replaced by each device's
+chunk, stored per device, and the optimizer's update runs a
+:class:`~jaxcomm.sharded.ShardedOptimizer` (reduce-scatter, the chunk's update,
+all-gather); ``optax.apply_updates`` then returns the gathered params themselves.
+
 Everything it writes back lives on the mesh's devices with a plain (non-explicit)
 ``NamedSharding``, so ordinary Flax code (an ``nnx.jit`` eval step, ``metrics.reset()``,
 orbax) uses it without a mesh context.
@@ -67,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.nnx.training.optimizer import to_opt_state
 from flax.training.train_state import TrainState
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -80,6 +87,14 @@ from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.replicas import check_replicas as _check_replicas
+from jaxcomm.sharded import (
+    DEFAULT_BUCKET_BYTES,
+    ShardedOptimizer,
+    ShardedState,
+    check_param_gather,
+    unwrap_per_device,
+    wrap_per_device,
+)
 from jaxcomm.state import (
     PerDevice,
     infer_per_device,
@@ -124,16 +139,32 @@ class _Log(NamedTuple):
     syncs: list  # the GradientSync of each sync_gradients the updates ran
 
 
+class _Sharded(NamedTuple):
+    """A sharded optimizer inside a traced step: its engine, the step count (a thunk read
+    inside the trace: the dither seeds), and the new params by the identity of their
+    update (``exact``: what the patched ``optax.apply_updates`` returns for them)."""
+
+    engine: ShardedOptimizer
+    step: Callable[[], jax.Array]
+    exact: dict
+
+
 class _Recording:
     """Stands in for ``nnx.Optimizer.tx`` while the step is traced: records each update and
     the syncs it ran (optax's extra argument ``sync_request``); with ``communicate=False``
     (the compute-only twin) every sync passes the gradients through."""
 
     def __init__(
-        self, tx: optax.GradientTransformation, log: _Log, old: dict, communicate: bool = True
+        self,
+        tx: optax.GradientTransformation,
+        log: _Log,
+        old: dict,
+        communicate: bool = True,
+        sharded: _Sharded | None = None,
     ):
         self._tx, self._log, self._old = accepting_requests(tx), log, old
         self._communicate = communicate
+        self._sharded = sharded
         self.init = tx.init
 
     def update(self, grads, state, params=None, **kwargs):
@@ -150,10 +181,48 @@ class _Recording:
         invariant = jax.tree.map(lambda p: self._old.get(id(p), p), params)
         if self._communicate:  # the twin runs unchecked: every value is typed invariant
             _refuse_averaged_gradients(grads)
-        request = SyncRequest(communicate=self._communicate, found=self._log.syncs)
-        updates, state = self._tx.update(grads, state, invariant, sync_request=request, **kwargs)
+        if self._sharded is not None:
+            updates, state = self._sharded_update(grads, state, invariant, kwargs)
+        else:
+            request = SyncRequest(communicate=self._communicate, found=self._log.syncs)
+            updates, state = self._tx.update(
+                grads, state, invariant, sync_request=request, **kwargs
+            )
         self._log.updates.append((params, updates))
         return updates, state
+
+    def _sharded_update(self, grads, state, params, kwargs):
+        """The update of a sharded optimizer (``shard_optimizer=True``): its
+        :class:`~jaxcomm.sharded.ShardedOptimizer` on this device's chunks; the new params
+        go to ``optax.apply_updates`` as they are (``exact``), not as old + (new - old)."""
+        engine, step, exact = self._sharded
+        if not self._communicate:
+            raise NotImplementedError(
+                f"{engine.where}(shard_optimizer=True): the compute-only twin "
+                "(communicate=False, the profiler's) is not implemented for sharded "
+                "optimizer state."
+            )
+        if not isinstance(unwrap_per_device(state), ShardedState):
+            raise ValueError(
+                f"{engine.where}(shard_optimizer=True): the optimizer's state is not the "
+                "sharded state the step laid out; pass the optimizer the decorated step "
+                "was first called with, or one restored from its checkpoint."
+            )
+        axes = engine.axes
+
+        def value():
+            if "value" not in kwargs:
+                raise TypeError("the optimizer takes optax's extra argument 'value'; pass it")
+            return lax.pmean(kwargs["value"], axes)
+
+        leaves, treedef = jax.tree.flatten(params)
+        new, opt = engine.update(
+            jax.tree.leaves(grads), unwrap_per_device(state), leaves, step(), value
+        )
+        self._log.syncs.append(engine.sync)
+        updates = [n - p for n, p in zip(new, leaves, strict=True)]
+        exact.update({id(u): n for u, n in zip(updates, new, strict=True)})
+        return jax.tree.unflatten(treedef, updates), wrap_per_device(opt, engine.per)
 
 
 def _refuse_averaged_gradients(grads: Any) -> None:
@@ -190,14 +259,20 @@ _OLD: list[dict] = []  # the ``old`` map of each step being traced, innermost la
 
 
 @contextlib.contextmanager
-def _invariant_apply_updates(old: dict):
+def _invariant_apply_updates(old: dict, exact: dict):
     """Within: ``optax.apply_updates`` takes each param in ``old`` (by the identity of its
-    varying copy) at its invariant value; every other param is unchanged."""
+    varying copy) at its invariant value; every other param is unchanged. An update in
+    ``exact`` (by its identity: a sharded optimizer's) gives the new param recorded
+    there, the gathered value itself (old + (new - old) may round differently)."""
     with _PATCH_LOCK:
         original = optax.apply_updates
 
         def apply_updates(params, updates):
-            return original(jax.tree.map(lambda p: old.get(id(p), p), params), updates)
+            new = original(jax.tree.map(lambda p: old.get(id(p), p), params), updates)
+            if not exact:
+                return new
+            none = lambda x: x is None  # noqa: E731 (optax allows None updates)
+            return jax.tree.map(lambda n, u: exact.get(id(u), n), new, updates, is_leaf=none)
 
         optax.apply_updates = apply_updates
         _OLD.append(old)
@@ -340,6 +415,7 @@ class NnxDataParallel:
         axes: tuple[str, ...],
         check_replicas: int,
         axis_name: str | None = None,
+        shard: dict | None = None,
     ):
         check_mesh_axes(self._name, axes, mesh)
         self._fn = fn
@@ -360,6 +436,10 @@ class NnxDataParallel:
         self._feedback: Any = None  # set_feedback: the measured share goes into each step
         self._feedback_step: Any = None
         self._fields: list[dict[str, int]] = []  # where each AdaptiveState's fields are
+        # shard_optimizer=True: the ShardedOptimizer's arguments, and one per optimizer
+        # (by its position among the step's optimizers), built at the first call.
+        self._shard_args = shard
+        self._engines: dict[int, ShardedOptimizer] = {}
         functools.update_wrapper(self, fn)
 
     # -- inside shard_map -------------------------------------------------------------
@@ -395,12 +475,18 @@ class NnxDataParallel:
         old = {id(v): x for v, x, k in zip(inside, leaves, kinds, strict=True) if k == _PARAM}
         index = {id(v): i for i, (v, k) in enumerate(zip(inside, kinds, strict=True))}
         log = _Log([], [])
+        exact: dict = {}  # a sharded optimizer's new params, by the identity of the update
         objs, restore, has_opt = self._enter(
-            graphdef, jax.tree.unflatten(treedef, inside), log, old, communicate
+            graphdef,
+            jax.tree.unflatten(treedef, inside),
+            log,
+            old,
+            communicate,
+            {i: (e, exact) for i, e in self._engines.items()},
         )
         try:
             names = bind(self._aliases, axes=self.axes, where=self._name)
-            with _invariant_apply_updates(old), names:
+            with _invariant_apply_updates(old, exact), names:
                 out = self._fn(*self._fill(nodes, objs, args))
         finally:
             restore()
@@ -605,14 +691,23 @@ class NnxDataParallel:
         data = [None if n else a for a, n in zip(args, nodes, strict=True)]
         for a in data:
             jax.tree.map(lambda x: refuse_nnx_object(x, self._name), a)
+        if self._shard_args is not None:
+            objs = self._shard_optimizers(objs)
         graphdef, state, kinds = self._split(objs)
         leaves, treedef = jax.tree.flatten(state)
         data = self._shard(data)
-        plan, step = self._plan(
-            graphdef, treedef, kinds, leaves, tuple(nodes), data, _marked(objs, state)
-        )
         stacked = NamedSharding(self.mesh, P(self.axes))
         rep = NamedSharding(self.mesh, P())
+        marked = _marked(objs, state)
+        # A per-device leaf stored by an earlier step (or a sharded optimizer's chunks)
+        # has its device axis already: its plan sees one device's shape.
+        local = [
+            jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+            if m and isinstance(x, jax.Array) and x.sharding == stacked
+            else x
+            for x, m in zip(leaves, marked, strict=True)
+        ]
+        plan, step = self._plan(graphdef, treedef, kinds, local, tuple(nodes), data, marked)
 
         def put(x, f):
             if not f:
@@ -638,6 +733,41 @@ class NnxDataParallel:
         if self._feedback is not None:
             self._feedback.after_step(new)
         return self._write_back(objs, jax.tree.unflatten(plan[1], new), out)
+
+    # -- shard_optimizer=True ----------------------------------------------------------
+    def _shard_optimizers(self, objs: tuple) -> tuple:
+        """``objs`` with each optimizer's state laid out sharded (:class:`ShardedState`,
+        its chunks stacked along the data axes in ``jaxcomm.PerDevice``), from the state
+        its ``init`` gives; a state sharded already (a later call, a restored checkpoint)
+        is kept. Builds each optimizer's :class:`~jaxcomm.sharded.ShardedOptimizer` once
+        (its checks and the probe of its transforms run here, at the first call)."""
+        for i, tx, params, opt_state in self._optimizers(objs):
+            engine = self._engines.get(i)
+            if engine is None:
+                engine = ShardedOptimizer(
+                    tx, self.mesh, self.axes, where=self._name, **self._shard_args
+                )
+                engine.infer_layout(params)
+                self._engines[i] = engine
+            if isinstance(unwrap_per_device(opt_state), ShardedState):
+                continue
+            fresh = jax.tree.leaves(jax.jit(tx.init)(params))
+            given = jax.tree.leaves(opt_state)
+            if len(fresh) != len(given) or not all(
+                np.shape(a) == np.shape(b) and bool(jnp.array_equal(a, b))
+                for a, b in zip(fresh, given, strict=False)
+            ):
+                raise ValueError(
+                    f"{self._name}(shard_optimizer=True): the optimizer's state is not the "
+                    "one its init gives (it was updated, or restored from an unsharded "
+                    "checkpoint), and only a fresh state is laid out sharded (its moments "
+                    "would be lost). Build the optimizer anew before the first step, or "
+                    "restore a state saved from this sharded step."
+                )
+            replicated = jax.device_put(jax.tree.leaves(params), NamedSharding(self.mesh, P()))
+            sharded = wrap_per_device(engine.init_fn(engine.per)(replicated), engine.per)
+            objs = self._with_opt_state(objs, i, sharded)
+        return objs
 
     # -- what jaxcomm.CommProfiler.drive reads -----------------------------------------
     def drive_inputs(self, *args) -> tuple[list, Any]:
@@ -734,12 +864,16 @@ class NnxDataParallel:
         return graphdef, state, tuple(kinds)
 
     @staticmethod
-    def _enter(graphdef, state, log: _Log, old: dict, communicate: bool = True):
+    def _enter(graphdef, state, log: _Log, old: dict, communicate: bool, engines: dict):
         objs = nnx.merge(graphdef, state)
         opts = [o for _, o in nnx.iter_graph(objs) if isinstance(o, nnx.Optimizer)]
         txs = [o.tx for o in opts]
-        for o in opts:
-            o.tx = _Recording(o.tx, log, old, communicate)
+        for i, o in enumerate(opts):
+            sharded = None
+            if i in engines:
+                engine, exact = engines[i]
+                sharded = _Sharded(engine, lambda o=o: o.step[...], exact)
+            o.tx = _Recording(o.tx, log, old, communicate, sharded)
 
         def restore():
             for o, tx in zip(opts, txs, strict=True):
@@ -755,6 +889,28 @@ class NnxDataParallel:
     def _write_back(objs, state, out):
         nnx.update(objs, state)
         return out
+
+    def _optimizers(self, objs: tuple) -> list[tuple]:
+        """``(index, tx, params, opt_state)`` of each ``nnx.Optimizer`` among ``objs``, its
+        params those of the step's one model argument (``wrt``-filtered), all as arrays."""
+        opts = [o for _, o in nnx.iter_graph(objs) if isinstance(o, nnx.Optimizer)]
+        models = [a for a in objs if isinstance(a, nnx.Module)]
+        if opts and len(models) != 1:
+            raise ValueError(
+                f"{self._name}(shard_optimizer=True): the step takes {len(models)} "
+                "nnx.Module arguments; the sharded optimizer state is laid out over the "
+                "params of the one model the optimizer trains: pass one model."
+            )
+        return [
+            (i, o.tx, nnx.as_pure(nnx.state(models[0], o.wrt)), nnx.as_pure(o.opt_state))
+            for i, o in enumerate(opts)
+        ]
+
+    @staticmethod
+    def _with_opt_state(objs: tuple, i: int, opt_state: Any) -> tuple:
+        opts = [o for _, o in nnx.iter_graph(objs) if isinstance(o, nnx.Optimizer)]
+        opts[i].opt_state = nnx.data(to_opt_state(opt_state))
+        return objs
 
     def _shard(self, data):
         sharding = NamedSharding(self.mesh, P(self.axes))
@@ -786,6 +942,33 @@ def _decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -> tup
         fix="N compares the replicas every N steps; 0 or None turns it off",
     )
     return n, check_axes(axes)
+
+
+def _shard_args(
+    name: str, shard_optimizer: Any, param_gather: Any, bucket_bytes: Any
+) -> dict | None:
+    """The :class:`~jaxcomm.sharded.ShardedOptimizer` arguments of a decorator, checked
+    (None without ``shard_optimizer``)."""
+    if not isinstance(shard_optimizer, bool):
+        raise TypeError(f"{name}(shard_optimizer={shard_optimizer!r}) must be True or False.")
+    if not shard_optimizer:
+        for arg, value in (("param_gather", param_gather), ("shard_bucket_bytes", bucket_bytes)):
+            if value is not None:
+                raise ValueError(
+                    f"{name}({arg}={value!r}) needs shard_optimizer=True: without sharding "
+                    "every device holds the updated params already."
+                )
+        return None
+    check_param_gather(param_gather, name)
+    if bucket_bytes is None:
+        bucket_bytes = DEFAULT_BUCKET_BYTES
+    check_int(
+        f"{name}(shard_bucket_bytes)",
+        bucket_bytes,
+        minimum=1,
+        fix="give a positive number of bytes, e.g. 64 * 2**20",
+    )
+    return {"param_gather": param_gather, "bucket_bytes": bucket_bytes}
 
 
 class _Slot:
@@ -842,8 +1025,15 @@ class LinenDataParallel(NnxDataParallel):
         return None, objs, tuple(_linen_kind(p, x) for p, x in flat)
 
     @staticmethod
-    def _enter(graphdef, states, log: _Log, old: dict, communicate: bool = True):
-        states = tuple(s.replace(tx=_Recording(s.tx, log, old, communicate)) for s in states)
+    def _enter(graphdef, states, log: _Log, old: dict, communicate: bool, engines: dict):
+        def recording(i, s):
+            sharded = None
+            if i in engines:
+                engine, exact = engines[i]
+                sharded = _Sharded(engine, lambda s=s: s.step, exact)
+            return s.replace(tx=_Recording(s.tx, log, old, communicate, sharded))
+
+        states = tuple(recording(i, s) for i, s in enumerate(states))
         return states, lambda: None, bool(states)
 
     @staticmethod
@@ -857,6 +1047,14 @@ class LinenDataParallel(NnxDataParallel):
             )
         rest = jax.tree.map(lambda x: _Slot() if is_state(x) else x, out, is_leaf=is_state)
         return jax.tree.leaves(tuple(new)), rest
+
+    @staticmethod
+    def _optimizers(objs: tuple) -> list[tuple]:
+        return [(i, s.tx, s.params, s.opt_state) for i, s in enumerate(objs)]
+
+    @staticmethod
+    def _with_opt_state(objs: tuple, i: int, opt_state: Any) -> tuple:
+        return (*objs[:i], objs[i].replace(opt_state=opt_state), *objs[i + 1 :])
 
     @staticmethod
     def _write_back(objs, states, out):
@@ -874,6 +1072,9 @@ def linen_data_parallel(
     axes: tuple[str, ...] = DATA_AXES,
     check_replicas: int | None = None,
     axis_name: str | None = None,
+    shard_optimizer: bool = False,
+    param_gather: Any = None,
+    shard_bucket_bytes: int | None = None,
 ) -> Callable[[Callable], LinenDataParallel]:
     """Makes a Flax Linen train step on ``TrainState`` data-parallel (in place of ``jax.jit``).
 
@@ -903,6 +1104,8 @@ def linen_data_parallel(
         ``nn.BatchNorm(axis_name='batch')`` or ``lax.pmean(x, 'batch')``), bound to
         ``axes`` while the step is traced (``jaxcomm.axis_names``): BatchNorm then
         normalises with the statistics of the global batch (SyncBatchNorm).
+      shard_optimizer, param_gather, shard_bucket_bytes: sharded optimizer state, as
+        :func:`nnx_data_parallel`'s (``state.opt_state`` becomes a ``ShardedState``).
 
     Returns:
       A decorator; the decorated step is a :class:`LinenDataParallel`.
@@ -915,7 +1118,10 @@ def linen_data_parallel(
     """
     n, axes = _decorator_args("linen_data_parallel", mesh, axes, check_replicas)
     name = check_axis_name(axis_name, axes, "linen_data_parallel")
-    return lambda fn: LinenDataParallel(fn, mesh, axes=axes, check_replicas=n, axis_name=name)
+    shard = _shard_args("linen_data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
+    return lambda fn: LinenDataParallel(
+        fn, mesh, axes=axes, check_replicas=n, axis_name=name, shard=shard
+    )
 
 
 def nnx_data_parallel(
@@ -924,6 +1130,9 @@ def nnx_data_parallel(
     axes: tuple[str, ...] = DATA_AXES,
     check_replicas: int | None = None,
     axis_name: str | None = None,
+    shard_optimizer: bool = False,
+    param_gather: Any = None,
+    shard_bucket_bytes: int | None = None,
 ) -> Callable[[Callable], NnxDataParallel]:
     """Makes an NNX train step data-parallel over ``mesh`` (use in place of ``nnx.jit``).
 
@@ -949,6 +1158,17 @@ def nnx_data_parallel(
         (``nnx.BatchNorm(..., axis_name='batch')``), bound to ``axes`` while the step is
         traced (``jaxcomm.axis_names``): BatchNorm then normalises with the statistics of
         the global batch (SyncBatchNorm), as on one device.
+      shard_optimizer: shard the optimizer's state and update over ``axes`` (ZeRO-1/2, as
+        ``jaxcomm.data_parallel(shard_optimizer=True)``, ``jaxcomm.sharded``): the
+        optimizer's transform is ``optax.chain(jaxcomm.sync_gradients(...), *elementwise
+        transforms)``; at the first call its fresh state is replaced by each device's
+        ``1/N`` chunk (a ``ShardedState``), the gradients are reduce-scattered, each
+        device updates its chunk and the params are all-gathered, so the new params the
+        step's ``optax.apply_updates`` returns are the gathered ones.
+      param_gather: with ``shard_optimizer``: None (f32 gathers) or
+        ``jaxcomm.compression.bf16()`` / ``int8()`` (ZeRO++ qwZ).
+      shard_bucket_bytes: with ``shard_optimizer``: the bucket bound of the packed
+        gradients and params (64 MiB by default).
 
     Returns:
       A decorator; the decorated step is a :class:`NnxDataParallel`.
@@ -961,4 +1181,7 @@ def nnx_data_parallel(
     """
     n, axes = _decorator_args("nnx_data_parallel", mesh, axes, check_replicas)
     name = check_axis_name(axis_name, axes, "nnx_data_parallel")
-    return lambda fn: NnxDataParallel(fn, mesh, axes=axes, check_replicas=n, axis_name=name)
+    shard = _shard_args("nnx_data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
+    return lambda fn: NnxDataParallel(
+        fn, mesh, axes=axes, check_replicas=n, axis_name=name, shard=shard
+    )

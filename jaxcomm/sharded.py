@@ -1,14 +1,18 @@
 """Sharded optimizer state: ZeRO stage 1/2 with ZeRO++-style quantized collectives.
 
-``jaxcomm.data_parallel(..., shard_optimizer=True)`` builds a :class:`ShardedDataParallel`.
+``jaxcomm.data_parallel(..., shard_optimizer=True)`` builds a :class:`ShardedDataParallel`;
+``jaxcomm.nnx_data_parallel(mesh, shard_optimizer=True)`` and ``linen_data_parallel`` run
+the same :class:`ShardedOptimizer` inside the user's step.
 Params stay replicated (every device computes the forward and backward pass on them, as in
 data parallelism), but the optimizer state and the update are split into ``N`` equal
 shards, one per device of the data axes (Rajbhandari et al., "ZeRO: Memory Optimizations
 Toward Training Trillion Parameter Models", SC 2020: stages 1 and 2). One step:
 
-1. **pack**: the gradient leaves are packed into one flat buffer per dtype
-   (``jaxcomm.packing.BufferPlan``), zero-padded to a multiple of ``N``
-   (:class:`ShardPlan`).
+1. **pack**: the gradient leaves are packed into flat buffers
+   (``jaxcomm.packing.BufferPlan``): buckets of whole leaves of one dtype, at most
+   ``bucket_bytes`` each (64 MiB; XLA frees each bucket's buffers after its collectives,
+   so the step's temporaries stay near one copy of the gradients), each zero-padded to a
+   multiple of ``N`` (:class:`ShardPlan`).
 2. **reduce-scatter**, hierarchical: over the innermost axis first (``'intra'``, inside a
    node), then over the outer ones (``'inter'``, across nodes, on ``1/g`` of the data),
    so device ``r`` (``lax.axis_index`` over the axes innermost first) ends with the mean
@@ -64,7 +68,9 @@ from jaxcomm.distributed import check_same_on_processes
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.packing import BufferPlan, plan_groups
 from jaxcomm.state import (
+    PerDevice,
     infer_per_device,
+    is_per_device,
     leaf_specs,
     marked_per_device,
     stack_leaves,
@@ -73,16 +79,25 @@ from jaxcomm.state import (
 )
 from jaxcomm.sync import DEFAULT_MIN_SIZE, GradientSync
 from jaxcomm.train import DataParallel, TrainState, _cell, _chain_parts, _check_params
+from jaxcomm.validate import check_int
 
 __all__ = [
     "ShardPlan",
     "ShardedDataParallel",
+    "ShardedOptimizer",
     "ShardedState",
     "clip_by_global_norm",
     "make_shard_plan",
     "per_device_bytes",
     "refuse_unshardable",
+    "unwrap_per_device",
+    "wrap_per_device",
 ]
+
+# Bytes of one bucket of packed gradients and params (make_shard_plan): XLA frees each
+# bucket's buffers after its collective, so the step's temporaries stay near one model's
+# gradients instead of two more copies (the packed buffer and the gathered one).
+DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 # The probe runs on the real parameter shapes up to this many elements, beyond on the
 # same tree with every dimension capped at _PROBE_DIM (a build-time cost, not a step's).
@@ -110,7 +125,8 @@ class ShardPlan:
     """Which device owns which slice of the packed params.
 
     Attributes:
-      plan: the ``jaxcomm.packing.BufferPlan``: one buffer per dtype, whole leaves.
+      plan: the ``jaxcomm.packing.BufferPlan``: buckets of whole leaves of one dtype
+        (:func:`make_shard_plan`).
       devices: ``N``, the number of devices over the data axes.
       axes: the data axes, outermost first.
 
@@ -176,13 +192,33 @@ def _reverse_axes(buf: jax.Array, sizes: Sequence[int]) -> jax.Array:
     return x.transpose(*range(k - 1, -1, -1), k).reshape(-1)
 
 
-def make_shard_plan(leaves: Sequence[Any], devices: int, axes: tuple[str, ...]) -> ShardPlan:
-    """A :class:`ShardPlan` of ``leaves`` (arrays or ``ShapeDtypeStruct`` s): one buffer per
-    dtype, in order of each dtype's first leaf."""
-    groups: dict[Any, list[int]] = {}
+def make_shard_plan(
+    leaves: Sequence[Any],
+    devices: int,
+    axes: tuple[str, ...],
+    bucket_bytes: int | None = None,
+) -> ShardPlan:
+    """A :class:`ShardPlan` of ``leaves`` (arrays or ``ShapeDtypeStruct`` s).
+
+    The leaves of each dtype (dtypes in order of their first leaf), in tree order, are cut
+    into buckets of whole leaves of at most ``bucket_bytes`` each (a larger leaf is a
+    bucket of its own; ``None``: one bucket per dtype); each bucket is one buffer. The
+    buckets depend on the leaves only, not on ``devices``, so a state written on one
+    device count reshards onto another (:meth:`ShardedDataParallel.reshard`).
+    """
+    buckets: dict[Any, list[list[int]]] = {}
+    filled: dict[Any, int] = {}
     for i, x in enumerate(leaves):
-        groups.setdefault(jnp.result_type(x), []).append(i)
-    return ShardPlan(plan_groups(leaves, groups.values()), int(devices), tuple(axes))
+        dtype = jnp.result_type(x)
+        nbytes = int(np.prod(np.shape(x))) * jnp.dtype(dtype).itemsize
+        runs = buckets.setdefault(dtype, [[]])
+        if runs[-1] and bucket_bytes is not None and filled[dtype] + nbytes > bucket_bytes:
+            runs.append([])
+            filled[dtype] = 0
+        runs[-1].append(i)
+        filled[dtype] = filled.get(dtype, 0) + nbytes
+    groups = [run for runs in buckets.values() for run in runs]
+    return ShardPlan(plan_groups(leaves, groups), int(devices), tuple(axes))
 
 
 def clip_by_global_norm(max_norm: float, axes: tuple[str, ...]) -> optax.GradientTransformation:
@@ -234,14 +270,15 @@ def _shardable(tx: optax.GradientTransformation, axes: tuple[str, ...]) -> Any:
 
 
 def split_sync(
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation, where: str = "data_parallel"
 ) -> tuple[GradientSync, list[optax.GradientTransformation]]:
-    """``optax.chain(sync_gradients(...), *rest)`` -> ``(the GradientSync, rest)``."""
+    """``optax.chain(sync_gradients(...), *rest)`` -> ``(the GradientSync, rest)``; ``where``
+    names the step builder in the errors."""
     parts = _chain_parts(optimizer.init, optimizer.update)
     sync = getattr(parts[0][0], "__self__", None) if parts else None
     if not isinstance(sync, GradientSync):
         raise ValueError(
-            "data_parallel(shard_optimizer=True) needs the optimizer as "
+            f"{where}(shard_optimizer=True) needs the optimizer as "
             "optax.chain(jaxcomm.sync_gradients(...), *transforms), the sync first: the "
             "sync's compressor reduce-scatters the gradients and the transforms after it "
             "run on each device's shard, e.g. optax.chain(jaxcomm.sync_gradients(), "
@@ -251,18 +288,18 @@ def split_sync(
     for k, (i, u) in enumerate(parts[1:], start=1):
         if isinstance(getattr(i, "__self__", None), GradientSync):
             raise ValueError(
-                f"data_parallel(shard_optimizer=True): a second jaxcomm.sync_gradients at "
+                f"{where}(shard_optimizer=True): a second jaxcomm.sync_gradients at "
                 f"optax.chain position [{k}]; keep one, first in the chain."
             )
         rest.append(optax.GradientTransformationExtraArgs(i, u))
     return sync, rest
 
 
-def _check_sync(sync: GradientSync, axes: tuple[str, ...]) -> None:
+def _check_sync(sync: GradientSync, axes: tuple[str, ...], where: str) -> None:
     """Refuses sync settings the sharded step does not implement."""
     if tuple(sync.axes) != tuple(axes):
         raise ValueError(
-            f"data_parallel(shard_optimizer=True): sync_gradients(axes={sync.axes}) differs "
+            f"{where}(shard_optimizer=True): sync_gradients(axes={sync.axes}) differs "
             f"from the step's axes={axes}; give both the same data axes."
         )
     unsupported = [
@@ -280,7 +317,7 @@ def _check_sync(sync: GradientSync, axes: tuple[str, ...]) -> None:
     if unsupported:
         name, value = unsupported[0]
         raise NotImplementedError(
-            f"data_parallel(shard_optimizer=True) does not implement sync_gradients("
+            f"{where}(shard_optimizer=True) does not implement sync_gradients("
             f"{name}={value!r}): the sharded step reduce-scatters each packed buffer whole "
             "(compressed whole, small leaves too), hierarchically. Leave it at its default."
         )
@@ -289,7 +326,7 @@ def _check_sync(sync: GradientSync, axes: tuple[str, ...]) -> None:
         comp.codec is None or comp.codec.reduce_scatter is None or _keeps_residuals(comp)
     ):
         raise ValueError(
-            f"data_parallel(shard_optimizer=True): compressor {comp.name!r} has no "
+            f"{where}(shard_optimizer=True): compressor {comp.name!r} has no "
             "reduce-scatter (a compressed reduce-scatter is what the sharded step sends), "
             "or keeps error-feedback residuals (a shard has no place for them). "
             "Use compression=None (f32), jaxcomm.compression.bf16(), int8() or int4() "
@@ -303,7 +340,7 @@ def _keeps_residuals(comp: Compressor) -> bool:
     return any(marked_per_device(state))
 
 
-def check_param_gather(param_gather: Any) -> BufferCodec | None:
+def check_param_gather(param_gather: Any, where: str = "data_parallel") -> BufferCodec | None:
     """The codec of ``param_gather`` if it is None or a compressor whose codec has an
     ``all_gather``, else raises."""
     if param_gather is None:
@@ -311,7 +348,7 @@ def check_param_gather(param_gather: Any) -> BufferCodec | None:
     codec = getattr(param_gather, "codec", None) if isinstance(param_gather, Compressor) else None
     if codec is None or codec.all_gather is None:
         raise ValueError(
-            f"data_parallel(param_gather={param_gather!r}): expected None (f32 gathers) or "
+            f"{where}(param_gather={param_gather!r}): expected None (f32 gathers) or "
             "a compressor with an all_gather: jaxcomm.compression.bf16(), int8() or int4() "
             "(ZeRO++ qwZ: blockwise int8 weights); it needs shard_optimizer=True."
         )
@@ -413,7 +450,11 @@ def _agree(whole: list, sharded: list) -> bool:
 
 
 def refuse_unshardable(
-    transforms: Sequence[Any], params: Sequence[Any], axes: tuple[str, ...], sizes: tuple
+    transforms: Sequence[Any],
+    params: Sequence[Any],
+    axes: tuple[str, ...],
+    sizes: tuple,
+    where: str = "data_parallel",
 ) -> None:
     """Refuses transforms whose update does not act elementwise on flat shards.
 
@@ -430,6 +471,7 @@ def refuse_unshardable(
         is probed as its sharded twin, :func:`clip_by_global_norm`).
       params: the parameter leaves (arrays or ``ShapeDtypeStruct`` s).
       axes: the data axes; sizes: their sizes.
+      where: the step builder, for the error.
 
     Raises:
       ValueError: naming the chain position (counting the sync as ``[0]``) and why.
@@ -464,7 +506,7 @@ def refuse_unshardable(
         why = verdict(k)
         if why is not None:
             raise ValueError(
-                f"data_parallel(shard_optimizer=True): the transform at optax.chain "
+                f"{where}(shard_optimizer=True): the transform at optax.chain "
                 f"position [{k + 1}] does not shard: {why}. Sharded optimizer state needs "
                 "transforms that act elementwise on each leaf (adam, adamw, sgd, lion, "
                 "add_decayed_weights, schedules) or optax.clip_by_global_norm. Use "
@@ -472,110 +514,164 @@ def refuse_unshardable(
             )
 
 
-class ShardedDataParallel(DataParallel):
-    """A data-parallel step with sharded optimizer state; build it with
-    ``jaxcomm.data_parallel(..., shard_optimizer=True)`` (the module docstring has the
-    algorithm).
+def wrap_per_device(tree: Any, per: list[bool]) -> Any:
+    """``tree`` with each flagged leaf in a ``jaxcomm.PerDevice`` (how the Flax front ends
+    mark state stored per device)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [PerDevice(x) if f else x for x, f in zip(leaves, per, strict=True)]
+    return jax.tree.unflatten(treedef, leaves)
 
-    Attributes (besides :class:`~jaxcomm.DataParallel`'s):
-      sync: the optimizer's :class:`~jaxcomm.GradientSync` (its compressor reduce-scatters).
-      param_gather: the compressor of the param all-gathers, or None (f32).
-      shard_plan: the :class:`ShardPlan` (after ``init``).
+
+def unwrap_per_device(tree: Any) -> Any:
+    """The inverse of :func:`wrap_per_device`."""
+    return jax.tree.map(lambda x: x.value if is_per_device(x) else x, tree, is_leaf=is_per_device)
+
+
+class ShardedOptimizer:
+    """The sharded update of one ``optax.chain(jaxcomm.sync_gradients(...), *transforms)``:
+    steps 1-4 of the module docstring on lists of leaves, and the layout of its
+    :class:`ShardedState`. ``data_parallel(shard_optimizer=True)`` and the Flax front ends
+    (``nnx_data_parallel(mesh, shard_optimizer=True)``) build one and run it inside their
+    ``jax.shard_map`` step.
+
+    Args:
+      optimizer: the chain, the sync first.
+      mesh: the mesh; axes: its data axes.
+      param_gather: None (f32 gathers) or a compressor with an ``all_gather``.
+      bucket_bytes: the bound of one bucket of packed leaves (:func:`make_shard_plan`).
+      where: the step builder, named in errors.
+
+    Raises:
+      ValueError / NotImplementedError: at construction, what the sharded step does not
+        take (see :func:`split_sync`, :func:`check_param_gather`); at
+        :meth:`infer_layout`, a transform that does not shard (:func:`refuse_unshardable`).
 
     Example:
-      >>> tx = optax.chain(jaxcomm.sync_gradients(compression=jaxcomm.compression.int8()),
-      ...                  optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-      >>> dp = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_optimizer=True,
-      ...                            param_gather=jaxcomm.compression.bf16())
-      >>> state = dp.init(params)          # Adam's moments: 1/N per device
-      >>> state, metrics = dp(state, batch)
+      >>> engine = ShardedOptimizer(tx, mesh, ('inter', 'intra'))
+      >>> per = engine.infer_layout(params)
+      >>> state = engine.init_fn(per)(params)          # chunks stacked along the axes
+      >>> new_leaves, opt = engine.update(grads, opt, params, step, value)  # in shard_map
     """
 
-    def __init__(self, *args: Any, param_gather: Compressor | None = None, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        if self.microbatches > 1:
-            raise NotImplementedError(
-                "data_parallel(shard_optimizer=True) with microbatches > 1 is not "
-                "implemented; use microbatches=1 (or shard_optimizer=False)."
-            )
-        if not self._require_sync:
-            raise ValueError(
-                "data_parallel(shard_optimizer=True) reduce-scatters the gradients itself: "
-                "require_sync=False does not apply; leave it True."
-            )
-        self.param_gather = check_param_gather(param_gather)
-        self.sync, self._transforms = split_sync(self.optimizer)
-        _check_sync(self.sync, self.axes)
-        self._tx = optax.chain(*(_shardable(t, self.axes) for t in self._transforms))
-        self.syncs = [self.sync]
+    def __init__(
+        self,
+        optimizer: optax.GradientTransformation,
+        mesh: Any,
+        axes: tuple[str, ...],
+        *,
+        param_gather: Compressor | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        where: str = "data_parallel",
+    ):
+        self.where = where
+        self.param_gather = check_param_gather(param_gather, where)
+        self.bucket_bytes = check_int(
+            f"{where}(shard_bucket_bytes)",
+            bucket_bytes,
+            minimum=1,
+            fix="give a positive number of bytes, e.g. 64 * 2**20",
+        )
+        self.sync, self.transforms = split_sync(optimizer, where)
+        _check_sync(self.sync, axes, where)
+        self.tx = optax.chain(*(_shardable(t, axes) for t in self.transforms))
+        self.mesh, self.axes = mesh, tuple(axes)
+        self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.shard_plan: ShardPlan | None = None
+        self.paths: list[str] = []  # of the ShardedState's leaves
+        self.local: Any = None  # one device's ShardedState, abstract
+        self.per: list[bool] = []  # per leaf of the ShardedState: stored per device
 
-    # -- the step's pieces ------------------------------------------------------------
-    def _init_local(self, params: Any) -> ShardedState:
-        chunks = self.shard_plan.local(jax.tree.leaves(params))
+    def init_local(self, leaves: Sequence[jax.Array]) -> ShardedState:
+        """This device's :class:`ShardedState` for the param ``leaves`` (in shard_map)."""
+        chunks = self.shard_plan.local(leaves)
         master = chunks if self.param_gather is not None else ()
-        return ShardedState(self._tx.init(chunks), master)
+        return ShardedState(self.tx.init(chunks), master)
 
-    def _update(self, grads: Any, opt: ShardedState, params: Any, step: jax.Array, value):
-        """Steps 1-4 of the module docstring: ``(new params, new ShardedState)``."""
+    def update(
+        self,
+        grads: Sequence[jax.Array],
+        opt: ShardedState,
+        params: Sequence[jax.Array],
+        step: jax.Array,
+        value: Callable[[], jax.Array],
+    ) -> tuple[list[jax.Array], ShardedState]:
+        """Steps 1-4 of the module docstring (inside ``jax.shard_map``).
+
+        Args:
+          grads: this device's gradient leaves; opt: its :class:`ShardedState`.
+          params: the replicated param leaves; step: the step count (dither seeds).
+          value: returns the loss, for a transform that takes optax's ``value``.
+
+        Returns:
+          ``(new param leaves, new ShardedState)``, the params typed invariant.
+        """
         splan, comp = self.shard_plan, self.sync.compression
         codec = comp.codec if comp is not None else None
         key = step_key(self.sync.seed, step)
         device = lax.axis_index(self.axes)
         chunks = []
-        for k, buf in enumerate(splan.padded(jax.tree.leaves(grads))):
+        for k, buf in enumerate(splan.padded(grads)):
             seed = lambda stage, k=k: dither_seed(key, device, k, stage)  # noqa: E731
             chunks.append(_scatter_mean(splan.scatter_order(buf), self.axes, codec, seed))
-        own = opt.master if self.param_gather is not None else splan.local(jax.tree.leaves(params))
-        updates, inner = update_with_value(self._tx.update, chunks, opt.inner, own, value)
+        own = opt.master if self.param_gather is not None else splan.local(params)
+        updates, inner = update_with_value(self.tx.update, chunks, opt.inner, own, value)
         new = optax.apply_updates(own, updates)
         full = [splan.natural_order(_gather(x, self.axes, self.param_gather)) for x in new]
-        leaves = splan.unpack(full)
-        new_params = jax.tree.unflatten(jax.tree.structure(params), leaves)
-        return new_params, ShardedState(inner, new if self.param_gather is not None else ())
+        return splan.unpack(full), ShardedState(inner, new if self.param_gather is not None else ())
 
-    # -- layout -------------------------------------------------------------------------
-    def _infer_layout(self, params: Any) -> list[bool]:
+    def infer_layout(self, params: Any) -> list[bool]:
         """Which leaves of the :class:`ShardedState` are per device: those typed varying
-        over the data axes after ``init`` or after an update (traced abstractly until
-        stable); then the transforms are probed (:func:`refuse_unshardable`)."""
+        over the data axes after ``init`` or after an update (``state.infer_per_device``);
+        then the transforms are probed (:func:`refuse_unshardable`).
+
+        Args:
+          params: the params (arrays or ``jax.ShapeDtypeStruct`` s), as the optimizer
+            sees them.
+        """
         leaves = jax.tree.leaves(params)
-        self.shard_plan = make_shard_plan(leaves, self.num_devices, self.axes)
-        abstract = jax.tree.map(
-            lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype, sharding=self.replicated), params
-        )
+        self.shard_plan = make_shard_plan(leaves, self.num_devices, self.axes, self.bucket_bytes)
+        replicated = NamedSharding(self.mesh, P())
+        abstract = [
+            jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p), sharding=replicated)
+            for p in leaves
+        ]
         axes = frozenset(self.axes)
         rec: dict[str, Any] = {}
 
         def init_probe(p):
-            s = self._init_local(p)
+            s = self.init_local(p)
             flat, rec["treedef"] = jax.tree_util.tree_flatten_with_path(s)
             rec["paths"] = [jax.tree_util.keystr(k) for k, _ in flat]
             rec["local"] = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
             rec["vary"] = [bool(varying_axes(x) & axes) for _, x in flat]
             return jnp.zeros(())
 
-        jax.eval_shape(self._probe_map(init_probe, (P(),)), abstract)
+        probe_map = functools.partial(
+            jax.shard_map, mesh=self.mesh, in_specs=(P(),), out_specs=P(), check_vma=True
+        )
+        jax.eval_shape(probe_map(init_probe), abstract)
         local = jax.tree.unflatten(rec["treedef"], rec["local"])
 
         def update_probe(s, p):
-            g = lax.pcast(jax.tree.map(jnp.zeros_like, p), self.axes, to="varying")
-            _, s2 = self._update(g, s, p, jnp.zeros((), jnp.int32), lambda: jnp.zeros(()))
+            g = lax.pcast([jnp.zeros_like(x) for x in p], self.axes, to="varying")
+            _, s2 = self.update(g, s, p, jnp.zeros((), jnp.int32), lambda: jnp.zeros(()))
             return [bool(varying_axes(x) & axes) for x in jax.tree.leaves(s2)]
 
         per = infer_per_device(
             update_probe, local, rec["vary"], self.mesh, self.axes, args=(abstract,),
             arg_specs=(P(),),
         )  # fmt: skip
-        self._opt_paths, self._opt_local = rec["paths"], local
+        self.paths, self.local, self.per = rec["paths"], local, per
         sizes = tuple(int(self.mesh.shape[a]) for a in self.axes)
-        refuse_unshardable(self._transforms, leaves, self.axes, sizes)
+        refuse_unshardable(self.transforms, leaves, self.axes, sizes, self.where)
         return per
 
-    # -- state --------------------------------------------------------------------------
-    def _init_fn(self, per: list[bool]) -> Callable:
+    def init_fn(self, per: list[bool]) -> Callable:
+        """The jitted init: the replicated param leaves -> the :class:`ShardedState`, its
+        per-device leaves stacked along the data axes (one chunk per device)."""
+
         def init(p):
-            s = self._init_local(p)
+            s = self.init_local(p)
             leaves, treedef = jax.tree.flatten(s)
             missing = lambda x: tuple(a for a in self.axes if a not in varying_axes(x))  # noqa: E731
             leaves = [
@@ -589,9 +685,73 @@ class ShardedDataParallel(DataParallel):
                 init,
                 mesh=self.mesh,
                 in_specs=(P(),),
-                out_specs=leaf_specs(self._opt_local, per, self.axes),
+                out_specs=leaf_specs(self.local, per, self.axes),
             )
         )
+
+
+class ShardedDataParallel(DataParallel):
+    """A data-parallel step with sharded optimizer state; build it with
+    ``jaxcomm.data_parallel(..., shard_optimizer=True)`` (the module docstring has the
+    algorithm).
+
+    Attributes (besides :class:`~jaxcomm.DataParallel`'s):
+      sharded: the :class:`ShardedOptimizer` (``.sync``: the optimizer's
+        :class:`~jaxcomm.GradientSync`, whose compressor reduce-scatters;
+        ``.param_gather``; ``.bucket_bytes``; ``.shard_plan`` after ``init``).
+
+    Example:
+      >>> tx = optax.chain(jaxcomm.sync_gradients(compression=jaxcomm.compression.int8()),
+      ...                  optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+      >>> dp = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_optimizer=True,
+      ...                            param_gather=jaxcomm.compression.bf16())
+      >>> state = dp.init(params)          # Adam's moments: 1/N per device
+      >>> state, metrics = dp(state, batch)
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        param_gather: Compressor | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        if self.microbatches > 1:
+            raise NotImplementedError(
+                "data_parallel(shard_optimizer=True) with microbatches > 1 is not "
+                "implemented; use microbatches=1 (or shard_optimizer=False)."
+            )
+        if not self._require_sync:
+            raise ValueError(
+                "data_parallel(shard_optimizer=True) reduce-scatters the gradients itself: "
+                "require_sync=False does not apply; leave it True."
+            )
+        self.sharded = ShardedOptimizer(
+            self.optimizer,
+            self.mesh,
+            self.axes,
+            param_gather=param_gather,
+            bucket_bytes=bucket_bytes,
+        )
+        self.syncs = [self.sharded.sync]
+
+    def _update(self, grads: Any, opt: ShardedState, params: Any, step: jax.Array, value):
+        """``(new params, new ShardedState)`` (:meth:`ShardedOptimizer.update`)."""
+        leaves, new_opt = self.sharded.update(
+            jax.tree.leaves(grads), opt, jax.tree.leaves(params), step, value
+        )
+        return jax.tree.unflatten(jax.tree.structure(params), leaves), new_opt
+
+    def _infer_layout(self, params: Any) -> list[bool]:
+        per = self.sharded.infer_layout(params)
+        self._opt_paths, self._opt_local = self.sharded.paths, self.sharded.local
+        return per
+
+    # -- state --------------------------------------------------------------------------
+    def _init_fn(self, per: list[bool]) -> Callable:
+        init = self.sharded.init_fn(per)
+        return lambda params: init(jax.tree.leaves(params))
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """Places params on the mesh (replicated) and initialises the sharded optimizer
@@ -618,29 +778,6 @@ class ShardedDataParallel(DataParallel):
             model_state=model_state,
         )
 
-    def abstract_state(self, params: Any) -> TrainState:
-        """The :class:`~jaxcomm.TrainState` :meth:`init` would build, as
-        ``jax.ShapeDtypeStruct`` s with their shardings (nothing is allocated): e.g.
-        :func:`per_device_bytes` of its ``opt_state`` for a model too large to build."""
-        abstract = jax.tree.map(
-            lambda p: jax.ShapeDtypeStruct(
-                jnp.shape(p), jnp.result_type(p), sharding=self.replicated
-            ),
-            params,
-        )
-        per = self._layout(abstract)
-        opt = jax.eval_shape(self._init_fn(per), abstract)
-        specs = leaf_specs(opt, per, self.axes)
-        opt = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=NamedSharding(self.mesh, s)
-            ),
-            opt,
-            specs,
-        )
-        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
-        return TrainState(step, abstract, opt, None)
-
     def reshard(self, state: TrainState) -> TrainState:
         """``state`` of a sharded step on another device count (e.g. restored from a
         checkpoint written on 8 devices) laid out for this one.
@@ -663,7 +800,7 @@ class ShardedDataParallel(DataParallel):
             per-device leaf is not one chunk per device.
         """
         per = self._layout(state.params)
-        local = jax.tree.leaves(self._opt_local)
+        local = jax.tree.leaves(self.sharded.local)
         leaves, treedef = jax.tree.flatten(state.opt_state)
         if len(leaves) != len(per):
             raise ValueError(

@@ -606,6 +606,50 @@ class DataParallel:
             is_leaf=lambda x: isinstance(x, P),
         )
 
+    def _init_fn(self, per: list[bool]) -> Callable:
+        """The jitted optimizer init: replicated params -> the state, per-device leaves
+        stacked along the data axes."""
+        return jax.jit(
+            jax.shard_map(
+                lambda p: stack_leaves(self.optimizer.init(p), per),
+                mesh=self.mesh,
+                in_specs=(P(),),
+                out_specs=leaf_specs(self._opt_local, per, self.axes),
+            )
+        )
+
+    def abstract_state(self, params: Any) -> TrainState:
+        """The :class:`TrainState` :meth:`init` would build, as ``jax.ShapeDtypeStruct`` s
+        with their shardings (nothing is allocated): to read a model's memory per device
+        (``jaxcomm.sharded.per_device_bytes``) or compile its step
+        (:meth:`compile` takes it) before building it.
+
+        Args:
+          params: the params, or their ``jax.ShapeDtypeStruct`` s.
+
+        Example:
+          >>> state = dp.abstract_state(jax.eval_shape(model_init, key))
+          >>> dp.compile(state, batch).memory_analysis()
+        """
+        abstract = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(
+                jnp.shape(p), jnp.result_type(p), sharding=self.replicated
+            ),
+            params,
+        )
+        per = self._layout(abstract)
+        opt = jax.eval_shape(self._init_fn(per), abstract)
+        specs = leaf_specs(opt, per, self.axes)
+        opt = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(self.mesh, s)
+            ),
+            opt,
+            specs,
+        )
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+        return TrainState(step, abstract, opt, None)
+
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """Places params on the mesh and initialises the optimizer state.
 
@@ -631,13 +675,7 @@ class DataParallel:
         if model_state is not None:
             model_state = jax.device_put(model_state, self.replicated)
         per = self._layout(params)
-        init_fn = jax.shard_map(
-            lambda p: stack_leaves(self.optimizer.init(p), per),
-            mesh=self.mesh,
-            in_specs=(P(),),
-            out_specs=leaf_specs(self._opt_local, per, self.axes),
-        )
-        opt_state = jax.jit(init_fn)(params)
+        opt_state = self._init_fn(per)(params)
         shared = [x for x, f in zip(jax.tree.leaves(opt_state), per, strict=True) if not f]
         check_same_on_processes(
             "the initial optimizer state",
@@ -700,12 +738,16 @@ class DataParallel:
         """Puts a batch on the mesh, split along its leading axis over the data axes.
 
         On one process ``batch`` is the global batch; with several processes, each passes
-        its own part (``jax.make_array_from_process_local_data``).
+        its own part (``jax.make_array_from_process_local_data``). A
+        ``jax.ShapeDtypeStruct`` (the global batch's shape, for :meth:`compile` on an
+        :meth:`abstract_state`) gets the batch sharding.
         """
 
         def put(x):
             if isinstance(x, jax.Array) and x.sharding == self.batch_sharding:
                 return x
+            if isinstance(x, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.batch_sharding)
             x = np.asarray(x) if not isinstance(x, jax.Array) else x
             if jax.process_count() > 1:
                 return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x))
@@ -1056,6 +1098,7 @@ def data_parallel(
     check_replicas: int | None = None,
     shard_optimizer: bool = False,
     param_gather: Any = None,
+    shard_bucket_bytes: int | None = None,
 ) -> DataParallel:
     """Builds a data-parallel train step over ``mesh``.
 
@@ -1128,6 +1171,11 @@ def data_parallel(
         compressor with an ``all_gather`` (``jaxcomm.compression.bf16()``, ``int8()``:
         ZeRO++'s qwZ); each device keeps its f32 master chunk, every device computes with
         the decoded gathered params.
+      shard_bucket_bytes: with ``shard_optimizer``: the gradients and params are packed
+        into buckets of whole leaves of at most this many bytes (64 MiB by default), each
+        reduce-scattered and gathered on its own, so the step's temporaries stay near one
+        copy of the gradients (one bucket per dtype would add two more copies of the
+        model: the packed buffer and the gathered one).
 
     Returns:
       A :class:`DataParallel`: ``state = dp.init(params)``, then
@@ -1147,11 +1195,19 @@ def data_parallel(
     if shard_optimizer:
         from jaxcomm.sharded import ShardedDataParallel  # noqa: PLC0415 (it imports this module)
 
-        cls, kwargs = ShardedDataParallel, {"param_gather": param_gather}
-    elif param_gather is not None:
+        kwargs = {"param_gather": param_gather}
+        if shard_bucket_bytes is not None:
+            kwargs["bucket_bytes"] = shard_bucket_bytes
+        cls = ShardedDataParallel
+    elif param_gather is not None or shard_bucket_bytes is not None:
+        name, value = (
+            ("param_gather", param_gather)
+            if param_gather is not None
+            else ("shard_bucket_bytes", shard_bucket_bytes)
+        )
         raise ValueError(
-            f"data_parallel(param_gather={param_gather!r}) needs shard_optimizer=True: "
-            "without sharding every device holds the updated params already."
+            f"data_parallel({name}={value!r}) needs shard_optimizer=True: without "
+            "sharding every device holds the updated params already."
         )
     return cls(
         loss_fn,

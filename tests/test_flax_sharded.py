@@ -1,0 +1,140 @@
+"""Sharded optimizer state under the Flax front ends: ``nnx_data_parallel(mesh,
+shard_optimizer=True)`` and ``linen_data_parallel(mesh, shard_optimizer=True)``."""
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_replicas_equal, launch_two_processes
+from test_flax import Linear, batch, linen_batch, linen_state, linen_step, setup, step_body
+
+import jaxcomm
+from jaxcomm.compression import bf16, int8
+from jaxcomm.nnx import key_data
+from jaxcomm.sharded import ShardedState, per_device_bytes, unwrap_per_device
+
+STEPS = 5
+WORKER = str(Path(__file__).with_name("_dist_flax_worker.py"))
+
+
+def _adamw(eps=1e-8):
+    # clip_by_global_norm after the sync: its norm is summed over the shards
+    return optax.chain(
+        jaxcomm.sync_gradients(),
+        optax.clip_by_global_norm(0.5),
+        optax.adamw(1e-2, eps=eps, weight_decay=0.1),
+    )
+
+
+def _nnx_run(mesh, steps=STEPS, **kw):
+    model, optimizer, metrics = setup(_adamw(), model=Linear(nnx.Rngs(0)))
+    step = jaxcomm.nnx_data_parallel(mesh, check_replicas=1, **kw)(step_body)
+    for i in range(steps):
+        step(model, optimizer, metrics, batch(i))
+    return model, optimizer, metrics, step
+
+
+def _params(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def test_nnx_sharded_equals_replicated_optimizer(mesh):
+    """AdamW with clipping after the sync: the sharded step's params and metrics equal
+    data parallelism's within f32 tolerance; its Adam moments take 1/N per device."""
+    m_dp, o_dp, met_dp, _ = _nnx_run(mesh)
+    m_z, o_z, met_z, step = _nnx_run(mesh, shard_optimizer=True)
+    for a, b in zip(_params(m_dp), _params(m_z), strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(met_z.compute()["loss"], met_dp.compute()["loss"], rtol=1e-5)
+    assert isinstance(unwrap_per_device(nnx.as_pure(o_z.opt_state)), ShardedState)
+    assert step.per_device_paths  # the moments' chunks
+    dense = per_device_bytes(nnx.state(o_dp, nnx.optimizer.OptState))
+    sharded = per_device_bytes(nnx.state(o_z, nnx.optimizer.OptState))
+    assert sharded < 0.2 * dense  # ~1/8 of the moments, plus the replicated counts
+    assert assert_replicas_equal(key_data(nnx.state(m_z))) > 0
+
+
+@pytest.mark.parametrize("gather", [bf16, int8])
+def test_nnx_param_gather_replicas_agree_bit_for_bit(mesh, gather):
+    model, _, _, _ = _nnx_run(mesh, steps=3, shard_optimizer=True, param_gather=gather())
+    reference, _, _, _ = _nnx_run(mesh, steps=3, shard_optimizer=True)
+    assert assert_replicas_equal(nnx.state(model, nnx.Param)) > 0
+    for a, b in zip(_params(reference), _params(model), strict=True):
+        np.testing.assert_allclose(b, a, atol=0.05 * np.abs(a).max())  # the wire's rounding
+
+
+def test_linen_sharded_equals_replicated_optimizer(mesh):
+    """A Linen TrainState with batch statistics, dropout keys and a field set after
+    apply_gradients: sharded equals unsharded within f32 tolerance, over three steps.
+
+    The Dense bias before BatchNorm gets a gradient of f32 rounding noise (the norm
+    removes it), which Adam would scale up to a full step of either sign, whichever way a
+    reduce-scatter or an all-reduce rounds it: ``eps=1e-3`` keeps that noise small."""
+    out = {}
+    for shard in (False, True):
+        step = jaxcomm.linen_data_parallel(mesh, check_replicas=1, shard_optimizer=shard)(
+            linen_step
+        )
+        state = linen_state(_adamw(eps=1e-3))
+        for i in range(3):
+            state, metrics = step(state, linen_batch(i))
+        out[shard] = (state, metrics)
+    (dp, m_dp), (z, m_z) = out[False], out[True]
+    assert isinstance(unwrap_per_device(z.opt_state), ShardedState)
+    for a, b in zip(jax.tree.leaves(dp.params), jax.tree.leaves(z.params), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(float(m_z["loss"]), float(m_dp["loss"]), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(z.mask), np.asarray(dp.mask))
+    assert assert_replicas_equal(key_data(z.params)) > 0
+
+
+def test_a_trained_optimizer_state_is_not_resharded(mesh):
+    """Moments an unsharded step has trained would be lost: refused."""
+    model, optimizer, metrics = setup(_adamw(), model=Linear(nnx.Rngs(0)))
+    jaxcomm.nnx_data_parallel(mesh)(step_body)(model, optimizer, metrics, batch(0))
+    step = jaxcomm.nnx_data_parallel(mesh, shard_optimizer=True)(step_body)
+    with pytest.raises(ValueError, match="not the one its init gives"):
+        step(model, optimizer, metrics, batch(1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"param_gather": bf16()}, ValueError, "needs shard_optimizer=True"),
+        ({"shard_bucket_bytes": 1024}, ValueError, "needs shard_optimizer=True"),
+        ({"shard_optimizer": 1}, TypeError, "True or False"),
+        ({"shard_optimizer": True, "param_gather": "bf16"}, ValueError, "all_gather"),
+        ({"shard_optimizer": True, "shard_bucket_bytes": 0}, ValueError, "shard_bucket_bytes"),
+    ],
+)
+def test_bad_decorator_arguments_are_refused_at_construction(mesh, kwargs, error, match):
+    for decorator in (jaxcomm.nnx_data_parallel, jaxcomm.linen_data_parallel):
+        with pytest.raises(error, match=match):
+            decorator(mesh, **kwargs)
+
+
+def test_a_transform_that_does_not_shard_is_refused_at_the_first_call(mesh):
+    tx = optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-2), optax.scale_by_trust_ratio())
+    model, optimizer, metrics = setup(tx, model=Linear(nnx.Rngs(0)))
+    step = jaxcomm.nnx_data_parallel(mesh, shard_optimizer=True)(step_body)
+    with pytest.raises(ValueError, match=r"nnx_data_parallel\(shard_optimizer=True\).*\[2\]"):
+        step(model, optimizer, metrics, batch(0))
+
+
+def test_the_compute_only_twin_is_refused(mesh):
+    model, optimizer, metrics = setup(_adamw(), model=Linear(nnx.Rngs(0)))
+    step = jaxcomm.nnx_data_parallel(mesh, shard_optimizer=True)(step_body)
+    with pytest.raises(NotImplementedError, match="compute-only twin"):
+        step.compile(model, optimizer, metrics, batch(0), communicate=False)
+
+
+def test_two_processes_train_sharded_nnx_state_alike():
+    """Two processes of two devices each: the sharded NNX step (f32 and bf16 gathers)
+    lays out and trains the state alike on both, replicas compared every step."""
+    out = launch_two_processes(sys.executable, WORKER, "sharded", timeout=120)
+    for rank in (0, 1):
+        assert f"[{rank}] SHARDED_F32_OK" in out and f"[{rank}] SHARDED_BF16_OK" in out, out
