@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -241,6 +242,143 @@ def memory(mesh, model: str) -> dict:
     }
 
 
+def _mlp_params(keys, width: int) -> list:
+    return [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys]
+
+
+def _mlp_loss(params, batch):
+    h = batch["x"]
+    for w in params:
+        h = jnp.tanh(h @ w)
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def _predicted(dp, shapes, batch) -> dict:
+    """What a step needs before anything is allocated: the state one device holds (its
+    shardings) and XLA's buffer assignment of the compiled step (arguments + outputs +
+    temporaries, less the donated outputs that reuse an argument), per device."""
+    from jaxcomm.sharded import per_device_bytes
+
+    state = dp.abstract_state(shapes)
+    m = dp.compile(state, batch).memory_analysis()
+    peak = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+    return {
+        "params_bytes_per_device": per_device_bytes(state.params),
+        "opt_state_bytes_per_device": per_device_bytes(state.opt_state),
+        "step_peak_bytes_per_device": peak,
+        "step_temp_bytes_per_device": m.temp_size_in_bytes,
+    }
+
+
+def fit(
+    width: int,
+    depth: int,
+    steps: int,
+    limit_bytes: int | None = None,
+    bucket_bytes: int | None = None,
+) -> dict:
+    """Trains an MLP (``depth`` layers of ``width x width``, f32, Adam, batch 64) whose
+    replicated Adam state does not fit the machine, sharded.
+
+    For data parallelism and ``shard_optimizer=True`` (with its default buckets and with
+    one bucket per dtype; all with donated state): the
+    bytes per device of the params and the optimizer state (their shardings) and the
+    step's peak (XLA's buffer assignment), all from abstract shapes; times the devices,
+    against ``limit_bytes`` (default: this machine's physical memory). Each that fits is
+    then built and trained ``steps`` steps: its losses, step times and this process's
+    peak resident memory after it (``ru_maxrss``; the runs go sharded first, so the
+    sharded figure is its own). One that does not fit is not run. ``bucket_bytes``: the
+    sharded row's ``shard_bucket_bytes`` (None: the library's default).
+    """
+    import resource
+
+    import jaxcomm
+
+    mesh = jaxcomm.make_mesh(intra=4)
+    n = mesh.size
+    limit = limit_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    shapes = [jax.ShapeDtypeStruct((width, width), jnp.float32) for _ in range(depth)]
+    batch_shapes = {k: jax.ShapeDtypeStruct((64, width), jnp.float32) for k in ("x", "y")}
+    out: dict[str, Any] = {
+        "width": width,
+        "depth": depth,
+        "params": width * width * depth,
+        "devices": n,
+        "limit_bytes": limit,
+        "rows": {},
+    }
+    # (shard_optimizer, shard_bucket_bytes): the default buckets, and one per dtype
+    rows = {
+        "zero-f32": (True, bucket_bytes),
+        "zero-f32-one-bucket": (True, 2**62),
+        "dp-f32": (False, None),
+    }
+    for name, (shard, bucket) in rows.items():
+        tx = optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-4))
+        kw = {"shard_optimizer": True, "shard_bucket_bytes": bucket} if shard else {}
+        dp = jaxcomm.data_parallel(_mlp_loss, tx, mesh, donate=True, **kw)
+        row = _predicted(dp, shapes, batch_shapes)
+        row["total_state_bytes"] = n * (
+            row["params_bytes_per_device"] + row["opt_state_bytes_per_device"]
+        )
+        row["total_peak_bytes"] = n * row["step_peak_bytes_per_device"]
+        row["fits"] = row["total_peak_bytes"] < limit
+        out["rows"][name] = row
+        if not row["fits"]:
+            continue
+        keys = jax.random.split(jax.random.key(0), depth + 2)
+        make = jax.jit(functools.partial(_mlp_params, width=width), out_shardings=dp.replicated)
+        state = dp.init(make(keys[:depth]))
+        batch = dp.shard_batch(
+            {
+                "x": jax.random.normal(keys[-2], (64, width)),
+                "y": 0.5 * jax.random.normal(keys[-1], (64, width)),
+            }
+        )
+        losses, times = [], []
+        for _ in range(steps):
+            t = time.perf_counter()
+            state, metrics = dp(state, batch)
+            losses.append(float(metrics["loss"]))
+            times.append(time.perf_counter() - t)
+        row |= {
+            "losses": losses,
+            "step_s": times,
+            "peak_rss_bytes": 1024 * resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        }
+        del state, batch
+    return out
+
+
+def _fit_table(res: dict) -> str:
+    gib = 2**30
+    lines = [
+        f"MLP {res['depth']} x ({res['width']} x {res['width']}), "
+        f"{res['params'] / 1e6:.0f}M params, Adam, {res['devices']} devices, limit "
+        f"{res['limit_bytes'] / gib:.1f} GiB (this machine's memory)",
+        f"{'row':19} {'params/dev':>10} {'Adam/dev':>9} {'peak/dev':>9} {'x devices':>9} "
+        f"{'fits':>5} {'loss first -> last':>20} {'peak RSS':>9}",
+    ]
+    for name, r in res["rows"].items():
+        run = (
+            f"{r['losses'][0]:9.4f} -> {r['losses'][-1]:.4f} {r['peak_rss_bytes'] / gib:8.2f}G"
+            if "losses" in r
+            else f"{'not run':>20} {'-':>9}"
+        )
+        lines.append(
+            f"{name:19} {r['params_bytes_per_device'] / gib:9.2f}G "
+            f"{r['opt_state_bytes_per_device'] / gib:8.2f}G "
+            f"{r['step_peak_bytes_per_device'] / gib:8.2f}G "
+            f"{r['total_peak_bytes'] / gib:8.2f}G {'yes' if r['fits'] else 'no':>5} {run}"
+        )
+    return "\n".join(lines)
+
+
 def digits(rows: list[str]) -> dict:
     """Test accuracy of each row on the digits MLP (300 steps, seed 0, Adam)."""
     from experiments.bench.digits import digits_accuracy
@@ -335,6 +473,14 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup", type=int, default=1, help="untimed steps per row before the timed ones"
     )
     p.add_argument("--digits", action="store_true", help="also each row's digits accuracy")
+    p.add_argument(
+        "--fit",
+        default=None,
+        metavar="WIDTHxDEPTH",
+        help="instead of the rows: an MLP of DEPTH WIDTH x WIDTH layers whose replicated "
+        "Adam state does not fit this machine, trained sharded (e.g. 4096x16: 1 GiB of "
+        "params; its memory predicted from the compiled steps, then measured)",
+    )
     p.add_argument("--json", default="runs/zero_bench.json", help="output JSON path")
     args = p.parse_args(argv)
     testbed = bool(os.environ.get("JAXCOMM_COORDINATOR"))  # under jaxcomm.testbed / launch
@@ -345,10 +491,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rows: unknown {bad}; choose from {list(ROWS)}")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
-    if testbed and args.digits:
-        p.error("--digits runs on fake devices in one process, not under the testbed")
+    if testbed and (args.digits or args.fit):
+        p.error("--digits and --fit run on fake devices in one process, not under the testbed")
+    if args.fit:
+        try:
+            width, depth = (int(v) for v in args.fit.lower().split("x"))
+        except ValueError:
+            p.error(f"--fit {args.fit!r}: expected WIDTHxDEPTH, e.g. 4096x16")
     t0 = time.perf_counter()
-    if testbed:
+    if args.fit:
+        if jax.device_count() < 8:
+            from experiments.bench.digits import reexec_with_fake_devices
+
+            return reexec_with_fake_devices("zero", argv)
+        res = fit(width, depth, args.steps)
+    elif testbed:
         import jaxcomm
 
         jaxcomm.init_distributed(collective_timeout_s=300)
@@ -374,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if jax.process_index() != 0:
         return 0
-    print(_testbed_table(res) if testbed else _table(res))
+    print(_fit_table(res) if args.fit else _testbed_table(res) if testbed else _table(res))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=2, default=float)
