@@ -769,6 +769,40 @@ class NnxDataParallel:
             objs = self._with_opt_state(objs, i, sharded)
         return objs
 
+    def shard_optimizer_state(self, *args) -> Any:
+        """Lays each optimizer's state out sharded now, as the first call does
+        (``shard_optimizer=True``): e.g. before restoring a checkpoint of the sharded
+        state, whose structure (``ShardedState`` chunks, stacked) it then has.
+
+        Args:
+          *args: the step's arguments (its ``nnx.Optimizer`` and model, or its
+            ``TrainState`` s; the batch may be left out).
+
+        Returns:
+          NNX: None (the optimizers are updated in place). Linen: the ``TrainState`` with
+          its sharded ``opt_state`` (a tuple of them for several).
+
+        Raises:
+          ValueError: the step was built without ``shard_optimizer=True``; or as at the
+            first call (a transform that does not shard, a trained state).
+
+        Example:
+          >>> train_step.shard_optimizer_state(model, optimizer)
+          >>> target = nnx.state(optimizer)                   # the sharded layout
+          >>> nnx.update(optimizer, checkpointer.restore(path, target))
+        """
+        if self._shard_args is None:
+            raise ValueError(
+                f"{self._name}: shard_optimizer_state needs the step built with "
+                "shard_optimizer=True."
+            )
+        objs = self._shard_optimizers(tuple(a for a in args if self._is_node(a)))
+        return self._laid_out(objs)
+
+    @staticmethod
+    def _laid_out(objs: tuple) -> Any:
+        return None  # NNX objects are updated in place
+
     # -- what jaxcomm.CommProfiler.drive reads -----------------------------------------
     def drive_inputs(self, *args) -> tuple[list, Any]:
         """The inputs of the compiled step for these arguments (as the step is called):
@@ -1055,6 +1089,10 @@ class LinenDataParallel(NnxDataParallel):
     @staticmethod
     def _with_opt_state(objs: tuple, i: int, opt_state: Any) -> tuple:
         return (*objs[:i], objs[i].replace(opt_state=opt_state), *objs[i + 1 :])
+
+    @staticmethod
+    def _laid_out(objs: tuple) -> Any:
+        return objs[0] if len(objs) == 1 else objs
 
     @staticmethod
     def _write_back(objs, states, out):

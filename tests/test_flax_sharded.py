@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_replicas_equal, launch_two_processes
+from helpers import assert_replicas_equal, assert_trees_bitwise_equal, launch_two_processes
 from test_flax import Linear, batch, linen_batch, linen_state, linen_step, setup, step_body
 
 import jaxcomm
@@ -90,6 +90,55 @@ def test_linen_sharded_equals_replicated_optimizer(mesh):
     np.testing.assert_allclose(float(m_z["loss"]), float(m_dp["loss"]), rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(z.mask), np.asarray(dp.mask))
     assert assert_replicas_equal(key_data(z.params)) > 0
+
+
+def test_orbax_checkpoint_resumes_bit_for_bit(mesh, tmp_path):
+    """NNX: the sharded state saved by orbax after 2 steps, restored into a fresh model
+    and optimizer laid out sharded (``shard_optimizer_state``), trains on to the
+    uninterrupted run's params and optimizer state bit for bit."""
+    import orbax.checkpoint as ocp
+
+    def fresh():
+        model, optimizer, metrics = setup(_adamw(), model=Linear(nnx.Rngs(0)))
+        step = jaxcomm.nnx_data_parallel(mesh, shard_optimizer=True)(step_body)
+        return model, optimizer, metrics, step
+
+    def pure(model, optimizer):
+        return nnx.as_pure(nnx.state((model, optimizer)))
+
+    model, optimizer, metrics, step = fresh()
+    for i in range(4):
+        step(model, optimizer, metrics, batch(i))
+    straight = pure(model, optimizer)
+
+    model, optimizer, metrics, step = fresh()
+    for i in range(2):
+        step(model, optimizer, metrics, batch(i))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", pure(model, optimizer))
+    checkpointer.wait_until_finished()
+
+    model, optimizer, metrics, step = fresh()
+    step.shard_optimizer_state(model, optimizer)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        pure(model, optimizer),
+    )
+    restored = checkpointer.restore(tmp_path / "ckpt", target)
+    nnx.update((model, optimizer), restored)
+    for i in range(2, 4):
+        step(model, optimizer, metrics, batch(i))
+    assert_trees_bitwise_equal(pure(model, optimizer), straight)
+
+
+def test_linen_shard_optimizer_state_returns_the_laid_out_state(mesh):
+    step = jaxcomm.linen_data_parallel(mesh, shard_optimizer=True)(linen_step)
+    state = step.shard_optimizer_state(linen_state(_adamw()))
+    assert isinstance(unwrap_per_device(state.opt_state), ShardedState)
+    state, _ = step(state, linen_batch(0))  # taken as it is
+    assert int(state.step) == 1
+    with pytest.raises(ValueError, match="shard_optimizer=True"):
+        jaxcomm.linen_data_parallel(mesh)(linen_step).shard_optimizer_state(state)
 
 
 def test_a_trained_optimizer_state_is_not_resharded(mesh):
