@@ -12,8 +12,10 @@ runs this module with ``--worker`` on every node. The worker times, side by side
 * the same step without any collective (the compute-only twin), to show the overhead;
 * probes on the same buffer: the flat psum alone (as PyTorch's rows time theirs), psum over
   ``intra`` alone and over ``inter`` alone (their bus bandwidths give the measured
-  intra:inter ratio), the three hierarchical stages, and the overlap probe: an inter psum
-  beside independent compute in one program, to see whether XLA:CPU runs them concurrently;
+  intra:inter ratio), the three hierarchical stages, the sharded optimizer's two inter
+  stages (a reduce-scatter on S/g and an all-gather back to it), and the overlap probe: an
+  inter psum beside independent compute in one program, to see whether XLA:CPU runs them
+  concurrently;
 * PyTorch's gloo ``all_reduce`` in f32 and fp16 (the DDP default and its fp16 hook), one rank
   per device, on the same namespaces, when torch is importable.
 
@@ -117,6 +119,9 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
         xs = jax.make_array_from_process_local_data(
             sharding, local.reshape(ldev, -1)[:, : x1.shape[1] // g]
         )
+        xc = jax.make_array_from_process_local_data(  # one device's chunk of S/g
+            sharding, local.reshape(ldev, -1)[:, : x1.shape[1] // g // m]
+        )
         p = g * m
         probes = {  # name -> (fn, input, bytes moved per rank by the nccl-tests convention)
             # the flat all-reduce alone, as PyTorch's rows time theirs
@@ -130,6 +135,14 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
                 2 * (m - 1) / m / g),
             "  stage 3: all-gather intra": (
                 lambda v: lax.all_gather(v, "intra", axis=1, tiled=True), xs, (g - 1) / g),
+            # the sharded optimizer's inter stages (jaxcomm.sharded): the same link bytes
+            # as stage 2, in two collectives
+            "  sharded: reduce-scatter inter on S/g": (
+                lambda v: lax.psum_scatter(v, "inter", scatter_dimension=1, tiled=True), xs,
+                (m - 1) / m / g),
+            "  sharded: all-gather inter to S/g": (
+                lambda v: lax.all_gather(v, "inter", axis=1, tiled=True), xc,
+                (m - 1) / m / g),
         }  # fmt: skip
         for name, (fn, arg, factor) in probes.items():
             f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
@@ -310,7 +323,9 @@ def _table(run: dict[str, Any]) -> list[str]:
                 continue
             if "busbw_GBps" in r:  # a stage probe: its bus bandwidth, not a speedup
                 bw = r["busbw_GBps"] * 1e3
-                lines.append(f"  {name:32s} {r['time_s'] * 1e3:9.1f}   busbw {bw:.0f} MB/s")
+                # an inter probe: g groups share the link, each at its bus bandwidth
+                use = f" = {g * bw * 1e6 / link:.2f} of the link" if "inter" in name else ""
+                lines.append(f"  {name:32s} {r['time_s'] * 1e3:9.1f}   busbw {bw:.0f} MB/s{use}")
                 continue
             err = f"{r['rel_error']:.1e}" if "rel_error" in r else ""
             bound = f"{r['link_bound_s'] * 1e3:.1f}" if "link_bound_s" in r else ""
