@@ -717,10 +717,12 @@ class ShardedDataParallel(DataParallel):
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
-        if self.microbatches > 1:
+        if self.microbatches > 1 and self.accumulate != "local":
             raise NotImplementedError(
-                "data_parallel(shard_optimizer=True) with microbatches > 1 is not "
-                "implemented; use microbatches=1 (or shard_optimizer=False)."
+                "data_parallel(shard_optimizer=True, microbatches > 1) accumulates the "
+                f"microbatches' gradients on each device (accumulate='local') and "
+                f"reduce-scatters once; accumulate={self.accumulate!r} (a reduction per "
+                "microbatch) is not implemented. Use accumulate='local'."
             )
         if not self._require_sync:
             raise ValueError(

@@ -1166,7 +1166,8 @@ def data_parallel(
         their defaults), each device's optimizer on its ``1/N`` chunk, params
         all-gathered. The optimizer must be
         ``optax.chain(jaxcomm.sync_gradients(...), *elementwise transforms)``; a
-        transform that does not shard is refused at build time by a probe.
+        transform that does not shard is refused at build time by a probe. With
+        ``microbatches``, ``accumulate='local'`` only (one reduce-scatter per step).
       param_gather: with ``shard_optimizer``: None (f32 all-gathers of the params) or a
         compressor with an ``all_gather`` (``jaxcomm.compression.bf16()``, ``int8()``:
         ZeRO++'s qwZ); each device keeps its f32 master chunk, every device computes with
