@@ -19,3 +19,15 @@ def mesh():
     import jaxcomm
 
     return jaxcomm.make_mesh(intra=4)
+
+
+# The longest test files (minutes each: the make-run path on the testbed, the smoke
+# ablation, the golden runs) first. `make test` hands each of its two workers a file at a
+# time (--dist loadfile) in collection order: a long file taken last would leave the other
+# worker idle until it ends.
+LONGEST_FIRST = ("test_testbed.py", "test_experiment_ablation.py", "test_golden.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable

@@ -292,7 +292,9 @@ def test_make_run_path_runs_every_row_on_two_processes(tmp_path):
         # the twin is timed once (1 step, 1 repeat): on a loaded machine its compute runs
         # slower than the row's, so the bound is loose; a link bypassed would give ~0
         assert exposed >= 0.5 * crossings * wire_s, (name, exposed, wire_s)
-        assert 0.2 < r["link_efficiency"] <= 1.15, (name, r["link_efficiency"])
+        # above 1 only by that noise (1.18 seen beside the other test worker); link bytes
+        # counted twice would read about 2
+        assert 0.2 < r["link_efficiency"] <= 1.4, (name, r["link_efficiency"])
     # Local steps: H chosen for the link, the int8 sync's bytes spread over H steps.
     local = by["+local steps"]
     h = local["sync_every"]
