@@ -67,6 +67,24 @@ def test_nnx_param_gather_replicas_agree_bit_for_bit(mesh, gather):
         np.testing.assert_allclose(b, a, atol=0.05 * np.abs(a).max())  # the wire's rounding
 
 
+def test_linen_int8_gradients_and_bf16_gathers(mesh):
+    """qgZ + qwZ under Linen: int8 reduce-scatters (dithered by the state's step count)
+    and bf16 gathers; replicas bit-equal, the loss near the f32 step's."""
+    losses = {}
+    for name, kw in (("f32", {}), ("int8", {"param_gather": bf16()})):
+        comp = int8() if name == "int8" else None
+        tx = optax.chain(jaxcomm.sync_gradients(compression=comp), optax.adam(1e-2))
+        step = jaxcomm.linen_data_parallel(mesh, check_replicas=1, shard_optimizer=True, **kw)(
+            linen_step
+        )
+        state = linen_state(tx)
+        for i in range(3):
+            state, metrics = step(state, linen_batch(i))
+        losses[name] = float(metrics["loss"])
+        assert assert_replicas_equal(key_data(state.params)) > 0
+    assert losses["int8"] == pytest.approx(losses["f32"], rel=0.05)
+
+
 def test_linen_sharded_equals_replicated_optimizer(mesh):
     """A Linen TrainState with batch statistics, dropout keys and a field set after
     apply_gradients: sharded equals unsharded within f32 tolerance, over three steps.
