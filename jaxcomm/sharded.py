@@ -310,7 +310,6 @@ def _check_sync(sync: GradientSync, axes: tuple[str, ...], where: str) -> None:
             ("warmup_steps", sync.warmup_steps, 0),
             ("bucket_bytes", sync.bucket_bytes, None),
             ("compress_leaf", sync.compress_leaf, None),
-            ("compress_stage", sync.compress_stage, "all"),
         )
         if value != default
     ]
@@ -356,16 +355,26 @@ def check_param_gather(param_gather: Any, where: str = "data_parallel") -> Buffe
 
 
 def _scatter_mean(
-    buf: jax.Array, axes: tuple[str, ...], codec: BufferCodec | None, seed: Callable
+    buf: jax.Array,
+    axes: tuple[str, ...],
+    codec: BufferCodec | None,
+    seed: Callable,
+    *,
+    compress_inner: bool = True,
 ) -> jax.Array:
-    """Step 2: the mean of this device's chunk of ``buf``, innermost axis first."""
+    """Step 2: the mean of this device's chunk of ``buf``, innermost axis first; each
+    stage through ``codec`` where there is one, but the innermost (inside the node) in
+    f32 with ``compress_inner=False`` (the sync's ``compress_stage='inter'``)."""
     if codec is None or buf.dtype != jnp.float32:
         for a in reversed(axes):
             buf = reduce_scatter(buf, a)
         n = int(np.prod([lax.axis_size(a) for a in axes]))
         return (buf / n).astype(buf.dtype)
     for stage, a in enumerate(reversed(axes)):
-        buf = codec.reduce_scatter(buf, a, seed(stage))
+        if compress_inner or stage > 0:
+            buf = codec.reduce_scatter(buf, a, seed(stage))
+        else:
+            buf = reduce_scatter(buf, a) / lax.axis_size(a)
     return buf
 
 
@@ -612,7 +621,12 @@ class ShardedOptimizer:
         chunks = []
         for k, buf in enumerate(splan.padded(grads)):
             seed = lambda stage, k=k: dither_seed(key, device, k, stage)  # noqa: E731
-            chunks.append(_scatter_mean(splan.scatter_order(buf), self.axes, codec, seed))
+            inner = self.sync.compress_stage == "all"
+            chunks.append(
+                _scatter_mean(
+                    splan.scatter_order(buf), self.axes, codec, seed, compress_inner=inner
+                )
+            )
         own = opt.master if self.param_gather is not None else splan.local(params)
         updates, inner = update_with_value(self.tx.update, chunks, opt.inner, own, value)
         new = optax.apply_updates(own, updates)

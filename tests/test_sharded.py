@@ -93,16 +93,19 @@ def test_microbatches_accumulate_locally_then_reduce_scatter_once(mesh):
     assert kinds[0] == kinds[1]
 
 
-def _first_update(mesh, c, *, shard_optimizer=True):
-    """One SGD step's update (lr 1) with gradient codec ``c``, flat."""
+def _first_update(mesh, c, *, shard_optimizer=True, wire=False, **sync_kw):
+    """One SGD step's update (lr 1) with gradient codec ``c``, flat (and with ``wire``
+    the step's ``wire_bytes``)."""
     p0 = mlp_init(jax.random.key(0), sizes=SIZES)
     # data parallelism compresses every leaf too (min_size=0), as the sharded step does
     kw = {} if shard_optimizer else {"min_size": 0}
-    tx = optax.chain(jaxcomm.sync_gradients(compression=c, **kw), optax.sgd(1.0))
+    tx = optax.chain(jaxcomm.sync_gradients(compression=c, **kw, **sync_kw), optax.sgd(1.0))
     zp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_optimizer=shard_optimizer)
-    s, _ = zp(zp.init(p0), _batches(1)[0])
+    s0, batch = zp.init(p0), zp.shard_batch(_batches(1)[0])
+    s, _ = zp(s0, batch)
     new, old = jax.tree.leaves(s.params), jax.tree.leaves(p0)
-    return np.concatenate([(np.asarray(x) - y).ravel() for x, y in zip(new, old, strict=True)])
+    u = np.concatenate([(np.asarray(x) - y).ravel() for x, y in zip(new, old, strict=True)])
+    return (u, jaxcomm.wire_bytes(zp.step_fn(s), s, batch)) if wire else u
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +123,19 @@ def test_compressed_gradient_within_codec_error(mesh, exact_update, codec):
     # in and one on the way out, where the sharded step rounds once per reduce-scatter stage
     replicated = err(_first_update(mesh, make(), shard_optimizer=False))
     assert 0 < sharded < 1.5 * replicated, (sharded, replicated)
+
+
+def test_compress_stage_inter_keeps_the_node_in_f32(mesh, exact_update):
+    """int8 with compress_stage='inter': the reduce-scatter inside the node in f32, the
+    one across nodes in int8. The same bytes cross a node's link as with 'all' (read from
+    the HLO), more inside it, and one rounding fewer: closer to the exact update."""
+    err = lambda u: np.linalg.norm(u - exact_update) / np.linalg.norm(exact_update)  # noqa: E731
+    u_all, w_all = _first_update(mesh, int8(), wire=True)
+    u_inter, w_inter = _first_update(mesh, int8(), wire=True, compress_stage="inter")
+    assert w_inter["crossing"]["inter"] == pytest.approx(w_all["crossing"]["inter"], rel=0.02)
+    assert w_inter["total"] > 1.5 * w_all["total"]
+    assert "reduce-scatter" in w_inter["by_kind"] and "reduce-scatter" not in w_all["by_kind"]
+    assert 0 < err(u_inter) < err(u_all)
 
 
 @pytest.fixture(scope="module")
