@@ -87,21 +87,16 @@ from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.replicas import check_replicas as _check_replicas
-from jaxcomm.sharded import (
-    DEFAULT_BUCKET_BYTES,
-    ShardedOptimizer,
-    ShardedState,
-    check_param_gather,
-    unwrap_per_device,
-    wrap_per_device,
-)
+from jaxcomm.sharded import ShardedOptimizer, ShardedState, shard_options
 from jaxcomm.state import (
     PerDevice,
     infer_per_device,
     leaf_specs,
     stack_leaves,
     unstack_leaves,
+    unwrap_per_device,
     varying_axes,
+    wrap_per_device,
 )
 from jaxcomm.sync import SyncRequest, accepting_requests
 from jaxcomm.train import refuse_nnx_object
@@ -754,8 +749,7 @@ class NnxDataParallel:
             fresh = jax.tree.leaves(jax.jit(tx.init)(params))
             given = jax.tree.leaves(opt_state)
             if len(fresh) != len(given) or not all(
-                np.shape(a) == np.shape(b) and bool(jnp.array_equal(a, b))
-                for a, b in zip(fresh, given, strict=False)
+                bool(jnp.array_equal(a, b)) for a, b in zip(fresh, given, strict=False)
             ):
                 raise ValueError(
                     f"{self._name}(shard_optimizer=True): the optimizer's state is not the "
@@ -978,33 +972,6 @@ def _decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -> tup
     return n, check_axes(axes)
 
 
-def _shard_args(
-    name: str, shard_optimizer: Any, param_gather: Any, bucket_bytes: Any
-) -> dict | None:
-    """The :class:`~jaxcomm.sharded.ShardedOptimizer` arguments of a decorator, checked
-    (None without ``shard_optimizer``)."""
-    if not isinstance(shard_optimizer, bool):
-        raise TypeError(f"{name}(shard_optimizer={shard_optimizer!r}) must be True or False.")
-    if not shard_optimizer:
-        for arg, value in (("param_gather", param_gather), ("shard_bucket_bytes", bucket_bytes)):
-            if value is not None:
-                raise ValueError(
-                    f"{name}({arg}={value!r}) needs shard_optimizer=True: without sharding "
-                    "every device holds the updated params already."
-                )
-        return None
-    check_param_gather(param_gather, name)
-    if bucket_bytes is None:
-        bucket_bytes = DEFAULT_BUCKET_BYTES
-    check_int(
-        f"{name}(shard_bucket_bytes)",
-        bucket_bytes,
-        minimum=1,
-        fix="give a positive number of bytes, e.g. 64 * 2**20",
-    )
-    return {"param_gather": param_gather, "bucket_bytes": bucket_bytes}
-
-
 class _Slot:
     """Where a returned ``TrainState`` goes back in the step's output."""
 
@@ -1156,7 +1123,7 @@ def linen_data_parallel(
     """
     n, axes = _decorator_args("linen_data_parallel", mesh, axes, check_replicas)
     name = check_axis_name(axis_name, axes, "linen_data_parallel")
-    shard = _shard_args("linen_data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
+    shard = shard_options("linen_data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
     return lambda fn: LinenDataParallel(
         fn, mesh, axes=axes, check_replicas=n, axis_name=name, shard=shard
     )
@@ -1219,7 +1186,7 @@ def nnx_data_parallel(
     """
     n, axes = _decorator_args("nnx_data_parallel", mesh, axes, check_replicas)
     name = check_axis_name(axis_name, axes, "nnx_data_parallel")
-    shard = _shard_args("nnx_data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
+    shard = shard_options("nnx_data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
     return lambda fn: NnxDataParallel(
         fn, mesh, axes=axes, check_replicas=n, axis_name=name, shard=shard
     )

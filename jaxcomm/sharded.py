@@ -68,9 +68,7 @@ from jaxcomm.distributed import check_same_on_processes
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.packing import BufferPlan, plan_groups
 from jaxcomm.state import (
-    PerDevice,
     infer_per_device,
-    is_per_device,
     leaf_specs,
     marked_per_device,
     stack_leaves,
@@ -90,8 +88,7 @@ __all__ = [
     "make_shard_plan",
     "per_device_bytes",
     "refuse_unshardable",
-    "unwrap_per_device",
-    "wrap_per_device",
+    "shard_options",
 ]
 
 # Bytes of one bucket of packed gradients and params (make_shard_plan): XLA frees each
@@ -354,6 +351,43 @@ def check_param_gather(param_gather: Any, where: str = "data_parallel") -> Buffe
     return codec
 
 
+def _check_bucket_bytes(bucket_bytes: Any, where: str) -> int:
+    return check_int(
+        f"{where}(shard_bucket_bytes)",
+        bucket_bytes,
+        minimum=1,
+        fix="give a positive number of bytes, e.g. 64 * 2**20",
+    )
+
+
+def shard_options(
+    where: str, shard_optimizer: Any, param_gather: Any, bucket_bytes: Any
+) -> dict | None:
+    """The sharding arguments of a step builder (``data_parallel``, the Flax decorators),
+    checked at construction: the :class:`ShardedOptimizer` keyword arguments, or None
+    without ``shard_optimizer``.
+
+    Raises:
+      TypeError: ``shard_optimizer`` is not a bool.
+      ValueError: ``param_gather`` or ``shard_bucket_bytes`` without
+        ``shard_optimizer=True``, or a value they do not take.
+    """
+    if not isinstance(shard_optimizer, bool):
+        raise TypeError(f"{where}(shard_optimizer={shard_optimizer!r}) must be True or False.")
+    if not shard_optimizer:
+        for arg, value in (("param_gather", param_gather), ("shard_bucket_bytes", bucket_bytes)):
+            if value is not None:
+                raise ValueError(
+                    f"{where}({arg}={value!r}) needs shard_optimizer=True: without sharding "
+                    "every device holds the updated params already."
+                )
+        return None
+    check_param_gather(param_gather, where)
+    if bucket_bytes is None:
+        bucket_bytes = DEFAULT_BUCKET_BYTES
+    return {"param_gather": param_gather, "bucket_bytes": _check_bucket_bytes(bucket_bytes, where)}
+
+
 def _scatter_mean(
     buf: jax.Array,
     axes: tuple[str, ...],
@@ -523,19 +557,6 @@ def refuse_unshardable(
             )
 
 
-def wrap_per_device(tree: Any, per: list[bool]) -> Any:
-    """``tree`` with each flagged leaf in a ``jaxcomm.PerDevice`` (how the Flax front ends
-    mark state stored per device)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    leaves = [PerDevice(x) if f else x for x, f in zip(leaves, per, strict=True)]
-    return jax.tree.unflatten(treedef, leaves)
-
-
-def unwrap_per_device(tree: Any) -> Any:
-    """The inverse of :func:`wrap_per_device`."""
-    return jax.tree.map(lambda x: x.value if is_per_device(x) else x, tree, is_leaf=is_per_device)
-
-
 class ShardedOptimizer:
     """The sharded update of one ``optax.chain(jaxcomm.sync_gradients(...), *transforms)``:
     steps 1-4 of the module docstring on lists of leaves, and the layout of its
@@ -574,12 +595,7 @@ class ShardedOptimizer:
     ):
         self.where = where
         self.param_gather = check_param_gather(param_gather, where)
-        self.bucket_bytes = check_int(
-            f"{where}(shard_bucket_bytes)",
-            bucket_bytes,
-            minimum=1,
-            fix="give a positive number of bytes, e.g. 64 * 2**20",
-        )
+        self.bucket_bytes = _check_bucket_bytes(bucket_bytes, where)
         self.sync, self.transforms = split_sync(optimizer, where)
         _check_sync(self.sync, axes, where)
         self.tx = optax.chain(*(_shardable(t, axes) for t in self.transforms))
@@ -618,15 +634,12 @@ class ShardedOptimizer:
         codec = comp.codec if comp is not None else None
         key = step_key(self.sync.seed, step)
         device = lax.axis_index(self.axes)
+        compress_inner = self.sync.compress_stage == "all"
         chunks = []
         for k, buf in enumerate(splan.padded(grads)):
             seed = lambda stage, k=k: dither_seed(key, device, k, stage)  # noqa: E731
-            inner = self.sync.compress_stage == "all"
-            chunks.append(
-                _scatter_mean(
-                    splan.scatter_order(buf), self.axes, codec, seed, compress_inner=inner
-                )
-            )
+            buf = splan.scatter_order(buf)
+            chunks.append(_scatter_mean(buf, self.axes, codec, seed, compress_inner=compress_inner))
         own = opt.master if self.param_gather is not None else splan.local(params)
         updates, inner = update_with_value(self.tx.update, chunks, opt.inner, own, value)
         new = optax.apply_updates(own, updates)

@@ -38,7 +38,9 @@ __all__ = [
     "stack_local",
     "unstack_leaves",
     "unstack_local",
+    "unwrap_per_device",
     "varying_axes",
+    "wrap_per_device",
 ]
 
 
@@ -67,6 +69,20 @@ def _map_per_device(fn_local, fn_other, tree: Any) -> Any:
         return fn_other(node)
 
     return jax.tree.map(visit, tree, is_leaf=is_per_device)
+
+
+def wrap_per_device(tree: Any, per: list[bool]) -> Any:
+    """``tree`` with each flagged leaf in a :class:`PerDevice` (how the Flax front ends
+    mark state stored per device, e.g. a sharded optimizer's chunks)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [PerDevice(x) if f else x for x, f in zip(leaves, per, strict=True)]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def unwrap_per_device(tree: Any) -> Any:
+    """``tree`` with every :class:`PerDevice` replaced by its value (the inverse of
+    :func:`wrap_per_device`)."""
+    return jax.tree.map(lambda x: x.value if is_per_device(x) else x, tree, is_leaf=is_per_device)
 
 
 def state_partition_specs(tree: Any, axes: tuple[str, ...]) -> Any:

@@ -1189,27 +1189,10 @@ def data_parallel(
       >>> state = dp.init(params)
       >>> state, metrics = dp(state, {'x': x, 'y': y})
     """
-    kwargs: dict[str, Any] = {}
-    cls: type[DataParallel] = DataParallel
-    if not isinstance(shard_optimizer, bool):
-        raise TypeError(f"shard_optimizer={shard_optimizer!r} must be True or False.")
-    if shard_optimizer:
-        from jaxcomm.sharded import ShardedDataParallel  # noqa: PLC0415 (it imports this module)
+    from jaxcomm.sharded import ShardedDataParallel, shard_options  # noqa: PLC0415 (imports this)
 
-        kwargs = {"param_gather": param_gather}
-        if shard_bucket_bytes is not None:
-            kwargs["bucket_bytes"] = shard_bucket_bytes
-        cls = ShardedDataParallel
-    elif param_gather is not None or shard_bucket_bytes is not None:
-        name, value = (
-            ("param_gather", param_gather)
-            if param_gather is not None
-            else ("shard_bucket_bytes", shard_bucket_bytes)
-        )
-        raise ValueError(
-            f"data_parallel({name}={value!r}) needs shard_optimizer=True: without "
-            "sharding every device holds the updated params already."
-        )
+    kwargs = shard_options("data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
+    cls: type[DataParallel] = DataParallel if kwargs is None else ShardedDataParallel
     return cls(
         loss_fn,
         optimizer,
@@ -1223,5 +1206,5 @@ def data_parallel(
         microbatches=microbatches,
         accumulate=accumulate,
         check_replicas=check_replicas,
-        **kwargs,
+        **(kwargs or {}),
     )

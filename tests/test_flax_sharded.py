@@ -15,7 +15,8 @@ from test_flax import Linear, batch, linen_batch, linen_state, linen_step, setup
 import jaxcomm
 from jaxcomm.compression import bf16, int8
 from jaxcomm.nnx import key_data
-from jaxcomm.sharded import ShardedState, per_device_bytes, unwrap_per_device
+from jaxcomm.sharded import ShardedState, per_device_bytes
+from jaxcomm.state import unwrap_per_device
 
 STEPS = 5
 WORKER = str(Path(__file__).with_name("_dist_flax_worker.py"))
