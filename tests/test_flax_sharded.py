@@ -10,6 +10,7 @@ import optax
 import pytest
 from flax import nnx
 from helpers import assert_replicas_equal, assert_trees_bitwise_equal, launch_two_processes
+from mlp import mlp_loss
 from test_flax import Linear, batch, linen_batch, linen_state, linen_step, setup, step_body
 
 import jaxcomm
@@ -119,7 +120,7 @@ def test_orbax_checkpoint_resumes_bit_for_bit(mesh, tmp_path):
 
     def fresh():
         model, optimizer, metrics = setup(_adamw(), model=Linear(nnx.Rngs(0)))
-        step = jaxcomm.nnx_data_parallel(mesh, shard_optimizer=True)(step_body)
+        step = jaxcomm.nnx_data_parallel(mesh, shard_optimizer=True, check_replicas=1)(step_body)
         return model, optimizer, metrics, step
 
     def pure(model, optimizer):
@@ -163,7 +164,9 @@ def test_linen_shard_optimizer_state_returns_the_laid_out_state(mesh):
 def test_a_trained_optimizer_state_is_not_resharded(mesh):
     """Moments an unsharded step has trained would be lost: refused."""
     model, optimizer, metrics = setup(_adamw(), model=Linear(nnx.Rngs(0)))
-    jaxcomm.nnx_data_parallel(mesh)(step_body)(model, optimizer, metrics, batch(0))
+    jaxcomm.nnx_data_parallel(mesh, check_replicas=1)(step_body)(
+        model, optimizer, metrics, batch(0)
+    )
     step = jaxcomm.nnx_data_parallel(mesh, shard_optimizer=True)(step_body)
     with pytest.raises(ValueError, match="not the one its init gives"):
         step(model, optimizer, metrics, batch(1))
@@ -172,17 +175,36 @@ def test_a_trained_optimizer_state_is_not_resharded(mesh):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"param_gather": bf16()}, ValueError, "needs shard_optimizer=True"),
-        ({"shard_bucket_bytes": 1024}, ValueError, "needs shard_optimizer=True"),
-        ({"shard_optimizer": 1}, TypeError, "True or False"),
-        ({"shard_optimizer": True, "param_gather": "bf16"}, ValueError, "all_gather"),
-        ({"shard_optimizer": True, "shard_bucket_bytes": 0}, ValueError, "shard_bucket_bytes"),
+        ({"param_gather": bf16()}, ValueError, r"param_gather=.*needs shard_optimizer=True"),
+        (
+            {"shard_bucket_bytes": 1024},
+            ValueError,
+            r"shard_bucket_bytes=1024\) needs shard_optimizer=True",
+        ),
+        ({"shard_optimizer": 1}, TypeError, r"shard_optimizer=1\) must be True or False"),
+        (
+            {"shard_optimizer": True, "param_gather": "bf16"},
+            ValueError,
+            r"param_gather='bf16'\): expected None .*bf16\(\), int8\(\) or int4\(\)",
+        ),
+        (
+            {"shard_optimizer": True, "shard_bucket_bytes": 0},
+            ValueError,
+            r"shard_bucket_bytes\)=0 must be an integer >= 1",
+        ),
     ],
 )
-def test_bad_decorator_arguments_are_refused_at_construction(mesh, kwargs, error, match):
-    for decorator in (jaxcomm.nnx_data_parallel, jaxcomm.linen_data_parallel):
-        with pytest.raises(error, match=match):
-            decorator(mesh, **kwargs)
+def test_bad_sharding_arguments_are_refused_at_construction(mesh, kwargs, error, match):
+    """The same checks, naming the value and what is allowed, on every step builder."""
+    tx = optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-2))
+    builders = {
+        "nnx_data_parallel": jaxcomm.nnx_data_parallel,
+        "linen_data_parallel": jaxcomm.linen_data_parallel,
+        "data_parallel": lambda mesh, **kw: jaxcomm.data_parallel(mlp_loss, tx, mesh, **kw),
+    }
+    for name, build in builders.items():
+        with pytest.raises(error, match=name + r"\(" + match):
+            build(mesh, **kwargs)
 
 
 def test_a_transform_that_does_not_shard_is_refused_at_the_first_call(mesh):

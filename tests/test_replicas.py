@@ -120,25 +120,32 @@ def test_replicas_agree_with_microbatches(mesh, params, algorithm):
     assert _changed(state.params, params)
 
 
-# shard_optimizer: (gradient compressor, param gather), None for f32
+# shard_optimizer: (gradient compressor, param gather, sync options, step options),
+# None for f32
 SHARDED = {
-    "f32": (None, None),
-    "bf16-bf16": ("bf16", "bf16"),
-    "int8-bf16": ("int8", "bf16"),
-    "int4-int8": ("int4", "int8"),
+    "f32": (None, None, {}, {}),
+    "bf16-bf16": ("bf16", "bf16", {}, {}),
+    "int8-bf16": ("int8", "bf16", {}, {}),
+    "int4-int8": ("int4", "int8", {}, {}),
+    "int8-inter-stage": ("int8", None, {"compress_stage": "inter"}, {}),
+    "f32-microbatches": (None, None, {}, {"microbatches": 2}),
+    "int8-small-buckets": ("int8", "bf16", {}, {"shard_bucket_bytes": 1024}),
 }
 
 
 @pytest.mark.parametrize("name", sorted(SHARDED))
 def test_replicas_agree_with_sharded_optimizer(mesh, params, name):
-    grad, gather = (None if c is None else getattr(C, c)() for c in SHARDED[name])
-    tx = optax.chain(jaxcomm.sync_gradients(compression=grad), optax.adam(1e-2))
+    grad, gather, sync_kw, step_kw = SHARDED[name]
+    grad, gather = (None if c is None else getattr(C, c)() for c in (grad, gather))
+    tx = optax.chain(jaxcomm.sync_gradients(compression=grad, **sync_kw), optax.adam(1e-2))
     dp = jaxcomm.data_parallel(
         mlp_loss, tx, mesh, shard_optimizer=True, param_gather=gather, check_replicas=1,
-        compiler_options=FAST,
+        compiler_options=FAST, **step_kw,
     )  # fmt: skip
     state, _ = train(dp, dp.init(params), _batches())
     assert _changed(state.params, params)
+    if "shard_bucket_bytes" in step_kw:
+        assert len(dp.sharded.shard_plan.plan.buffers) > 1
 
 
 def test_replicas_agree_with_a_codec_of_ones_own(mesh, params):

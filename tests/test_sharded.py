@@ -77,7 +77,7 @@ def test_microbatches_accumulate_locally_then_reduce_scatter_once(mesh):
     of the microbatches' gradients is reduce-scattered once (the HLO holds the same
     reduce-scatters), replicas agree."""
     p0 = mlp_init(jax.random.key(0))
-    one = _step_pair(mesh, OPTIMIZERS["adamw"])[1]
+    one = _step_pair(mesh, OPTIMIZERS["adamw"], check_replicas=1)[1]
     four = _step_pair(mesh, OPTIMIZERS["adamw"], microbatches=4, check_replicas=1)[1]
     a, b = one.init(p0), four.init(p0)
     for batch in mlp_batches(5, size=64):
@@ -103,6 +103,7 @@ def _first_update(mesh, c, *, shard_optimizer=True, wire=False, **sync_kw):
     zp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_optimizer=shard_optimizer)
     s0, batch = zp.init(p0), zp.shard_batch(_batches(1)[0])
     s, _ = zp(s0, batch)
+    assert assert_replicas_equal(s) > 0
     new, old = jax.tree.leaves(s.params), jax.tree.leaves(p0)
     u = np.concatenate([(np.asarray(x) - y).ravel() for x, y in zip(new, old, strict=True)])
     return (u, jaxcomm.wire_bytes(zp.step_fn(s), s, batch)) if wire else u

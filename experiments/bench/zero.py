@@ -281,6 +281,7 @@ def fit(
     steps: int,
     limit_bytes: int | None = None,
     bucket_bytes: int | None = None,
+    check_replicas: int | None = None,
 ) -> dict:
     """Trains an MLP (``depth`` layers of ``width x width``, f32, Adam, batch 64) whose
     replicated Adam state does not fit the machine, sharded.
@@ -293,7 +294,8 @@ def fit(
     then built and trained ``steps`` steps: its losses, step times and this process's
     peak resident memory after it (``ru_maxrss``; the runs go sharded first, so the
     sharded figure is its own). One that does not fit is not run. ``bucket_bytes``: the
-    sharded row's ``shard_bucket_bytes`` (None: the library's default).
+    sharded row's ``shard_bucket_bytes`` (None: the library's default);
+    ``check_replicas``: the steps' ``data_parallel(check_replicas=)`` (the tests' 1).
     """
     import resource
 
@@ -321,7 +323,9 @@ def fit(
     for name, (shard, bucket) in rows.items():
         tx = optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-4))
         kw = {"shard_optimizer": True, "shard_bucket_bytes": bucket} if shard else {}
-        dp = jaxcomm.data_parallel(_mlp_loss, tx, mesh, donate=True, **kw)
+        dp = jaxcomm.data_parallel(
+            _mlp_loss, tx, mesh, donate=True, check_replicas=check_replicas, **kw
+        )
         row = _predicted(dp, shapes, batch_shapes)
         row["total_state_bytes"] = n * (
             row["params_bytes_per_device"] + row["opt_state_bytes_per_device"]
