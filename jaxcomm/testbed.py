@@ -22,10 +22,12 @@ Set-up (all names start with ``jc`` plus a per-run tag, so parallel runs do not 
 2. Two nodes: one veth pair between them. More: a hub namespace with a bridge, one veth pair
    per node (a switch with one port per node). Leaf-spine: one hub per leaf, and the leaf
    hubs joined by one veth pair (two leaves) or through a spine hub (more).
-3. ``tc qdisc add dev X root tbf rate R burst B latency 10ms`` on every link end, so each
-   direction of each link carries at most R. netem is not available in this kernel, so
-   ``--latency`` is applied with netem when the kernel has it and otherwise reported as not
-   applied (veth adds tens of microseconds by itself).
+3. ``tc qdisc add dev X root tbf rate R burst B limit L`` on every link end, so each
+   direction of each link carries at most R. ``B`` is sized from ``R`` (:func:`tbf_burst`:
+   1 ms of line rate, at least 8 KiB): a step's traffic after an idle gap passes unshaped
+   only up to ``B``; the queue ``L`` holds 10 ms of line rate plus 128 KiB. netem is not
+   available in this kernel, so ``--latency`` is applied with netem when the kernel has it
+   and otherwise reported as not applied (veth adds tens of microseconds by itself).
 4. ``/etc/netns/NAME/hosts`` maps this machine's host name to the node's veth address:
    ``ip netns exec`` mounts it over ``/etc/hosts``, and gloo binds to the address the host
    name resolves to (../shared/REFERENCE.md).
@@ -68,6 +70,7 @@ __all__ = [
     "parse_rate",
     "parse_time",
     "spine_bytes",
+    "tbf_burst",
 ]
 
 SUBNET = "10.231.0"
@@ -81,6 +84,41 @@ def parse_rate(text: str) -> int:
     if not m:
         raise ValueError(f"link rate {text!r}: use tc's form, e.g. '1gbit', '250mbit'.")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+# The token bucket refills while a step computes, so each burst of traffic that follows an
+# idle gap passes its first ``burst`` bytes at veth speed: with a fixed 128 KB (the
+# testbed's bucket before), a 205 KB sync at 50 Mbit/s took 0.41 of its line-rate time
+# (efficiency 2.4, measured between two namespaces). The bucket is one millisecond of line
+# rate: the qdisc's hrtimer then wakes at most 1000 times a second per link end (a 16 KB
+# bucket at 1 Gbit/s, 7600 wake-ups, held the link to 0.69 of its rate on the 2-core
+# reference machine; 1 ms, 123 KB, to 0.93), with a floor of 8 KiB (a few MTU-sized
+# packets; 8 KiB at 8-50 Mbit/s kept the rate and gave 0.94-0.99 of the line-rate time on
+# 0.1-0.2 MB transfers; 16 KiB 1.03, 128 KiB 2.4).
+_BURST_SECONDS = 1e-3
+_MIN_BURST_KIB = 8
+# The queue behind the bucket keeps the depth it had with the 128 KB bucket (tbf's limit is
+# latency x rate + burst, with latency 10 ms): ``latency 10ms`` with the small bucket
+# left 70 KB at 50 Mbit/s, about one 64 KB GSO burst, and two TCP flows sharing the link
+# lost a packet in two and reached 0.43-0.69 of the line rate (0.92-0.96 with this depth).
+_QUEUE_SECONDS = 10e-3
+_QUEUE_EXTRA_BYTES = 128 * 1024
+
+
+def tbf_burst(rate: str) -> str:
+    """The tbf bucket for a link of ``rate``: 1 ms of line rate, at least 8 KiB, in tc's
+    ``kb`` (KiB), e.g. ``'8kb'`` at 50 Mbit/s, ``'123kb'`` at 1 Gbit/s."""
+    bytes_ = parse_rate(rate) / 8 * _BURST_SECONDS
+    return f"{max(_MIN_BURST_KIB, -(-int(bytes_) // 1024))}kb"
+
+
+def _tbf(rate: str, burst: str | None) -> list[str]:
+    """tc's tbf arguments for a link of ``rate``: with the default bucket the queue's
+    depth in bytes (``limit``), with a bucket ``burst`` given 10 ms beyond it."""
+    if burst is not None:
+        return ["tbf", "rate", rate, "burst", burst, "latency", "10ms"]
+    limit = int(parse_rate(rate) / 8 * _QUEUE_SECONDS) + _QUEUE_EXTRA_BYTES
+    return ["tbf", "rate", rate, "burst", tbf_burst(rate), "limit", str(limit)]
 
 
 def parse_time(text: str) -> float:
@@ -158,7 +196,8 @@ class Testbed:
       devices_per_node: CPU devices of each node's process.
       link: per-direction link rate in tc units, e.g. '1gbit', '250mbit'.
       latency: one-way added delay ('100us'); needs netem, reported as not applied without.
-      burst: tbf bucket size.
+      burst: tbf bucket size in tc's units (``'16kb'``; the queue then holds 10 ms beyond
+        it); default: :func:`tbf_burst` of each link's rate (re-sized by :meth:`set_link`).
       leaves: leaf switches (1: all nodes under one switch). With 2 or more, node ``i``
         hangs under leaf ``i % leaves`` and the leaves are joined by the spine.
       spine: per-direction rate of each leaf's spine link (default: ``link``).
@@ -175,7 +214,7 @@ class Testbed:
         devices_per_node: int = 2,
         link: str = "1gbit",
         latency: str = "0",
-        burst: str = "128kb",
+        burst: str | None = None,
         leaves: int = 1,
         spine: str | None = None,
     ):
@@ -248,7 +287,7 @@ class Testbed:
         return {"name": f"testbed-{self.tag}", "levels": levels, "placement": self.placement()}
 
     def _shape(self, ns: str, dev: str, rate: str | None = None) -> None:
-        tbf = ["tbf", "rate", rate or self.link, "burst", self.burst, "latency", "10ms"]
+        tbf = _tbf(rate or self.link, self.burst)
         under_netem = False
         if self.latency_s > 0:
             delay = f"{self.latency_s * 1e6:.0f}us"
@@ -351,8 +390,8 @@ class Testbed:
         :attr:`link_log` (``JAXCOMM_TESTBED_LINK_LOG`` in the nodes' environment)."""
         bps = parse_rate(rate)
         for ns, dev, where in self._link_ends:
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", dev, *where, "tbf",
-                "rate", rate, "burst", self.burst, "latency", "10ms")  # fmt: skip
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", dev, *where,
+                *_tbf(rate, self.burst))  # fmt: skip
         self.link, self.rate_bps = rate, bps
         with open(self.link_log, "a") as f:
             f.write(json.dumps({"time": time.time(), "link": rate, "link_bps": bps}) + "\n")
@@ -467,7 +506,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--devices-per-node", type=int, default=2)
     parser.add_argument("--link", default="1gbit", help="per-direction rate, e.g. 250mbit")
     parser.add_argument("--latency", default="0", help="added one-way delay (needs netem)")
-    parser.add_argument("--burst", default="128kb", help="tbf burst (default 128kb)")
+    parser.add_argument(
+        "--burst", default=None,
+        help="tbf bucket, e.g. 16kb (default: 1 ms of line rate, at least 8kb)",
+    )  # fmt: skip
     parser.add_argument(
         "--leaves", type=int, default=1,
         help="leaf switches joined by a spine (node i under leaf i %% LEAVES; default 1: one "

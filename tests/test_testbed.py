@@ -127,6 +127,60 @@ def test_link_is_shaped_and_cleaned_up(nodes):
     assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
 
 
+_ECHO = """
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('{addr}', 24001)); s.listen(1); c, _ = s.accept()
+while True:
+    n = 0
+    while n < {nbytes}:
+        b = c.recv(1 << 16)
+        if not b: raise SystemExit
+        n += len(b)
+    c.sendall(b'k')
+"""
+_BURSTS = """
+import socket, time
+for _ in range(100):
+    try: c = socket.create_connection(('{addr}', 24001)); break
+    except OSError: time.sleep(0.05)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for _ in range({rounds}):
+    time.sleep(0.1)  # idle, as while a step computes: the token bucket refills
+    t = time.perf_counter(); c.sendall(b'x' * {nbytes}); c.recv(1)
+    print(time.perf_counter() - t, flush=True)
+"""
+
+
+@needs_testbed
+def test_a_sync_after_an_idle_gap_takes_its_line_rate_time():
+    # The make-run path's compressed rows send about 0.2 MB per step over 50 Mbit/s, after
+    # the step's compute. Its payload cannot cross faster than the line rate: the tbf
+    # bucket that refills meanwhile passes at most tbf_burst(50mbit) = 8 KiB (4 %) of it
+    # unshaped, less than the TCP/IP headers (about 4.5 %) the payload's line-rate time
+    # leaves out. A 128 KB bucket passed 0.13 MB of each unshaped: 2.4 times the line rate.
+    rate, nbytes = 50e6, 205_000
+    with testbed.Testbed(nodes=2, devices_per_node=1, link="50mbit") as tb:
+        srv = subprocess.Popen(
+            ["ip", "netns", "exec", tb.namespaces[0], sys.executable, "-c",
+             _ECHO.format(addr=tb.addresses[0], nbytes=nbytes)],
+        )  # fmt: skip
+        try:
+            p = subprocess.run(
+                ["ip", "netns", "exec", tb.namespaces[1], sys.executable, "-c",
+                 _BURSTS.format(addr=tb.addresses[0], nbytes=nbytes, rounds=12)],
+                capture_output=True, text=True, check=True, timeout=60,
+            )  # fmt: skip
+        finally:
+            srv.kill()
+            srv.wait()
+    times = sorted(float(x) for x in p.stdout.split()[2:])  # the first two: TCP's slow start
+    efficiency = nbytes * 8 / rate / np.median(times)
+    # 1.0 with the headers, so 1.05 leaves 5 % for timing; at least half the rate (seen:
+    # 0.99; a retransmission can make one round slow, not the median)
+    assert 0.5 < efficiency <= 1.05, (efficiency, times)
+
+
 @needs_testbed
 def test_failure_and_ctrl_c_clean_up():
     base = [sys.executable, "-m", "jaxcomm.testbed", "--nodes", "2", "--devices-per-node", "1"]
@@ -277,24 +331,35 @@ def test_make_run_path_runs_every_row_on_two_processes(tmp_path):
     assert 0.8 * fraction * f32_bytes < row["link_bytes"] < 1.5 * fraction * f32_bytes
     assert row["link_bytes"] < row["wire_bytes"]
     assert 0.9 * f32_bytes < by["+hierarchical"]["link_bytes"] < 1.2 * f32_bytes
-    # The line-rate bound and the efficiency against references known without the rows'
-    # own accounting: the model's f32 gradient bytes S and the 50 Mbit/s link. A flat
-    # ring over the 4 devices sends 2 (4 - 1) / 4 S = 1.5 S per device, all of it across
-    # a node's link; hierarchical's inter stage S. Neither row overlaps its sync with
-    # compute (CPU collectives are synchronous, no overlap options), so the exposed
-    # communication (step - compute-only twin) cannot beat the wire: efficiency <= 1
-    # (+ timing noise), and with the link the bottleneck it is not far below.
+    # The line-rate bound against references known without the rows' own accounting: the
+    # model's f32 gradient bytes S and the 50 Mbit/s link. A flat ring over the 4 devices
+    # sends 2 (4 - 1) / 4 S = 1.5 S per device, all of it across a node's link;
+    # hierarchical's inter stage S.
     wire_s = f32_bytes * 8 / 50e6
     for name, crossings in (("baseline", 1.5), ("+hierarchical", 1.0)):
-        r = by[name]
-        assert r["link_bound_s"] == pytest.approx(crossings * wire_s, rel=0.2), (name, r)
-        exposed = r["step_time_s"] - r["compute_only_step_time_s"]
-        # the twin is timed once (1 step, 1 repeat): on a loaded machine its compute runs
-        # slower than the row's, so the bound is loose; a link bypassed would give ~0
-        assert exposed >= 0.5 * crossings * wire_s, (name, exposed, wire_s)
-        # above 1 only by that noise (1.18 seen beside the other test worker); link bytes
-        # counted twice would read about 2
-        assert 0.2 < r["link_efficiency"] <= 1.4, (name, r["link_efficiency"])
+        assert by[name]["link_bound_s"] == pytest.approx(crossings * wire_s, rel=0.2), name
+        # with the link the bottleneck, the exposed time is not far above it (link bytes
+        # counted twice would read about 2 times the time they took)
+        assert by[name]["link_efficiency"] > 0.2, (name, by[name]["link_efficiency"])
+    # No row overlaps its sync with compute (XLA:CPU runs collectives synchronously, the
+    # +overlap row's options included: docs/overlap.md), so every row's exposed
+    # communication (step - compute) takes at least its link bytes' line-rate time: link
+    # efficiency <= 1, the compressed rows' 0.2 MB included. The tbf bucket passes at most
+    # 8 KiB of a transfer after an idle gap unshaped (testbed.tbf_burst), less than the
+    # TCP/IP headers (about 4.5 %) that the line-rate time leaves out; with the former
+    # 128 KB bucket compressed rows read up to 1.19 by this measure (docs/results, idle
+    # runs). The compute is the fastest of the twins (each the same model step without the
+    # sync, timed once): a row's own twin, slowed by the other test worker, read 73 ms
+    # beside the others' 22-30 ms, which would put a compressed row far above 1. The
+    # margin is that estimate's jitter: a few ms against the compressed rows' 33 ms on the
+    # wire (twins of one step spread by 3-7 ms in the idle runs of docs/results).
+    margin = 0.15
+    compute = min(r["compute_only_step_time_s"] for r in rows)
+    table = {r["config"]: (r["step_time_s"], r["link_bound_s"]) for r in rows}
+    for r in rows:
+        exposed = r["step_time_s"] - compute
+        # exposed >= 1 / 1.15 = 0.87 of the wire time, i.e. efficiency <= 1.15
+        assert exposed >= r["link_bound_s"] / (1 + margin), (r["config"], compute, table)
     # Local steps: H chosen for the link, the int8 sync's bytes spread over H steps.
     local = by["+local steps"]
     h = local["sync_every"]
