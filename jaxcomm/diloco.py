@@ -507,7 +507,9 @@ def _branches(
             anchor = _split(params, owner, cfg.fragments)[f]
             local_f = _split(local, owner, cfg.fragments)[f]
             delta = jax.tree.map(lambda a, x: a - x, anchor, local_f)
-            outer_grad, sync_state = cfg.syncs[f].update(delta, sync_states[f], **request)
+            outer_grad, sync_state = cfg.syncs[f].update(
+                delta, sync_states[f], **_stating(request, delta)
+            )
             step, outer_state = cfg.outer.update(outer_grad, outer_states[f], anchor)
             upd = list(zeros)
             members = [k for k, o in enumerate(owner) if o == f]
@@ -530,6 +532,14 @@ def _branches(
         return no_sync(local, outer_states, sync_states)
 
     return [sync_fragment(f) for f in range(cfg.fragments)] + [no_sync, refused]
+
+
+def _stating(request: dict, outer_grad: Any) -> dict:
+    """The outer sync's extra arguments, its ``sync_request`` stating what the sync is
+    handed: the outer gradient (anchor minus local params), which local SGD averages by
+    design, not the step's gradients (``jaxcomm.SyncRequest.grads``)."""
+    r = request.get("sync_request")
+    return {} if r is None else {"sync_request": r._replace(grads=outer_grad)}
 
 
 def _reset_synced(

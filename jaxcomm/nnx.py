@@ -34,7 +34,19 @@ invariant: a param, the step count) is returned as it is.
 
 At the first call of each compiled step, the replicated state is compared across
 processes (:func:`jaxcomm.distributed.check_same_on_processes`): processes that start from
-different params (a per-process seed) are refused.
+different params (a per-process seed) are refused. Each process passes the same global
+batch (not its own part, as ``jaxcomm.data_parallel`` takes it; a part is refused at the
+first call, naming the shapes, or a global array built from the parts with
+``jax.make_array_from_process_local_data(step.batch_sharding, part)`` is taken as it is).
+With several processes each step is compiled ahead, as ``data_parallel``'s is
+(:func:`jaxcomm.train.compile_on_every_process`: every process agrees it compiled, a CPU
+module whose collectives' order gloo could pair differently is refused), and the outputs'
+reductions (batch statistics, metrics, the step's return values) run after the
+optimizer's update, so after the sync's conditionals (:mod:`jaxcomm.ordering`).
+
+Each ``sync_gradients`` must receive the gradients the step computed, or a function of
+them that commutes with the mean over devices (checked at the first call by a probe,
+whatever wraps the sync): a clip before the sync is refused.
 
 ``@jaxcomm.linen_data_parallel(mesh)`` does the same for a Linen step on
 ``flax.training.train_state.TrainState``, by field: ``params``, ``opt_state``, key fields
@@ -79,12 +91,12 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm import outputs, xla_cpu
+from jaxcomm import ordering, outputs, xla_cpu
 from jaxcomm.axis_names import bind, bound_names, check_axis_name
 from jaxcomm.collectives import check_axes
 from jaxcomm.compression.adaptive import AdaptiveState
 from jaxcomm.diloco import gradient_params
-from jaxcomm.distributed import check_same_on_processes
+from jaxcomm.distributed import check_same_on_processes, exchange, fingerprint
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.sharded import ShardedOptimizer, ShardedState, shard_options
@@ -98,8 +110,8 @@ from jaxcomm.state import (
     varying_axes,
     wrap_per_device,
 )
-from jaxcomm.sync import SyncRequest, accepting_requests
-from jaxcomm.train import refuse_nnx_object
+from jaxcomm.sync import SyncRequest, accepting_requests, other_input_message
+from jaxcomm.train import _sync_inputs_commute, compile_on_every_process, refuse_nnx_object
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -132,6 +144,10 @@ class _Log(NamedTuple):
 
     updates: list  # (params, updates) of each optimizer update
     syncs: list  # the GradientSync of each sync_gradients the updates ran
+    # other_input(sync, tx, params): a sync received arrays other than the step's
+    # gradients (a transform before it, a wrapper): recorded for the build-time probe,
+    # or, in the step itself, accepted if the probe checked it (SyncRequest.other_input).
+    other_input: Callable
 
 
 class _Sharded(NamedTuple):
@@ -179,7 +195,12 @@ class _Recording:
         if self._sharded is not None:
             updates, state = self._sharded_update(grads, state, invariant, kwargs)
         else:
-            request = SyncRequest(communicate=self._communicate, found=self._log.syncs)
+            request = SyncRequest(
+                self._communicate,
+                self._log.syncs,
+                grads,  # what the step computed: the sync must receive these
+                lambda sync, _: self._log.other_input(sync, self._tx, invariant),
+            )
             updates, state = self._tx.update(
                 grads, state, invariant, sync_request=request, **kwargs
             )
@@ -425,6 +446,11 @@ class NnxDataParallel:
         self.batch_sharding = NamedSharding(self.mesh, P(self.axes))
         self.check_replicas = check_replicas
         self._plans: dict = {}
+        # The first call's probe found that what reaches each sync commutes with the mean
+        # (a linear transform before it): the step accepts it.
+        self._inputs_checked = False
+        self._compiled_steps: dict = {}  # several processes: each step compiled ahead
+        self._batch_checked = False  # several processes: the first batch was compared
         self.per_device_paths: list[str] = []
         self.syncs: list = []  # the GradientSync of each sync_gradients the step runs
         self._calls = 0
@@ -469,7 +495,7 @@ class NnxDataParallel:
         # Old invariant value of every param, by the identity of its varying copy.
         old = {id(v): x for v, x, k in zip(inside, leaves, kinds, strict=True) if k == _PARAM}
         index = {id(v): i for i, (v, k) in enumerate(zip(inside, kinds, strict=True))}
-        log = _Log([], [])
+        log = _Log([], [], self._checked_input if rec is None else rec["other_input"])
         exact: dict = {}  # a sharded optimizer's new params, by the identity of the update
         objs, restore, has_opt = self._enter(
             graphdef,
@@ -531,13 +557,19 @@ class NnxDataParallel:
                     averaged.append(i)  # e.g. batch statistics: pmean, below
             result.append(x)
         # Batch statistics, metric sums and the step's outputs in one combine: one packed
-        # all-reduce per op and dtype, not one per leaf (jaxcomm.outputs.combine).
+        # all-reduce per op and dtype, not one per leaf (jaxcomm.outputs.combine). After
+        # the optimizer's updates, as data_parallel's: the sync's conditionals may hold
+        # collectives still running when an independent all-reduce starts, which gloo
+        # would pair differently on different processes (jaxcomm.ordering).
         flat, treedef, keep = self._per_device_outputs(out)
         means, sums, combined = outputs.combine(
-            (
-                outputs.mean([result[i] for i in averaged]),
-                outputs.sum([result[i] for i in summed]),
-                [x for x, k in zip(flat, keep, strict=True) if not k],
+            ordering.after(
+                (
+                    outputs.mean([result[i] for i in averaged]),
+                    outputs.sum([result[i] for i in summed]),
+                    [x for x, k in zip(flat, keep, strict=True) if not k],
+                ),
+                [u for _, u in log.updates],
             ),
             self.axes,
         )
@@ -552,6 +584,16 @@ class NnxDataParallel:
         if rec is not None:
             rec["vary"] = [bool(varying_axes(x) & set(self.axes)) for x in result]
         return result, out
+
+    def _checked_input(self, sync: Any, tx: Any, params: Any) -> None:
+        """Accepts, in the step's trace, a sync whose input the build-time probe checked
+        (:func:`jaxcomm.train._sync_inputs_commute`, at the first call); refuses it
+        otherwise."""
+        del sync, tx, params
+        if not self._inputs_checked:
+            raise ValueError(
+                other_input_message(self._name, "which the first call's probe did not check")
+            )
 
     def _per_device_outputs(self, out: Any) -> tuple[list, Any, list[bool]]:
         """The step's outputs as leaves (markers kept whole), their structure, and which
@@ -588,8 +630,15 @@ class NnxDataParallel:
             args,
         )
 
+        indirect: list[tuple] = []  # (sync, tx, abstract params): probed below
+
+        def other_input(sync, tx, params):
+            if not any(s is sync for s, _, _ in indirect):
+                shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+                indirect.append((sync, tx, shapes))
+
         def probe(lv, a):
-            rec: dict = {"varying_update": []}
+            rec: dict = {"varying_update": [], "other_input": other_input}
             self._local((graphdef, treedef, kinds, None, nodes), lv, a, rec)
             self._refuse_varying(rec, kinds, marked, paths)
             self.syncs = list({id(x): x for x in rec["syncs"]}.values())
@@ -606,6 +655,9 @@ class NnxDataParallel:
             may_vary=[k == _OPT for k in kinds],
         )
         self.per_device_paths = [p for p, f in zip(paths, per, strict=True) if f]
+        for _, tx, params in {id(t): (s, t, p) for s, t, p in indirect}.values():
+            _sync_inputs_commute(tx, params, self.mesh, self._name)
+        self._inputs_checked = self._inputs_checked or bool(indirect)
         # Replicas start alike only if every process starts from the same values.
         check_same_on_processes(
             f"{self._name}: the initial values of the replicated state (params, optimizer "
@@ -714,10 +766,24 @@ class NnxDataParallel:
         leaves = [put(x, f) for x, f in zip(leaves, plan[3], strict=True)]
         return objs, state, plan, step, leaves, data
 
+    def _compiled(self, step: Callable, leaves: list, data: Any) -> Callable:
+        """``step`` itself in one process; with several, compiled for these inputs' shapes
+        and shardings, once, by :func:`jaxcomm.train.compile_on_every_process` (every
+        process agrees it compiled; a CPU module's ordering hazards are refused)."""
+        if jax.process_count() == 1:
+            return step
+        flat, treedef = jax.tree.flatten((leaves, data))
+        key = (id(step), treedef, tuple((x.shape, x.dtype, x.sharding) for x in flat))
+        if key not in self._compiled_steps:
+            self._compiled_steps[key] = compile_on_every_process(
+                step, (leaves, data), self.mesh, f"{self._name} step"
+            )
+        return self._compiled_steps[key]
+
     def __call__(self, *args):
         objs, _, plan, step, leaves, data = self._prepare(args)
         if self._feedback is None:
-            new, out = step(leaves, data)
+            new, out = self._compiled(step, leaves, data)(leaves, data)
         else:
             new, out = self._feedback_step(leaves, data, self._feedback.before_step())
         if xla_cpu.one_step_in_flight(self.mesh):
@@ -833,7 +899,9 @@ class NnxDataParallel:
         self._fields = _adaptive_fields(objs, state)
         step = self._jit(plan, leaf_specs(leaves, plan[3], self.axes), write=feedback.write)
         share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self.batch_sharding)
-        self._feedback_step = step.lower(leaves, data, share).compile()
+        self._feedback_step = compile_on_every_process(
+            step, (leaves, data, share), self.mesh, f"{self._name} step"
+        )
         self._feedback = feedback
         return self._feedback_step
 
@@ -856,7 +924,7 @@ class NnxDataParallel:
         """
         _, _, plan, _, leaves, data = self._prepare(args)
         step = self._jit(plan, leaf_specs(leaves, plan[3], self.axes), communicate=communicate)
-        return step.lower(leaves, data).compile()
+        return compile_on_every_process(step, (leaves, data), self.mesh, f"{self._name} step")
 
     def adaptive_states(self, leaves: list) -> list[AdaptiveState]:
         """The state of each adaptive compressor, read from the step's state ``leaves``
@@ -942,18 +1010,72 @@ class NnxDataParallel:
 
     def _shard(self, data):
         sharding = NamedSharding(self.mesh, P(self.axes))
+        many = jax.process_count() > 1
+        if many and not self._batch_checked:
+            self._check_global_batch(data)
 
         def put(x):
+            if many and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
+                x = np.asarray(x)  # this process's copy of the global batch
             x = x if isinstance(x, jax.Array) else np.asarray(x)
             if x.ndim == 0 or x.shape[0] % self.num_devices:
+                where = f" of {jax.process_count()} processes" if many else ""
                 raise ValueError(
                     f"{self._name}: a batch argument of shape {x.shape} does not split "
-                    f"over the {self.num_devices} devices along its leading axis; use a "
-                    f"multiple of {self.num_devices} (non-module arguments are the batch)."
+                    f"over the {self.num_devices} devices{where} along its leading axis; use "
+                    f"a multiple of {self.num_devices} (non-module arguments are the global "
+                    "batch)."
                 )
             return jax.device_put(x, sharding)
 
         return jax.tree.map(put, data)
+
+    def _check_global_batch(self, data: Any) -> None:
+        """Refuses, at the first call on several processes, a batch that is not the same
+        global batch on every process.
+
+        The Flax front ends take the global batch on every process (each device takes its
+        slice of the leading axis), where ``jaxcomm.data_parallel`` takes each process's
+        part. A process's part cannot be told from a global batch by its shape (a part of
+        ``n`` rows looks like a global batch of ``n``), only by comparing processes: each
+        posts its batch leaves' paths, shapes and dtypes and a digest of their values
+        (:func:`jaxcomm.distributed.fingerprint`) through the coordination service (no
+        collective). Leaves that are global arrays already (not fully addressable, e.g.
+        from ``jax.make_array_from_process_local_data``) are not compared.
+
+        Raises:
+          ValueError: on every process, naming the shapes each process passed (or, for
+            equal shapes, the processes whose values differ) and the fix.
+        """
+        host = [
+            (jax.tree_util.keystr(k), x)
+            for k, x in jax.tree_util.tree_flatten_with_path(data)[0]
+            if not (isinstance(x, jax.Array) and not x.is_fully_addressable)
+        ]
+        shapes = ", ".join(f"{k} {np.shape(x)} {np.asarray(x).dtype}" for k, x in host)
+        posted = exchange(
+            f"{self._name}/global batch", f"{shapes}|{fingerprint([x for _, x in host])}"
+        )
+        differ = [i for i, v in enumerate(posted) if v != posted[0]]
+        if not differ:
+            self._batch_checked = True  # (a refused first call is compared again)
+            return
+        i = differ[0]
+        theirs = posted[i].rsplit("|", 1)[0]
+        if theirs != posted[0].rsplit("|", 1)[0]:
+            what = f"process {i} passed {theirs}; process 0 passed {posted[0].rsplit('|', 1)[0]}"
+        else:
+            what = f"processes {differ} passed other values than process 0 (shapes {shapes})"
+        rows = next((np.shape(x)[0] for _, x in host if np.ndim(x)), 0)
+        raise ValueError(
+            f"{self._name}: the batch differs between processes: {what}. {self._name} takes "
+            "the global batch, the same on every process (each device takes its slice of "
+            "the leading axis), not each process's part as jaxcomm.data_parallel does. Pass "
+            "every process the same global batch, or build the global array from each "
+            f"process's part: jax.make_array_from_process_local_data(step.batch_sharding, "
+            f"part) (a part of {rows} rows on each of {jax.process_count()} processes makes "
+            f"a global batch of {rows * jax.process_count()} rows)."
+        )
 
 
 def _decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -> tuple[int, tuple]:

@@ -54,6 +54,18 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, TrainState)
 
 
+def _rows_hint() -> str:
+    """On several processes: how pmap_data_parallel's rows differ from jax.pmap's."""
+    if jax.process_count() == 1:
+        return ""
+    return (
+        f" On {jax.process_count()} processes jax.pmap takes each process's rows of its "
+        f"{jax.local_device_count()} local devices; pmap_data_parallel takes the rows of all "
+        f"{jax.device_count()} devices, the same global arrays on every process (each device "
+        "takes its row)."
+    )
+
+
 class PmapDataParallel(LinenDataParallel):
     """A ``jax.pmap``-style Linen step run data-parallel over a mesh; build it with
     :func:`pmap_data_parallel`."""
@@ -120,7 +132,7 @@ class PmapDataParallel(LinenDataParallel):
                     f"{self._name}: batch argument {jax.tree_util.keystr(path)} has shape "
                     f"{shape}; in pmap's layout its leading axis is the {self.num_devices} "
                     f"devices: (devices, per_device, ...), as common_utils.shard(batch) or "
-                    f"x.reshape({self.num_devices}, -1, *x.shape[1:]) makes it."
+                    f"x.reshape({self.num_devices}, -1, *x.shape[1:]) makes it.{_rows_hint()}"
                 )
         return super()._shard(data)
 
@@ -145,7 +157,7 @@ class PmapDataParallel(LinenDataParallel):
                 raise ValueError(
                     f"{self._name}: TrainState leaf {path} has shape {shape}; in pmap's "
                     f"layout every leaf has a leading axis of the {self.num_devices} devices. "
-                    "Pass jax_utils.replicate(state), as for jax.pmap."
+                    f"Pass jax_utils.replicate(state), as for jax.pmap.{_rows_hint()}"
                 )
         per = self._per_device_flags(states) or [False] * len(leaves)
         sharding = NamedSharding(self.mesh, P(self.axes))

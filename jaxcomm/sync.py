@@ -107,10 +107,24 @@ class SyncRequest(NamedTuple):
       found: a list each ``sync_gradients`` appends its :class:`GradientSync` to when its
         update is traced (the step builder checks the optimizer synchronises, and the
         microbatch loop calls the sync's ``reduce`` itself).
+      grads: the gradients the step computed and hands the optimizer (each device's own),
+        or None (not stated: nothing is checked). A sync that receives other arrays (a
+        transform before it in the chain, a wrapper's accumulator) averages a function of
+        each device's gradients, which equals the one-device run only if that function
+        commutes with the mean; it then calls ``other_input``. Compared leaf by leaf by
+        identity (the traced arrays themselves), so it holds for any wrapper that hands
+        the gradients on untouched (``optax.chain``, ``named_chain``, ``masked``,
+        ``partition``, ``inject_hyperparams``), whatever its structure.
+      other_input: ``other_input(sync, inputs)``, called (while tracing) when the sync
+        receives arrays other than ``grads``: the step builder records them for its
+        build-time probe, or accepts a sync the probe checked; it raises to refuse. None:
+        refused (``ValueError``) at once.
     """
 
     communicate: bool = True
     found: list | None = None
+    grads: Any = None
+    other_input: Callable[[GradientSync, Any], None] | None = None
 
 
 _DEFAULT_REQUEST = SyncRequest()
@@ -324,12 +338,49 @@ def sync_gradients(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
         sync_request = sync_request or _DEFAULT_REQUEST
         if sync_request.found is not None:
             sync_request.found.append(sync)
+        if sync_request.grads is not None and not _same_leaves(grads, sync_request.grads):
+            if sync_request.other_input is None:
+                raise ValueError(
+                    other_input_message("a step", "which the step's request does not accept")
+                )
+            sync_request.other_input(sync, grads)
         if not sync_request.communicate:
             check_bound(sync.axes, "sync_gradients", _UNBOUND_FIX)
             return grads, state._replace(count=state.count + 1)
         return sync.reduce(grads, state)
 
     return optax.GradientTransformationExtraArgs(sync.init, update)
+
+
+def _same_leaves(received: Any, computed: Any) -> bool:
+    """Whether every array ``received`` holds is one of ``computed`` itself (identity: the
+    very traced values, so no transform ran on them; a subtree, as ``optax.masked`` or
+    ``optax.partition`` hand on, is the same leaves)."""
+    ids = {id(x) for x in jax.tree.leaves(computed)}
+    return all(id(x) in ids for x in jax.tree.leaves(received))
+
+
+NOT_COMMUTING = (
+    "and that transform does not commute with the mean over devices (e.g. "
+    "clip_by_global_norm, clip, per-leaf or adaptive clipping, normalisation: checked on two "
+    "random gradients and their mean)"
+)
+
+
+def other_input_message(where: str, verdict: str = NOT_COMMUTING) -> str:
+    """The refusal of a sync whose input is not the step's gradients (``where``: the step
+    builder; ``verdict``: what its check found, :data:`NOT_COMMUTING` or why there is no
+    check)."""
+    return (
+        f"{where}: jaxcomm.sync_gradients receives gradients transformed by what runs "
+        "before it in the optimizer (a transform earlier in the chain, or a wrapper around "
+        f"it), {verdict}. Each device would apply that transform to its own local gradient, "
+        "and the average of those equals what one device computes on the whole batch only "
+        "if it commutes with the mean. Put jaxcomm.sync_gradients() first, e.g. "
+        "optax.chain(jaxcomm.sync_gradients(), optax.clip_by_global_norm(1.0), "
+        "optax.adamw(1e-3)); a linear transform (scale, add_decayed_weights) gives the same "
+        "result after it."
+    )
 
 
 def accepting_requests(tx: Any) -> Any:

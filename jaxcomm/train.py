@@ -33,10 +33,23 @@ from jaxcomm.state import (
     unstack_leaves,
     varying_axes,
 )
-from jaxcomm.sync import GradientSync, SyncGradientsState, SyncRequest, accepting_requests
+from jaxcomm.sync import (
+    NOT_COMMUTING,
+    GradientSync,
+    SyncGradientsState,
+    SyncRequest,
+    accepting_requests,
+    other_input_message,
+)
 from jaxcomm.validate import check_int
 
-__all__ = ["DataParallel", "TrainState", "data_parallel", "refuse_nnx_object"]
+__all__ = [
+    "DataParallel",
+    "TrainState",
+    "compile_on_every_process",
+    "data_parallel",
+    "refuse_nnx_object",
+]
 
 
 class TrainState(NamedTuple):
@@ -83,7 +96,11 @@ def _accumulators(opt_state: Any) -> list[bool]:
 
 
 def _cell(fn: Any, name: str) -> Any:
-    """The closure variable ``name`` of function ``fn``, or None."""
+    """The closure variable ``name`` of function ``fn``, or None.
+
+    Not used by the data-parallel step (which checks what reaches each sync at the sync
+    itself, :class:`~jaxcomm.sync.SyncRequest`); kept for ``jaxcomm.sharded`` until it
+    stops reading optax's closures."""
     code = getattr(fn, "__code__", None)
     if code is None or not fn.__closure__ or name not in code.co_freevars:
         return None
@@ -93,7 +110,7 @@ def _cell(fn: Any, name: str) -> Any:
 def _chain_parts(init: Callable, update: Callable) -> list[tuple[Callable, Callable]] | None:
     """The ``(init, update)`` of each transform of an ``optax.chain``, or None if
     ``(init, update)`` is not one (optax's wrappers that only add extra-args support are
-    looked through)."""
+    looked through). Kept for ``jaxcomm.sharded`` only, as :func:`_cell`."""
     inner = _cell(update, "tx")
     if isinstance(inner, optax.GradientTransformation) and inner.init is init:
         update = inner.update
@@ -108,100 +125,137 @@ def _has_sync(state: Any) -> bool:
     return any(isinstance(x, SyncGradientsState) for x in found)
 
 
-def _before_sync(init: Callable, update: Callable, state: Any, path: str = "") -> list | None:
-    """The transforms an ``optax.chain`` runs before its ``jaxcomm.sync_gradients``.
+# The probe of what reaches a sync: gradient scales (clipping shows at some scale only) and
+# the tolerance of "equal" (relative, f32 rounding of a linear map is far below it).
+_PROBE_SCALES = (1e-3, 1.0, 1e3)
+_PROBE_RTOL = 1e-3
 
-    The sync is recognised by its state (``SyncGradientsState``) in the chain's state tuple;
-    nested chains are followed. Returns ``[(path, init, update), ...]`` (the path as an
-    index into the chain, e.g. ``'[0]'``), or None where the optimizer is no chain, holds
-    no sync, or wraps it in something else (then nothing can be said).
+
+def _sync_inputs_commute(optimizer: Any, params: Any, mesh: Mesh, where: str) -> None:
+    """Checks that every sync of ``optimizer`` that receives arrays other than the step's
+    gradients receives a function of them that commutes with the mean over devices.
+
+    Such a sync (:class:`~jaxcomm.sync.SyncRequest`: a transform before it in a chain, or
+    a wrapper such as ``optax.MultiSteps`` handing it its accumulated mean, of any
+    structure) averages each device's image of its own gradient, which equals the
+    one-device run only if the map commutes with the mean. The probe runs the optimizer's
+    ``update`` (from its ``init`` state) compiled on one device of the mesh's axes, the
+    syncs passing their input through, fed two random gradients and their mean at three
+    scales; at each place the trace reaches such a sync it hands the sync's input to the
+    host (``jax.debug.callback``, so a sync inside a ``lax.cond`` branch or a loop reports
+    what it received when it runs). Each call's input for the mean must be the mean of
+    the inputs for the two gradients (``scale``, ``add_decayed_weights``, an accumulator's
+    running mean; not ``clip_by_global_norm``). A sync none of whose places runs in the
+    probe (only in a branch not taken from the initial state), or whose places run a
+    different number of times for different gradients, cannot be checked and is refused.
+    Syncs are told apart by identity within the probe's one trace (a wrapper that builds
+    its transforms anew at each update, ``optax.inject_hyperparams``, is traced once).
+
+    Raises:
+      ValueError: a sync's input does not commute with the mean, or cannot be checked,
+        or the probe could not run the optimizer (never a silent pass).
     """
-    if isinstance(state, SyncGradientsState):
-        return []
-    parts = _chain_parts(init, update)
-    if parts is None or not isinstance(state, tuple) or len(state) != len(parts):
-        return None
-    pre = []
-    for k, ((i, u), s) in enumerate(zip(parts, state, strict=True)):
-        if _has_sync(s):
-            rest = _before_sync(i, u, s, f"{path}[{k}]")
-            return None if rest is None else pre + rest
-        pre.append((f"{path}[{k}]", i, u))
+    params = jax.tree.map(_host_value, params)
+    leaves, treedef = jax.tree.flatten(params)
+    sites: list[Any] = []  # the sync at each place the probe's trace reaches one
+    runs: list[dict[int, list]] = []
+
+    def record(k, x):
+        runs[-1].setdefault(k, []).append(jax.tree.map(np.asarray, x))
+
+    def other_input(sync, x):
+        sites.append(sync)
+        jax.debug.callback(functools.partial(record, len(sites) - 1), x)
+
+    def run(g, p):
+        request = SyncRequest(communicate=False, grads=g, other_input=other_input)
+        state = optimizer.init(p)
+        try:
+            optimizer.update(g, state, p, sync_request=request)
+        except TypeError as e:  # the optimizer reads optax's extra argument value=
+            if "'value'" not in str(e):
+                raise
+            sites.clear()  # the failed attempt's places are not in the program
+            value = jnp.zeros((), jnp.float32)
+            optimizer.update(g, state, p, sync_request=request, value=value)
+        return jnp.zeros(())
+
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    one = Mesh(np.array(mine[:1]).reshape((1,) * mesh.devices.ndim), mesh.axis_names)
+    probe = jax.jit(
+        jax.shard_map(run, mesh=one, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    )
+    rng = np.random.default_rng(0)
+
+    def draw(scale):
+        return [
+            (scale * rng.standard_normal(np.shape(x))).astype(x.dtype)
+            if jnp.issubdtype(x.dtype, jnp.floating)
+            else np.zeros_like(x)
+            for x in leaves
+        ]
+
+    verdict = None
+    try:
+        for scale in _PROBE_SCALES:
+            g1, g2 = draw(scale), draw(scale)
+            mean = [
+                ((a.astype(np.float64) + b) / 2).astype(a.dtype)
+                for a, b in zip(g1, g2, strict=True)
+            ]
+            for g in (g1, g2, mean):
+                runs.append({})
+                # Run, not staged, also when the step is built under a trace (eval_shape).
+                with jax.ensure_compile_time_eval():
+                    probe(jax.tree.unflatten(treedef, g), params)
+                jax.effects_barrier()
+            verdict = verdict or _sites_verdict(sites, runs[-3:], scale)
+    except Exception as e:  # a probe that fails is no verdict: say so, never pass silently
+        raise ValueError(
+            f"{where}: jaxcomm.sync_gradients receives arrays other than the step's "
+            "gradients (a transform before it, or a wrapper around it), and the probe that "
+            "checks they commute with the mean over devices failed to run the optimizer on "
+            f"one device: {type(e).__name__}: {e}. Put jaxcomm.sync_gradients() first in "
+            "the optax.chain."
+        ) from e
+    if verdict is not None:
+        raise ValueError(other_input_message(where, verdict))
+
+
+def _sites_verdict(sites: list, runs: list[dict[int, list]], scale: float) -> str | None:
+    """What is wrong with the inputs the syncs at ``sites`` received in the probe's three
+    ``runs`` (two gradients, their mean) at gradient ``scale``, or None."""
+    unchecked = (
+        "and the probe that checks such a transform commutes with the mean could not check "
+        "it (the sync did not run from the initial state, or ran a different number of "
+        "times for different gradients)"
+    )
+    for sync in {id(s): s for s in sites}.values():
+        ran = False
+        for k in (k for k, s in enumerate(sites) if s is sync):
+            calls = [r.get(k, []) for r in runs]
+            if len({len(x) for x in calls}) != 1:
+                return unchecked
+            ran = ran or bool(calls[0])
+            for xa, xb, xc in zip(*calls, strict=True):
+                if not _mean_commutes(xa, xb, xc):
+                    return f"{NOT_COMMUTING} (at gradient scale {scale:g})"
+        if not ran:
+            return unchecked
     return None
 
 
-def _commutes_with_mean(parts: list, params: Any) -> bool:
-    """Whether the transforms ``parts`` (run in order, from their init state) map the mean
-    of two gradients to the mean of their images, at three gradient scales (clipping
-    shows at some scale only). A linear or affine transform does; one that reads a norm,
-    a sign or a maximum of the gradient does not."""
-    states = [i(params) for _, i, _ in parts]
-
-    @jax.jit
-    def run(g, states, params):
-        for (_, _, u), s in zip(parts, states, strict=True):
-            g, _ = u(g, s, params)
-        return g
-
-    rng = np.random.default_rng(0)
-    leaves, treedef = jax.tree.flatten(params)
-    for scale in (1e-3, 1.0, 1e3):
-        g1, g2 = (
-            jax.tree.unflatten(
-                treedef,
-                [
-                    (scale * rng.standard_normal(np.shape(x))).astype(jnp.result_type(x))
-                    for x in leaves
-                ],
-            )
-            for _ in range(2)
-        )
-        mean = jax.tree.map(lambda a, b: (a + b) / 2, g1, g2)
-        a, b, c = (run(g, states, params) for g in (g1, g2, mean))
-        want = jax.tree.map(lambda x, y: (x.astype(jnp.float32) + y) / 2, a, b)
-        num = optax.tree.norm(jax.tree.map(lambda x, y: x - y.astype(jnp.float32), want, c))
-        den = optax.tree.norm(want) + optax.tree.norm(c)
-        if not bool(num <= 1e-3 * den + 1e-30):
-            return False
-    return True
-
-
-def _refuse_nonlinear_before_sync(
-    optimizer: optax.GradientTransformation, params: Any, abstract_state: Any
-) -> None:
-    """Refuses transforms before the sync that need global values.
-
-    Each device runs what comes before ``sync_gradients`` on its own gradient, and the sync
-    averages the results; that equals the one-device run only if those transforms commute
-    with the mean over devices (``scale``, ``add_decayed_weights`` do;
-    ``clip_by_global_norm`` clips each device's local norm and does not).
-    """
-    parts = _before_sync(optimizer.init, optimizer.update, abstract_state)
-    floating = all(
-        jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in jax.tree.leaves(params)
-    )
-    if not parts or not floating:
-        return
-    params = jax.tree.map(_host_value, params)  # only when there is something to probe
-    try:
-        if _commutes_with_mean(parts, params):
-            return
-        culprit = next(
-            parts[k][0]
-            for k in range(len(parts))
-            if not _commutes_with_mean(parts[: k + 1], params)
-        )
-    except Exception:  # noqa: BLE001 (a transform that cannot run outside the step: no verdict)
-        return
-    raise ValueError(
-        f"data_parallel: the transform at optax.chain position {culprit}, before "
-        "jaxcomm.sync_gradients, does not commute with the mean over devices (e.g. "
-        "clip_by_global_norm, clip, per-leaf or adaptive clipping, normalisation): each "
-        "device would apply it to its own local gradient, and the average of those is not "
-        "what one device computes on the whole batch. Put jaxcomm.sync_gradients() first, "
-        "e.g. optax.chain(jaxcomm.sync_gradients(), optax.clip_by_global_norm(1.0), "
-        "optax.adamw(1e-3)). Linear transforms (scale, add_decayed_weights) may stay before it."
-    )
+def _mean_commutes(a: Any, b: Any, c: Any) -> bool:
+    """Whether ``c`` (the image of the mean) equals the mean of ``a`` and ``b`` (the images
+    of two gradients), to :data:`_PROBE_RTOL` of their norms."""
+    f = lambda t: [np.asarray(x, np.float64) for x in jax.tree.leaves(t)]  # noqa: E731
+    a, b, c = f(a), f(b), f(c)
+    if [x.shape for x in a] != [x.shape for x in c] or [x.shape for x in b] != [x.shape for x in c]:
+        return False
+    want = [(x + y) / 2 for x, y in zip(a, b, strict=True)]
+    norm = lambda xs: float(np.sqrt(sum(np.sum(x * x) for x in xs)))  # noqa: E731
+    num = norm([w - z for w, z in zip(want, c, strict=True)])
+    return bool(num <= _PROBE_RTOL * (norm(want) + norm(c)) + 1e-30)
 
 
 def _host_value(x: Any) -> Any:
@@ -253,6 +307,54 @@ def _float_metrics(tree: Any) -> Any:
         return x
 
     return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, outputs.Reduced))
+
+
+def compile_on_every_process(step: Any, args: tuple, mesh: Mesh, what: str) -> Any:
+    """``step.lower(*args).compile()``, made safe to run on every process of a job.
+
+    The one compile of the step builders (``data_parallel``, the Flax front ends). In a
+    job of several processes, each compiles on its own, and a collective of the first run
+    would wait for the slowest compile (gloo gives up after its timeout). So after
+    compiling, every process waits for the others through the coordination service
+    (``jaxcomm.distributed.agree``: a compiling peer is alive, a dead one is caught by the
+    heartbeat), and a process that failed to compile (out of memory) makes every process
+    raise, so that none runs the step alone. On a CPU mesh the compiled module is also
+    checked for collectives whose order XLA:CPU does not fix
+    (``jaxcomm.hlo.ordering_hazards``), which gloo would pair differently on different
+    processes. In one process: the plain compile.
+
+    Args:
+      step: a jitted function (``jax.jit``).
+      args: its example arguments (arrays or ``jax.ShapeDtypeStruct`` s).
+      mesh: the mesh it runs on (its platform decides the ordering check).
+      what: names the step in the errors and the agreement, e.g. ``'data-parallel step'``.
+
+    Returns:
+      The ``jax.stages.Compiled`` step.
+
+    Raises:
+      RuntimeError: on several CPU processes, the module holds an ordering hazard; or
+        another process could not compile the step. This process's own compile error
+        is raised as it is (on every other process, as the RuntimeError).
+    """
+    if jax.process_count() == 1:
+        return step.lower(*args).compile()
+    compiled, error = None, None
+    try:
+        compiled = step.lower(*args).compile()
+        if mesh.devices.flat[0].platform == "cpu":  # gloo pairs ops by order
+            _refuse_ordering_hazards(compiled.as_text())
+    except Exception as e:  # every process learns of it: none runs the step alone
+        error = e
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    outcomes = agree(f"compiled a {what}", message)
+    if error is not None:
+        raise error
+    failed = [(i, m) for i, m in enumerate(outcomes) if m is not None]
+    if failed:
+        i, message = failed[0]
+        raise RuntimeError(f"process {i} could not compile the {what}: {message}")
+    return compiled
 
 
 def _refuse_ordering_hazards(text: str) -> None:
@@ -396,12 +498,15 @@ class DataParallel:
 
     The step equals the one-device computation of the same script, or is refused:
 
-    * transforms before ``sync_gradients`` in an ``optax.chain`` must commute with the mean
-      over devices (``scale``, ``add_decayed_weights``); one that does not
-      (``clip_by_global_norm``, ``clip``, per-leaf or adaptive clipping) is found by a
-      probe at build time (two random gradients and their mean, at three scales) and
-      refused: put ``sync_gradients()`` first. (A chain inside another wrapper, e.g.
-      ``optax.MultiSteps``, is not looked into.)
+    * each ``sync_gradients`` must receive the gradients the step computed (the step
+      states them in its ``jaxcomm.SyncRequest``; compared by identity, whatever wraps
+      the sync), or a function of them that commutes with the mean over devices: a
+      transform before the sync (``scale``, ``add_decayed_weights``), a wrapper's
+      accumulated mean (``optax.MultiSteps``). One that does not (``clip_by_global_norm``,
+      ``clip``, per-leaf or adaptive clipping), in an ``optax.chain``, a
+      ``named_chain``, ``MultiSteps``, ``inject_hyperparams`` or a wrapper of your own, is
+      found by a probe at build time (the sync's input for two random gradients and for
+      their mean, at three scales) and refused: put ``sync_gradients()`` first.
     * optimizers that read the loss (optax's extra argument ``value=``, e.g.
       ``optax.contrib.reduce_on_plateau``) get the mean loss of the global batch.
     * an fp16 overflow (``jaxcomm.compression.fp16``) skips the step whole: params and
@@ -468,6 +573,9 @@ class DataParallel:
         self._opt_local: Any = None  # this device's optimizer state shapes, from the probe
         self._local_sgd = False  # the optimizer holds jaxcomm.local_sgd (from the probe)
         self.syncs: list[GradientSync] = []  # each sync_gradients' GradientSync (probe)
+        # The build-time probe found that what reaches each sync commutes with the mean
+        # (a linear transform before it, MultiSteps' accumulator): the step accepts it.
+        self._inputs_checked = False
         self._calls = 0
         self._feedback: Any = None  # set_feedback: the measured share goes into each step
 
@@ -524,11 +632,12 @@ class DataParallel:
             # is proven, so only explicit marks decide (and check_replicas=N checks values).
             return rec["marked"]
         marked = [m or v for m, v in zip(rec["marked"], rec["vary"], strict=True)]
-        per, updates = self._trace_update(params, rec, marked)
+        per, updates, indirect = self._trace_update(params, rec, marked)
         _refuse_drift(rec["paths"], per, rec["marked"])
         _refuse_varying_updates(updates)
-        if not self._local_sgd:
-            _refuse_nonlinear_before_sync(self.optimizer, concrete, self._opt_local)
+        if indirect:  # a sync receives something computed from the gradients: probe it
+            _sync_inputs_commute(self.optimizer, concrete, self.mesh, "data_parallel")
+            self._inputs_checked = True
         return per
 
     def _trace_init(self, params: Any) -> dict[str, Any]:
@@ -560,12 +669,17 @@ class DataParallel:
         sets :attr:`syncs`."""
         axes = frozenset(self.axes)
         out: dict[str, Any] = {}
+        indirect: list[GradientSync] = []  # syncs that receive other arrays than g
+
+        def other_input(sync, _):
+            if not any(x is sync for x in indirect):
+                indirect.append(sync)
 
         def update_probe(s, p):
             g = jax.tree.map(jnp.zeros_like, p)
             if not self._overlapped:  # gradients of the local batch(es): per device
                 g = lax.pcast(g, self.axes, to="varying")
-            request = SyncRequest(communicate=not self._overlapped, found=[])
+            request = self._sync_request(not self._overlapped, g, other_input)
             update = functools.partial(self.optimizer.update, sync_request=request)
             u, s2 = update_with_value(update, g, s, p, lambda: jnp.zeros((), jnp.float32))
             self._check_synced(request.found, s)
@@ -594,7 +708,30 @@ class DataParallel:
                 "it after the sync instead, optax.chain(jaxcomm.sync_gradients(), "
                 f"optax.apply_if_finite(...)). JAX says: {e}"
             ) from e
-        return per, out["updates"]
+        return per, out["updates"], indirect
+
+    def _sync_request(self, communicate: bool, grads: Any, other_input: Callable) -> SyncRequest:
+        """The request the step passes every sync: the gradients it computed (which the
+        sync must receive, or ``other_input`` decides). With ``accumulate='overlap'`` the
+        sync reduced each microbatch already and passes its input through, so whatever
+        runs before it sees the global mean, as on one device: nothing to check."""
+        stated = None if self._overlapped else grads
+        return SyncRequest(communicate, [], stated, other_input)
+
+    def _checked_input(self, sync: GradientSync, _: Any) -> None:
+        """Accepts, in the step's trace, a sync that receives arrays other than the step's
+        gradients if the build-time probe checked the optimizer's syncs
+        (:func:`_sync_inputs_commute`: the same update, so the same places); refuses it
+        otherwise."""
+        del sync
+        if not self._inputs_checked:
+            raise ValueError(
+                other_input_message(
+                    "data_parallel",
+                    "which was not checked when the step was built (require_sync=False "
+                    "skips the build-time probes)",
+                )
+            )
 
     def _probe_map(self, fn: Callable, in_specs: tuple) -> Callable:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P(), check_vma=True)
@@ -795,7 +932,7 @@ class DataParallel:
         value, aux, grads, update, model_state = self._gradients(
             state, opt_state, batch, local, communicate
         )
-        request = SyncRequest(communicate=communicate, found=[])
+        request = self._sync_request(communicate, grads, self._checked_input)
         # Optimizers that read the loss (optax's extra argument value=, e.g.
         # reduce_on_plateau) get the loss of the global batch, as on one device.
         updates, new_opt = update_with_value(
@@ -1010,15 +1147,8 @@ class DataParallel:
     ) -> Any:
         """The step compiled for these inputs, ready to run on every process.
 
-        In a job of several processes, each compiles on its own, and a collective of the
-        first run would wait for the slowest compile (gloo gives up after its timeout). So
-        after compiling, every process waits for the others through the coordination
-        service (``jaxcomm.distributed.agree``: a compiling peer is alive, a dead one is
-        caught by the heartbeat), and a process that failed to compile (out of memory)
-        makes every process raise, so that none runs the step alone. On the CPU the
-        compiled module is also checked for collectives whose order XLA:CPU does not fix
-        (``jaxcomm.hlo.ordering_hazards``), which gloo would pair differently on
-        different processes.
+        With several processes, every process agrees on the outcome and a CPU module is
+        checked for ordering hazards (:func:`compile_on_every_process`).
 
         Args:
           state, batch: example inputs (the step is compiled for their shapes).
@@ -1038,24 +1168,7 @@ class DataParallel:
             share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self._stacked)
             args += (share,)
         step = self.step_fn(state, feedback=feedback, communicate=communicate)
-        if jax.process_count() == 1:
-            return step.lower(*args).compile()
-        compiled, error = None, None
-        try:
-            compiled = step.lower(*args).compile()
-            if self.mesh.devices.flat[0].platform == "cpu":  # gloo pairs ops by order
-                _refuse_ordering_hazards(compiled.as_text())
-        except Exception as e:  # every process learns of it: none runs the step alone
-            error = e
-        message = None if error is None else f"{type(error).__name__}: {error}"
-        outcomes = agree("compiled a data-parallel step", message)
-        if error is not None:
-            raise error
-        failed = [(i, m) for i, m in enumerate(outcomes) if m is not None]
-        if failed:
-            i, message = failed[0]
-            raise RuntimeError(f"process {i} could not compile the data-parallel step: {message}")
-        return compiled
+        return compile_on_every_process(step, args, self.mesh, "data-parallel step")
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """Runs one step; returns ``(new_state, metrics)``: metrics combined over devices by

@@ -220,10 +220,47 @@ def test_linen_raw_key_shaped_field_without_a_key_name_is_refused(mesh):
         step(state, linen_batch())
 
 
+# -- issue 41 item 4: a transform before the sync, in any wrapper, checked at the sync -------
+_BEFORE_SYNC = r"sync_gradients receives gradients transformed.*does not commute with the mean"
+
+
+@pytest.mark.parametrize("wrap", ["chain", "named_chain", "inject_hyperparams"])
+def test_nnx_clip_before_the_sync_is_refused(mesh, wrap):
+    parts = (optax.clip_by_global_norm(0.05), jaxcomm.sync_gradients(), optax.sgd(0.1))
+    tx = {
+        "chain": lambda: optax.chain(*parts),
+        "named_chain": lambda: optax.named_chain(*zip("abc", parts, strict=True)),
+        "inject_hyperparams": lambda: optax.inject_hyperparams(
+            lambda learning_rate: optax.chain(*parts[:2], optax.sgd(learning_rate))
+        )(learning_rate=0.1),
+    }[wrap]()
+    model = nnx.Linear(64, 10, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @jaxcomm.nnx_data_parallel(mesh)
+    def step(model, optimizer, batch):
+        grads = nnx.grad(lambda m: xent(m(batch["x"]), batch["y"]))(model)
+        optimizer.update(model, grads)
+
+    with pytest.raises(ValueError, match="nnx_data_parallel: jaxcomm." + _BEFORE_SYNC):
+        step(model, optimizer, batch())
+
+
+def test_linen_clip_before_the_sync_is_refused(mesh):
+    tx = optax.chain(optax.clip_by_global_norm(0.05), jaxcomm.sync_gradients(), optax.sgd(0.1))
+    step = jaxcomm.linen_data_parallel(mesh)(linen_step)
+    with pytest.raises(ValueError, match="linen_data_parallel: jaxcomm." + _BEFORE_SYNC):
+        step(linen_state(tx), linen_batch())
+
+
 # -- item 6: processes that start from different params are refused ------------------------
 
 
 def test_per_process_seeds_are_refused_at_the_first_call():
-    out = launch_two_processes(sys.executable, WORKER, timeout=60)
+    # Also (issue 41 item 5, the same launch): each process's part of the batch refused at
+    # the first call, naming shapes and the fix; a compile that fails on one process
+    # makes every process raise (tests/_dist_flax_worker.py, cases 3 and 4).
+    out = launch_two_processes(sys.executable, WORKER, timeout=120)
     for rank in (0, 1):
-        assert f"[{rank}] SAME_SEED_OK" in out and f"[{rank}] REFUSED_OK" in out, out
+        for case in ("SAME_SEED_OK", "REFUSED_OK", "PARTS_REFUSED_OK", "COMPILE_AGREED_OK"):
+            assert f"[{rank}] {case}" in out, out

@@ -49,11 +49,57 @@ def _close(a, b, tol=1e-5):
 def test_nonlinear_transform_before_sync_is_refused(mesh, pre):
     tx = optax.chain(pre(), jaxcomm.sync_gradients(), optax.sgd(0.1))
     dp = jaxcomm.data_parallel(mlp_loss, tx, mesh)
-    with pytest.raises(
-        ValueError,
-        match=r"position \[0\]\S*, before jaxcomm.sync_gradients.*sync_gradients\(\) first",
-    ):
+    with pytest.raises(ValueError, match=_REFUSED):
         dp.init(_init())
+
+
+_REFUSED = (
+    r"data_parallel: jaxcomm.sync_gradients receives gradients transformed by what runs "
+    r"before it.*does not commute with the mean.*sync_gradients\(\) first"
+)
+
+# The same clip before the sync, held by wrappers the check must see through whatever
+# their structure (issue 41 item 4: it read optax.chain's closures and missed these).
+WRAPPED_CLIP = {
+    "named_chain": lambda: optax.named_chain(
+        ("clip", optax.clip_by_global_norm(0.05)),
+        ("sync", jaxcomm.sync_gradients()),
+        ("sgd", optax.sgd(0.1)),
+    ),
+    "multi_steps": lambda: optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(0.05), jaxcomm.sync_gradients(), optax.sgd(0.1)),
+        every_k_schedule=1,
+    ),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(
+        lambda learning_rate: optax.chain(
+            optax.clip_by_global_norm(0.05), jaxcomm.sync_gradients(), optax.sgd(learning_rate)
+        )
+    )(learning_rate=0.1),
+    # A user's own wrapper: hands the update a transformed gradient, nothing optax knows.
+    "user_wrapper": lambda: _clipping_wrapper(
+        optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))
+    ),
+}
+
+
+def _clipping_wrapper(inner):
+    def update(g, s, p=None, **extra):
+        norm = optax.tree.norm(g)
+        g = jax.tree.map(lambda x: x * jnp.minimum(1.0, 0.05 / norm), g)
+        return inner.update(g, s, p, **extra)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+@pytest.mark.parametrize("make", list(WRAPPED_CLIP.values()), ids=list(WRAPPED_CLIP))
+def test_clip_before_sync_inside_any_wrapper_is_refused(mesh, make):
+    params = _init()
+    # The clip is active on these gradients (else running the step would be harmless).
+    g = jax.grad(mlp_loss)(params, mlp_batches(1, size=64)[0])
+    assert float(optax.tree.norm(g)) > 0.05
+    dp = jaxcomm.data_parallel(mlp_loss, make(), mesh)
+    with pytest.raises(ValueError, match=_REFUSED):
+        dp.init(params)
 
 
 def test_linear_transforms_before_sync_stay_allowed_and_exact(mesh):
