@@ -8,11 +8,12 @@ data parallelism), but the optimizer state and the update are split into ``N`` e
 shards, one per device of the data axes (Rajbhandari et al., "ZeRO: Memory Optimizations
 Toward Training Trillion Parameter Models", SC 2020: stages 1 and 2). One step:
 
-1. **pack**: the gradient leaves are packed into flat buffers
-   (``jaxcomm.packing.BufferPlan``): buckets of whole leaves of one dtype, at most
-   ``bucket_bytes`` each (64 MiB; XLA frees each bucket's buffers after its collectives,
-   so the step's temporaries stay near one copy of the gradients), each zero-padded to a
-   multiple of ``N`` (:class:`ShardPlan`).
+1. **pack**: each gradient leaf is zero-padded to a multiple of ``N`` and cut into ``N``
+   equal *pieces*, device ``r`` owning piece ``r`` of every leaf (:class:`ShardPlan`);
+   the leaves are packed into flat buffers (``jaxcomm.packing.BufferPlan``): buckets of
+   whole leaves of one dtype, at most ``bucket_bytes`` each (64 MiB; XLA frees each
+   bucket's buffers after its collectives, so the step's temporaries stay near one copy
+   of the gradients), laid out so that chunk ``r`` of a buffer is device ``r``'s pieces.
 2. **reduce-scatter**, hierarchical: over the innermost axis first (``'intra'``, inside a
    node), then over the outer ones (``'inter'``, across nodes, on ``1/g`` of the data),
    so device ``r`` (``lax.axis_index`` over the axes innermost first) ends with the mean
@@ -21,8 +22,10 @@ Toward Training Trillion Parameter Models", SC 2020: stages 1 and 2). One step:
    Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
    Training", 2023).
 3. **optimizer on the shard**: the transforms after ``sync_gradients`` run on this
-   device's chunk of the gradient and of the params (lists of 1-D arrays, one per dtype)
-   with their state for that chunk only: Adam's moments take ``1/N`` of the memory.
+   device's pieces of the gradient and of the params, in the params' own tree (the same
+   paths, every leaf 1-D: a weight-decay mask chosen by path picks the same leaves as
+   without sharding), with their state for those pieces only: Adam's moments take
+   ``1/N`` of the memory.
    ``optax.clip_by_global_norm`` is replaced by a twin whose squared norm is summed over
    the data axes (:func:`clip_by_global_norm`).
 4. **all-gather** the updated param chunks, outermost axis first (the reverse of step 2):
@@ -32,17 +35,20 @@ Toward Training Trillion Parameter Models", SC 2020: stages 1 and 2). One step:
    decoded gathered values, so the replicated params agree bit for bit.
 
 Which optimizers shard: those whose update acts elementwise on each leaf (Adam, AdamW,
-SGD with momentum, Lion, schedules, weight decay without a structural mask), plus
+SGD with momentum, Lion, schedules, weight decay and masks chosen by path), plus
 ``clip_by_global_norm``. The decision is a **probe** at build time
-(:func:`refuse_unshardable`): the transforms run twice on random gradients, on whole
-leaves and on the ``N`` flat shards (a ``jax.vmap`` per data axis standing in for the
-devices), and must give the same updates; one that does not (a transform that reads a
-leaf's shape or a per-leaf norm, a Shampoo-style preconditioner, ``optax.masked`` with a
-mask from the tree's structure) is refused naming its position in the ``optax.chain``.
+(:func:`refuse_unshardable`): the transforms run on random gradients (the last with an
+``inf``), on the params' own tree as data parallelism runs them and on the ``N`` devices'
+pieces (a ``jax.vmap`` per data axis standing in for the devices), and must give the same
+updates; one that does not (a transform that reads a leaf's shape or a per-leaf norm, a
+Shampoo-style preconditioner, a mask chosen by a leaf's shape, ``optax.apply_if_finite``
+deciding from one device's piece) is refused naming its position in the ``optax.chain``.
 
-The stored state is a ``TrainState`` like data parallelism's (orbax saves it as it is): a
-per-device leaf ``(N, m)`` read row after row is its packed buffer, so
-:meth:`ShardedDataParallel.reshard` lays out a state written on another device count.
+The stored state is a ``TrainState`` like data parallelism's (orbax saves it as it is):
+a per-device leaf ``(N, m)`` read row after row is its param leaf, flattened and padded,
+whatever ``bucket_bytes`` was, so :meth:`ShardedDataParallel.reshard` lays out a state
+written on another device count and a state written with other buckets restores as it
+is.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import ordering
-from jaxcomm.collectives import all_gather_invariant, pad_to_multiple, reduce_scatter
+from jaxcomm.collectives import all_gather_invariant, reduce_scatter
 from jaxcomm.compression.base import BufferCodec, Compressor
 from jaxcomm.compression.keys import dither_seed, step_key
 from jaxcomm.distributed import check_same_on_processes
@@ -106,11 +112,13 @@ class ShardedState(NamedTuple):
     """Optimizer state of a sharded step (``TrainState.opt_state``).
 
     Attributes:
-      inner: the state of the transforms after ``sync_gradients``, for this device's
-        chunk of each flat buffer (stored with a leading axis of one entry per device,
-        sharded along the data axes; scalars such as Adam's count stay replicated).
-      master: with a lossy ``param_gather``, this device's f32 chunk of each buffer (the
-        master copy the update applies to); ``()`` otherwise.
+      inner: the state of the transforms after ``sync_gradients`` for this device's
+        piece of each param leaf, in the params' tree (stored with a leading axis of one
+        entry per device, sharded along the data axes: Adam's ``mu`` is a tree like the
+        params whose leaves are ``(N, m_i)``; scalars such as Adam's count stay
+        replicated).
+      master: with a lossy ``param_gather``, this device's f32 pieces of the params (the
+        master copy the update applies to), in the params' tree; ``()`` otherwise.
     """
 
     inner: Any
@@ -119,21 +127,27 @@ class ShardedState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
-    """Which device owns which slice of the packed params.
+    """Which device owns which slice of each param leaf, and how the slices are packed.
 
     Attributes:
       plan: the ``jaxcomm.packing.BufferPlan``: buckets of whole leaves of one dtype
-        (:func:`make_shard_plan`).
+        (:func:`make_shard_plan`), one collective each.
       devices: ``N``, the number of devices over the data axes.
       axes: the data axes, outermost first.
 
-    Device ``r = lax.axis_index(axes)`` (row-major, its row in the stacked state) owns
-    elements ``[r m, (r + 1) m)`` of each buffer padded to ``N m`` (``m = ceil(elements /
-    N)``), so a stacked state leaf ``(N, m)`` read row after row is the packed buffer.
+    Each leaf is split on its own: leaf ``i`` of ``n_i`` elements, zero-padded to ``N
+    m_i`` (``m_i = ceil(n_i / N)``), gives device ``r = lax.axis_index(axes)`` (row-major,
+    its row in the stacked state) its *piece*, elements ``[r m_i, (r + 1) m_i)``. The
+    optimizer runs on the tree of pieces (the params' own tree structure, every leaf
+    1-D), so a state leaf stacked ``(N, m_i)`` read row after row is its param leaf,
+    flattened and padded, whatever the buckets: the buckets only say which pieces travel
+    in one collective. A bucket's buffer is its leaves' ``(N, m_i)`` rows side by side,
+    flattened: device ``r``'s chunk (the concatenation of its pieces, ``M = sum m_i``
+    elements) is ``[r M, (r + 1) M)``.
 
     Example:
       >>> splan = make_shard_plan(jax.tree.leaves(params), 8, ('inter', 'intra'))
-      >>> chunks = splan.local(jax.tree.leaves(params))        # inside shard_map
+      >>> pieces = splan.local(jax.tree.leaves(params))        # inside shard_map
     """
 
     plan: BufferPlan
@@ -141,13 +155,49 @@ class ShardPlan:
     axes: tuple[str, ...]
 
     @property
+    def piece_elements(self) -> list[int]:
+        """``m_i`` of each leaf: the elements of that leaf one device owns."""
+        return [-(-int(np.prod(s, dtype=np.int64)) // self.devices) for s in self.plan.shapes]
+
+    @property
     def chunk_elements(self) -> list[int]:
-        """``m`` of each buffer: the elements one device owns."""
-        return [-(-b.elements // self.devices) for b in self.plan.buffers]
+        """``M`` of each buffer: the elements one device owns (its pieces, side by side)."""
+        m = self.piece_elements
+        return [sum(m[i] for i, _, _ in b.pieces) for b in self.plan.buffers]
+
+    def rows(self, leaf: jax.Array, i: int) -> jax.Array:
+        """Leaf ``i`` flattened, zero-padded and cut into ``(N, m_i)``: row ``r`` is device
+        ``r``'s piece."""
+        m = self.piece_elements[i]
+        flat = jnp.ravel(leaf)
+        return jnp.pad(flat, (0, self.devices * m - flat.shape[0])).reshape(self.devices, m)
 
     def padded(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
-        """The leaves packed, each buffer zero-padded to ``N m`` elements."""
-        return [pad_to_multiple(buf, self.devices)[0] for buf in self.plan.pack(leaves)]
+        """The leaves packed into the buffers (``N M`` elements each, chunk ``r`` at
+        ``[r M, (r + 1) M)``)."""
+        out = []
+        for b in self.plan.buffers:
+            rows = [self.rows(leaves[i], i) for i, _, _ in b.pieces]
+            out.append((rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)).reshape(-1))
+        return out
+
+    def split(self, chunks: Sequence[jax.Array]) -> list[jax.Array]:
+        """One chunk per buffer -> the pieces, one per leaf (in leaf order)."""
+        m, out = self.piece_elements, [None] * len(self.plan.shapes)
+        for b, chunk in zip(self.plan.buffers, chunks, strict=True):
+            start = 0
+            for i, _, _ in b.pieces:
+                out[i] = chunk[start : start + m[i]]
+                start += m[i]
+        return out
+
+    def join(self, pieces: Sequence[jax.Array]) -> list[jax.Array]:
+        """The inverse of :meth:`split`: one piece per leaf -> one chunk per buffer."""
+        out = []
+        for b in self.plan.buffers:
+            parts = [pieces[i] for i, _, _ in b.pieces]
+            out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+        return out
 
     def rank(self) -> jax.Array:
         """This device's chunk index (inside ``jax.shard_map``): its row-major position
@@ -166,18 +216,24 @@ class ShardPlan:
         return _reverse_axes(full, [lax.axis_size(a) for a in reversed(self.axes)])
 
     def local(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
-        """This device's chunk of each padded buffer (inside ``jax.shard_map``)."""
+        """This device's piece of each leaf (inside ``jax.shard_map``)."""
         r = self.rank()
         return [
-            lax.dynamic_slice_in_dim(b, r * m, m)
-            for b, m in zip(self.padded(leaves), self.chunk_elements, strict=True)
+            lax.dynamic_index_in_dim(self.rows(x, i), r, keepdims=False)
+            for i, x in enumerate(leaves)
         ]
 
     def unpack(self, full: Sequence[jax.Array]) -> list[jax.Array]:
-        """Gathered padded buffers -> the leaves."""
-        return self.plan.unpack(
-            [f[: b.elements] for f, b in zip(full, self.plan.buffers, strict=True)]
-        )
+        """Gathered buffers (``N M`` elements each, in natural order) -> the leaves."""
+        m, out = self.piece_elements, [None] * len(self.plan.shapes)
+        for b, f in zip(self.plan.buffers, full, strict=True):
+            rows, start = f.reshape(self.devices, -1), 0
+            for i, _, _ in b.pieces:
+                shape = self.plan.shapes[i]
+                n = int(np.prod(shape, dtype=np.int64))
+                out[i] = rows[:, start : start + m[i]].reshape(-1)[:n].reshape(shape)
+                start += m[i]
+        return out
 
 
 def _reverse_axes(buf: jax.Array, sizes: Sequence[int]) -> jax.Array:
@@ -200,8 +256,9 @@ def make_shard_plan(
     The leaves of each dtype (dtypes in order of their first leaf), in tree order, are cut
     into buckets of whole leaves of at most ``bucket_bytes`` each (a larger leaf is a
     bucket of its own; ``None``: one bucket per dtype); each bucket is one buffer. The
-    buckets depend on the leaves only, not on ``devices``, so a state written on one
-    device count reshards onto another (:meth:`ShardedDataParallel.reshard`).
+    stored state does not depend on the buckets (each leaf is split on its own,
+    :class:`ShardPlan`), so a state written with one ``bucket_bytes`` or device count
+    restores under another (:meth:`ShardedDataParallel.reshard` for the device count).
     """
     buckets: dict[Any, list[list[int]]] = {}
     filled: dict[Any, int] = {}
@@ -432,6 +489,22 @@ def _relayout(x: Any, devices: int, m: int, sharding: NamedSharding) -> jax.Arra
     return jax.jit(move, out_shardings=sharding)(x)
 
 
+def _check_piece(path: str, shape: tuple, devices: int, m: int) -> None:
+    """Refuses a stored ``(N', m')`` piece leaf that cannot hold the same leaf as this
+    step's ``(devices, m)``: the leaf's ``n`` elements give ``m' = ceil(n / N')`` and
+    ``m = ceil(n / devices)``, so some ``n`` must fit both."""
+    n_old, m_old = shape
+    low = max((m_old - 1) * n_old, (m - 1) * devices) + 1
+    if min(m_old * n_old, m * devices) < low:
+        raise ValueError(
+            f"reshard: the optimizer state's {path} has {n_old} pieces of {m_old} elements "
+            f"(a leaf of {(m_old - 1) * n_old + 1}..{m_old * n_old} elements), this step's "
+            f"{devices} pieces of {m} (a leaf of {(m - 1) * devices + 1}..{m * devices}): "
+            "it was written for other params. Restore a state written by a sharded step "
+            "with the same params and optimizer."
+        )
+
+
 def per_device_bytes(tree: Any) -> int:
     """Bytes of ``tree`` held by one device, read from each leaf's sharding: a concrete
     array's first addressable shard, or a ``jax.ShapeDtypeStruct``'s ``shard_shape``."""
@@ -445,101 +518,138 @@ def per_device_bytes(tree: Any) -> int:
     return total
 
 
-def _random_like(leaves: list, rng: np.random.Generator, scale: float) -> list:
-    return [(scale * rng.standard_normal(np.shape(x))).astype(np.asarray(x).dtype) for x in leaves]
+def _probe_updates(tx: Any, shard_tx: Any, params: Any, grads: tuple, axes: tuple, sizes: tuple):
+    """Updates of ``tx`` (from init, one per gradient of ``grads``) on the params' own
+    tree, as data parallelism runs it, and of ``shard_tx`` on the tree of the ``N``
+    devices' pieces, as the sharded step runs it (vmapped over ``axes``): ``(whole,
+    sharded)``, per update one flat array per leaf (its ``n_i`` real elements)."""
+    leaves, treedef = jax.tree.flatten(params)
+    splan = make_shard_plan(leaves, int(np.prod(sizes)), axes)
+    sizes_of = [int(np.prod(np.shape(x), dtype=np.int64)) for x in leaves]
 
+    def updates(tx, p, *gs):
+        s, out = tx.init(p), []
+        for g in gs:
+            u, s = update_with_value(tx.update, g, s, p, lambda: jnp.zeros((), jnp.float32))
+            p = optax.apply_updates(p, u)
+            out.append(u)
+        return out
 
-def _probe_updates(tx: Any, shard_tx: Any, params: list, grads: list, axes: tuple, sizes: tuple):
-    """Two updates of ``tx`` (from init) on whole leaves, and of ``shard_tx`` on the ``N``
-    shards of the packed leaves (vmapped over ``axes``): ``(whole, sharded)``, both as
-    packed buffers."""
-    splan = make_shard_plan(params, int(np.prod(sizes)), axes)
-
-    def updates(tx, p, g1, g2):
-        s = tx.init(p)
-        u1, s = update_with_value(tx.update, g1, s, p, lambda: jnp.zeros((), jnp.float32))
-        p = optax.apply_updates(p, u1)
-        u2, _ = update_with_value(tx.update, g2, s, p, lambda: jnp.zeros((), jnp.float32))
-        return u1, u2
+    def flat(tree, cut):  # one 1-D array per leaf, its real elements
+        return [
+            cut(x).reshape(-1)[:n]
+            for x, n in zip(treedef.flatten_up_to(tree), sizes_of, strict=True)
+        ]
 
     # op by op: compiling a program over every leaf costs more than running it once
-    whole = updates(tx, params, *grads)
-    whole = [splan.padded(u) for u in whole]
+    whole = [flat(u, jnp.ravel) for u in updates(tx, params, *grads)]
 
-    def split(leaves):  # (sizes..., m) per buffer, row-major over axes
-        return [
-            b.reshape(*sizes, m)
-            for b, m in zip(splan.padded(leaves), splan.chunk_elements, strict=True)
+    def split(tree):  # each leaf as (sizes..., m_i): the devices' pieces, row-major
+        m = splan.piece_elements
+        rows = [
+            splan.rows(x, i).reshape(*sizes, m[i])
+            for i, x in enumerate(treedef.flatten_up_to(tree))
         ]
+        return jax.tree.unflatten(treedef, rows)
 
     fn = functools.partial(updates, shard_tx)
     for a in reversed(axes):
         fn = jax.vmap(fn, axis_name=a)
     sharded = jax.jit(fn)(split(params), *(split(g) for g in grads))
-    sharded = [[b.reshape(-1) for b in u] for u in sharded]
-    return whole, sharded
+    return whole, [flat(u, lambda x: x) for u in sharded]
 
 
 def _agree(whole: list, sharded: list) -> bool:
     for w, s in zip(whole, sharded, strict=True):
         for a, b in zip(w, s, strict=True):
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-            if not np.all(np.isfinite(a) == np.isfinite(b)):
-                return False
-            diff = np.linalg.norm(np.nan_to_num(a - b))
-            if diff > 1e-4 * (np.linalg.norm(np.nan_to_num(a)) + 1e-30):
+            finite = np.isfinite(a)
+            if not np.array_equal(finite, np.isfinite(b)) or not np.array_equal(
+                a[~finite], b[~finite], equal_nan=True
+            ):
+                return False  # inf, -inf and NaN in the same places
+            a, b = a[finite], b[finite]
+            if np.linalg.norm(a - b) > 1e-4 * (np.linalg.norm(a) + 1e-30):
                 return False
     return True
 
 
+def _probe_gradients(p: list, rng: np.random.Generator) -> tuple:
+    """Three gradients (lists of leaves like ``p``) for the probe: a large one and a small
+    one (so clipping shows), then a small one with one ``inf`` (in the first float leaf),
+    so a decision taken on each device's piece alone (``optax.apply_if_finite``) shows."""
+
+    def draw(scale):
+        return [(scale * rng.standard_normal(x.shape)).astype(x.dtype) for x in p]
+
+    large, small, bad = draw(1e2), draw(1e-3), draw(1e-3)
+    for x in bad:
+        if x.size and jnp.issubdtype(x.dtype, jnp.inexact):
+            x.reshape(-1)[0] = np.inf
+            break
+    return large, small, bad
+
+
 def refuse_unshardable(
     transforms: Sequence[Any],
-    params: Sequence[Any],
+    params: Any,
     axes: tuple[str, ...],
     sizes: tuple,
     where: str = "data_parallel",
 ) -> None:
-    """Refuses transforms whose update does not act elementwise on flat shards.
+    """Refuses transforms whose update on the devices' pieces differs from data
+    parallelism's on the whole params.
 
-    The probe: random gradients (one large, one small, so clipping shows), two updates
-    from ``init``, on whole leaves and on the ``N`` shards of the packed leaves (a
+    The probe: three updates from ``init`` on random gradients (a large one and a small
+    one, so clipping shows; then one with an ``inf``), once on the params' own tree
+    (what data parallelism runs) and once on the tree of the ``N`` devices' pieces (what
+    the sharded step runs: the same tree structure and paths, every leaf a 1-D piece; a
     ``jax.vmap`` per data axis, named like it, so :func:`clip_by_global_norm`'s sum over
-    the axes runs). The updates must agree to 1e-4 relative; else the first transform
-    of the chain whose prefix disagrees (or fails on 1-D shards) is named. Parameter
-    trees over ``2**22`` elements are probed on the same tree with each dimension capped
-    at 16.
+    the axes runs). The updates must agree to 1e-4 relative, with non-finite values in
+    the same places; else the first transform of the chain whose prefix disagrees (or
+    fails on 1-D pieces) is named. Parameter trees over ``2**22`` elements are probed on
+    the same tree with each dimension capped at 16.
 
     Args:
       transforms: the transforms after ``sync_gradients`` (``optax.clip_by_global_norm``
         is probed as its sharded twin, :func:`clip_by_global_norm`).
-      params: the parameter leaves (arrays or ``ShapeDtypeStruct`` s).
+      params: the params (a pytree of arrays or ``ShapeDtypeStruct`` s), in the tree
+        the optimizer is given.
       axes: the data axes; sizes: their sizes.
       where: the step builder, for the error.
 
     Raises:
       ValueError: naming the chain position (counting the sync as ``[0]``) and why.
     """
-    shapes = [tuple(np.shape(x)) for x in params]
+    leaves, treedef = jax.tree.flatten(params)
+    shapes = [tuple(np.shape(x)) for x in leaves]
     if sum(int(np.prod(s)) for s in shapes) > _PROBE_ELEMENTS:
         shapes = [tuple(min(d, _PROBE_DIM) for d in s) for s in shapes]
     rng = np.random.default_rng(0)
-    dtypes = [jnp.result_type(x) for x in params]
+    dtypes = [jnp.result_type(x) for x in leaves]
     p = [np.asarray(rng.standard_normal(s), dtype=t) for s, t in zip(shapes, dtypes, strict=True)]
-    grads = (_random_like(p, rng, 1e2), _random_like(p, rng, 1e-3))
+    p, *grads = [jax.tree.unflatten(treedef, x) for x in (p, *_probe_gradients(p, rng))]
 
     def verdict(k: int) -> str | None:
         tx = optax.chain(*transforms[: k + 1])
         shard_tx = optax.chain(*(_shardable(t, axes) for t in transforms[: k + 1]))
         try:
-            whole, sharded = _probe_updates(tx, shard_tx, p, grads, axes, sizes)
+            whole, sharded = _probe_updates(tx, shard_tx, p, tuple(grads), axes, sizes)
         except Exception as e:  # noqa: BLE001 (the reason is reported)
-            return f"it fails on the flat 1-D shards ({type(e).__name__}: {e})"
-        if not _agree(whole, sharded):
+            return f"it fails on the flat 1-D pieces ({type(e).__name__}: {e})"
+        if not _agree(whole[:2], sharded[:2]):
             return (
-                "on the N flat shards of the packed parameters it gives another update "
-                "than on whole leaves (it reads a leaf's shape, a per-leaf statistic or "
-                "the tree's structure: a Shampoo-style preconditioner, per-leaf clipping "
-                "or normalisation, optax.masked with a mask built from the params)"
+                "on the devices' flat 1-D pieces of the params it gives another update "
+                "than on whole leaves (it reads a leaf's shape or a per-leaf statistic: a "
+                "Shampoo-style preconditioner, per-leaf clipping or normalisation, a mask "
+                "or label chosen by a leaf's shape or ndim)"
+            )
+        if not _agree(whole[2:], sharded[2:]):
+            return (
+                "after a gradient with one inf it gives another update than data "
+                "parallelism: it decides from each device's piece alone (optax."
+                "apply_if_finite, a skip on non-finite values: one device would skip the "
+                "step, the others take it)"
             )
         return None
 
@@ -552,8 +662,8 @@ def refuse_unshardable(
                 f"{where}(shard_optimizer=True): the transform at optax.chain "
                 f"position [{k + 1}] does not shard: {why}. Sharded optimizer state needs "
                 "transforms that act elementwise on each leaf (adam, adamw, sgd, lion, "
-                "add_decayed_weights, schedules) or optax.clip_by_global_norm. Use "
-                "shard_optimizer=False for this optimizer."
+                "add_decayed_weights, masks chosen by path, schedules) or "
+                "optax.clip_by_global_norm. Use shard_optimizer=False for this optimizer."
             )
 
 
@@ -602,15 +712,22 @@ class ShardedOptimizer:
         self.mesh, self.axes = mesh, tuple(axes)
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.shard_plan: ShardPlan | None = None
+        self.treedef: Any = None  # of the params: the optimizer sees its pieces in it
         self.paths: list[str] = []  # of the ShardedState's leaves
         self.local: Any = None  # one device's ShardedState, abstract
         self.per: list[bool] = []  # per leaf of the ShardedState: stored per device
 
+    def _pieces(self, pieces: Sequence[jax.Array]) -> Any:
+        """This device's pieces (one per leaf) in the params' tree: what the transforms see,
+        so that a mask or label chosen by path (``optax.adamw(..., mask=...)``,
+        ``optax.masked``, ``optax.partition``) picks the same leaves as without sharding."""
+        return jax.tree.unflatten(self.treedef, list(pieces))
+
     def init_local(self, leaves: Sequence[jax.Array]) -> ShardedState:
         """This device's :class:`ShardedState` for the param ``leaves`` (in shard_map)."""
-        chunks = self.shard_plan.local(leaves)
-        master = chunks if self.param_gather is not None else ()
-        return ShardedState(self.tx.init(chunks), master)
+        pieces = self._pieces(self.shard_plan.local(leaves))
+        master = pieces if self.param_gather is not None else ()
+        return ShardedState(self.tx.init(pieces), master)
 
     def update(
         self,
@@ -624,7 +741,8 @@ class ShardedOptimizer:
 
         Args:
           grads: this device's gradient leaves; opt: its :class:`ShardedState`.
-          params: the replicated param leaves; step: the step count (dither seeds).
+          params: the replicated param leaves (both in the leaf order of the params
+            :meth:`infer_layout` was given); step: the step count (dither seeds).
           value: returns the loss, for a transform that takes optax's ``value``.
 
         Returns:
@@ -640,11 +758,15 @@ class ShardedOptimizer:
             seed = lambda stage, k=k: dither_seed(key, device, k, stage)  # noqa: E731
             buf = splan.scatter_order(buf)
             chunks.append(_scatter_mean(buf, self.axes, codec, seed, compress_inner=compress_inner))
-        own = opt.master if self.param_gather is not None else splan.local(params)
-        updates, inner = update_with_value(self.tx.update, chunks, opt.inner, own, value)
+        gathered = self.param_gather is not None
+        own = opt.master if gathered else self._pieces(splan.local(params))
+        updates, inner = update_with_value(
+            self.tx.update, self._pieces(splan.split(chunks)), opt.inner, own, value
+        )
         new = optax.apply_updates(own, updates)
-        full = [splan.natural_order(_gather(x, self.axes, self.param_gather)) for x in new]
-        return splan.unpack(full), ShardedState(inner, new if self.param_gather is not None else ())
+        sent = splan.join(self.treedef.flatten_up_to(new))
+        full = [splan.natural_order(_gather(x, self.axes, self.param_gather)) for x in sent]
+        return splan.unpack(full), ShardedState(inner, new if gathered else ())
 
     def infer_layout(self, params: Any) -> list[bool]:
         """Which leaves of the :class:`ShardedState` are per device: those typed varying
@@ -655,7 +777,7 @@ class ShardedOptimizer:
           params: the params (arrays or ``jax.ShapeDtypeStruct`` s), as the optimizer
             sees them.
         """
-        leaves = jax.tree.leaves(params)
+        leaves, self.treedef = jax.tree.flatten(params)
         self.shard_plan = make_shard_plan(leaves, self.num_devices, self.axes, self.bucket_bytes)
         replicated = NamedSharding(self.mesh, P())
         abstract = [
@@ -690,7 +812,7 @@ class ShardedOptimizer:
         )  # fmt: skip
         self.paths, self.local, self.per = rec["paths"], local, per
         sizes = tuple(int(self.mesh.shape[a]) for a in self.axes)
-        refuse_unshardable(self.transforms, leaves, self.axes, sizes, self.where)
+        refuse_unshardable(self.transforms, params, self.axes, sizes, self.where)
         return per
 
     def init_fn(self, per: list[bool]) -> Callable:
@@ -811,10 +933,13 @@ class ShardedDataParallel(DataParallel):
         """``state`` of a sharded step on another device count (e.g. restored from a
         checkpoint written on 8 devices) laid out for this one.
 
-        Each per-device leaf ``(N', m')`` read row after row is its packed buffer (device
-        ``r`` owns chunk ``r``; zero padding at the end): it is cut or zero-padded to
-        ``N m`` and split into this step's ``(N, m)``. The padding is never unpacked into
-        params, so the real elements move unchanged; replicated leaves are copied.
+        Each per-device leaf ``(N', m')`` read row after row is its param leaf, flattened
+        (device ``r`` owns piece ``r``; zero padding at the end; :class:`ShardPlan`): it
+        is cut or zero-padded to ``N m`` and split into this step's ``(N, m)``. The
+        padding is never unpacked into params, so the real elements move unchanged;
+        replicated leaves are copied. The layout does not depend on ``shard_bucket_bytes``
+        (the buckets only group the pieces for the collectives), so a state written with
+        other buckets restores as it is.
 
         Args:
           state: a :class:`~jaxcomm.TrainState` of a sharded step with the same params and
@@ -825,8 +950,9 @@ class ShardedDataParallel(DataParallel):
           The state, sharded over this step's mesh.
 
         Raises:
-          ValueError: the optimizer state does not have this step's structure, or a
-            per-device leaf is not one chunk per device.
+          ValueError: the optimizer state does not have this step's structure, a
+            per-device leaf is not one piece per device, or its size fits no leaf of
+            the size this step's leaf has (another params tree).
         """
         per = self._layout(state.params)
         local = jax.tree.leaves(self.sharded.local)
@@ -838,7 +964,7 @@ class ShardedDataParallel(DataParallel):
                 "optimizer and params."
             )
         out = []
-        for x, f, loc in zip(leaves, per, local, strict=True):
+        for x, f, loc, path in zip(leaves, per, local, self.sharded.paths, strict=True):
             if not f:
                 out.append(jax.device_put(x, self.replicated))
                 continue
@@ -847,6 +973,7 @@ class ShardedDataParallel(DataParallel):
                     f"reshard: a per-device leaf of shape {jnp.shape(x)} is not one 1-D chunk "
                     "per device; only chunked state (Adam's moments, master chunks) reshards."
                 )
+            _check_piece(path, jnp.shape(x), self.num_devices, loc.shape[0])
             out.append(_relayout(x, self.num_devices, loc.shape[0], self._stacked))
         put = lambda t: jax.device_put(t, self.replicated)  # noqa: E731
         return TrainState(

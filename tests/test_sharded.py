@@ -64,12 +64,13 @@ def test_f32_sharded_equals_data_parallel(mesh, name):
         assert assert_replicas_equal(b) > 0
     for x, y in zip(jax.tree.leaves(b.params), jax.tree.leaves(a.params), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
-    # the stored shards read row after row are data parallelism's moments, packed
-    splan = make_shard_plan(jax.tree.leaves(p0), 8, ("inter", "intra"))
-    mu_dp = splan.plan.pack(jax.tree.leaves(_adam_state(a.opt_state).mu))[0]
-    mu = _adam_state(b.opt_state.inner).mu[0]
-    assert mu.shape == (8, -(-mu_dp.shape[0] // 8))
-    np.testing.assert_allclose(np.asarray(mu).reshape(-1)[: mu_dp.shape[0]], mu_dp, atol=1e-6)
+    # the stored pieces, in the params' tree, read row after row are data parallelism's
+    # moments, flattened
+    mu_dp, mu = _adam_state(a.opt_state).mu, _adam_state(b.opt_state.inner).mu
+    assert jax.tree.structure(mu) == jax.tree.structure(mu_dp)
+    for x, y in zip(jax.tree.leaves(mu), jax.tree.leaves(mu_dp), strict=True):
+        assert x.shape == (8, -(-y.size // 8))
+        np.testing.assert_allclose(np.asarray(x).reshape(-1)[: y.size], y.reshape(-1), atol=1e-6)
 
 
 def test_microbatches_accumulate_locally_then_reduce_scatter_once(mesh):
@@ -167,7 +168,11 @@ def test_param_gather_decodes_the_master_on_every_device(mesh, f32_losses, gathe
     assert gap < 0.02, (f32_losses, losses)
     # params are the decoded f32 master chunks, bit for bit (the owner computes with them too)
     assert isinstance(b.opt_state, ShardedState)
-    master = np.asarray(b.opt_state.master[0])  # (8, m): row r is device r's chunk
+    # row r of a stacked master leaf is device r's piece; one bucket: device r's chunk is
+    # its pieces side by side, and that chunk is what the gather encodes
+    splan = make_shard_plan(jax.tree.leaves(p0), 8, ("inter", "intra"))
+    assert len(splan.plan.buffers) == 1
+    master = np.concatenate([np.asarray(x) for x in jax.tree.leaves(b.opt_state.master)], 1)
     if gather == "bf16":
         decoded = master.astype(jnp.bfloat16).astype(np.float32)
     else:
@@ -175,10 +180,9 @@ def test_param_gather_decodes_the_master_on_every_device(mesh, f32_losses, gathe
         blocks = -(-m // 256)
         rows = np.pad(master, ((0, 0), (0, blocks * 256 - m)))
         decoded = np.asarray(dequantize(*quantize(rows, 8, 256, None), 8, 256))[:, :m]
-    splan = make_shard_plan(jax.tree.leaves(p0), 8, ("inter", "intra"))
-    packed = np.asarray(splan.plan.pack(jax.tree.leaves(b.params))[0])
+    packed = np.asarray(splan.padded(jax.tree.leaves(b.params))[0]).reshape(8, -1)
     assert not np.array_equal(decoded, master)  # the gather is lossy ...
-    np.testing.assert_array_equal(packed, decoded.reshape(-1)[: packed.shape[0]])  # ... and exact
+    np.testing.assert_array_equal(packed, decoded)  # ... and exact
 
 
 def test_wire_bytes(mesh):
@@ -199,3 +203,36 @@ def test_wire_bytes(mesh):
     assert wf["total"] <= base["total"]
     # int8 gradients (all-to-all) + bf16 params (all-gather)
     assert wl["total"] <= 0.4 * base["total"], wl["total"] / base["total"]
+
+
+def _by_path(p):
+    """True for every leaf but the biases, chosen by path (as Flax scripts do)."""
+    return jax.tree_util.tree_map_with_path(lambda k, _: "'b'" not in jax.tree_util.keystr(k), p)
+
+
+PATH_OPTIMIZERS = {
+    "adamw_mask": lambda: (optax.adamw(1e-2, weight_decay=0.5, mask=_by_path),),
+    "masked": lambda: (optax.masked(optax.sgd(0.1), _by_path), optax.adam(1e-2)),
+    "partition": lambda: (
+        optax.partition(
+            {"decay": optax.adamw(1e-2, weight_decay=0.5), "plain": optax.adam(1e-2)},
+            lambda p: jax.tree.map(lambda d: "decay" if d else "plain", _by_path(p)),
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATH_OPTIMIZERS))
+def test_masks_chosen_by_path_equal_data_parallel(mesh, name):
+    """The transforms see each device's pieces in the params' own tree, so a weight-decay
+    mask or a label chosen by path picks the same leaves as in data parallelism (biases
+    of 1.0 make a decay of them show: 0.05 per step)."""
+    p0 = [{**layer, "b": jnp.ones_like(layer["b"])} for layer in mlp_init(jax.random.key(0))]
+    dp, zp = _step_pair(mesh, PATH_OPTIMIZERS[name], check_replicas=5)
+    a, b = dp.init(p0), zp.init(p0)
+    for batch in mlp_batches(10, size=32):
+        a, _ = dp(a, batch)
+        b, _ = zp(b, batch)
+    assert assert_replicas_equal(b) > 0
+    for x, y in zip(jax.tree.leaves(b.params), jax.tree.leaves(a.params), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
