@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import assert_replicas_equal, assert_trees_bitwise_equal
+from helpers import assert_replicas_equal, assert_trees_bitwise_equal, train
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mlp import mlp_batches, mlp_init, mlp_loss
@@ -36,13 +36,8 @@ def test_checkpoint_same_devices_bitwise_and_resharded_8_to_4(mesh, tmp_path):
     p0 = mlp_init(jax.random.key(0))
     batches = mlp_batches(10, size=32)
     dp8 = _dp(mesh)
-    straight = dp8.init(p0)
-    for b in batches:
-        straight, _ = dp8(straight, b)
-
-    state = dp8.init(p0)
-    for b in batches[:5]:
-        state, _ = dp8(state, b)
+    straight, _ = train(dp8, dp8.init(p0), batches)
+    state, _ = train(dp8, dp8.init(p0), batches[:5])
     ckpt = Checkpointer(tmp_path / "ckpt")
     ckpt.save(state, position=5)
     paths = [".opt_state" + p for p in dp8.per_device_paths]
@@ -95,12 +90,8 @@ def test_a_state_written_with_other_buckets_restores_as_it_is(mesh, tmp_path):
     p0 = mlp_init(jax.random.key(0))  # leaves: b0 (32), w0 (384), b1 (3), w1 (96)
     batches = mlp_batches(8, size=32)
     dp_a, dp_b = _dp(mesh, shard_bucket_bytes=1600), _dp(mesh, shard_bucket_bytes=1540)
-    straight = dp_a.init(p0)
-    for b in batches:
-        straight, _ = dp_a(straight, b)
-    state = dp_a.init(p0)
-    for b in batches[:4]:
-        state, _ = dp_a(state, b)
+    straight, _ = train(dp_a, dp_a.init(p0), batches)
+    state, _ = train(dp_a, dp_a.init(p0), batches[:4])
     assert dp_b.init(p0) is not None  # lays dp_b out
     assert _groups(dp_a) == [[0], [1, 2], [3]] and _groups(dp_b) == [[0], [1], [2, 3]]
     ckpt = Checkpointer(tmp_path / "ckpt")
