@@ -111,7 +111,7 @@ from jaxcomm.state import (
     wrap_per_device,
 )
 from jaxcomm.sync import SyncRequest, accepting_requests, other_input_message
-from jaxcomm.train import _sync_inputs_commute, compile_on_every_process, refuse_nnx_object
+from jaxcomm.train import check_sync_inputs, compile_on_every_process, refuse_nnx_object
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -587,7 +587,7 @@ class NnxDataParallel:
 
     def _checked_input(self, sync: Any, tx: Any, params: Any) -> None:
         """Accepts, in the step's trace, a sync whose input the build-time probe checked
-        (:func:`jaxcomm.train._sync_inputs_commute`, at the first call); refuses it
+        (:func:`jaxcomm.train.check_sync_inputs`, at the first call); refuses it
         otherwise."""
         del sync, tx, params
         if not self._inputs_checked:
@@ -656,7 +656,7 @@ class NnxDataParallel:
         )
         self.per_device_paths = [p for p, f in zip(paths, per, strict=True) if f]
         for _, tx, params in {id(t): (s, t, p) for s, t, p in indirect}.values():
-            _sync_inputs_commute(tx, params, self.mesh, self._name)
+            check_sync_inputs(tx, params, self.mesh, self._name)
         self._inputs_checked = self._inputs_checked or bool(indirect)
         # Replicas start alike only if every process starts from the same values.
         check_same_on_processes(

@@ -46,6 +46,7 @@ from jaxcomm.validate import check_int
 __all__ = [
     "DataParallel",
     "TrainState",
+    "check_sync_inputs",
     "compile_on_every_process",
     "data_parallel",
     "refuse_nnx_object",
@@ -131,7 +132,7 @@ _PROBE_SCALES = (1e-3, 1.0, 1e3)
 _PROBE_RTOL = 1e-3
 
 
-def _sync_inputs_commute(optimizer: Any, params: Any, mesh: Mesh, where: str) -> None:
+def check_sync_inputs(optimizer: Any, params: Any, mesh: Mesh, where: str) -> None:
     """Checks that every sync of ``optimizer`` that receives arrays other than the step's
     gradients receives a function of them that commutes with the mean over devices.
 
@@ -169,15 +170,12 @@ def _sync_inputs_commute(optimizer: Any, params: Any, mesh: Mesh, where: str) ->
 
     def run(g, p):
         request = SyncRequest(communicate=False, grads=g, other_input=other_input)
-        state = optimizer.init(p)
-        try:
-            optimizer.update(g, state, p, sync_request=request)
-        except TypeError as e:  # the optimizer reads optax's extra argument value=
-            if "'value'" not in str(e):
-                raise
-            sites.clear()  # the failed attempt's places are not in the program
-            value = jnp.zeros((), jnp.float32)
-            optimizer.update(g, state, p, sync_request=request, value=value)
+
+        def update(*args, **kwargs):
+            sites.clear()  # a failed attempt's places (no value= given) are not in the program
+            return optimizer.update(*args, sync_request=request, **kwargs)
+
+        update_with_value(update, g, optimizer.init(p), p, lambda: jnp.zeros((), jnp.float32))
         return jnp.zeros(())
 
     mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -636,7 +634,7 @@ class DataParallel:
         _refuse_drift(rec["paths"], per, rec["marked"])
         _refuse_varying_updates(updates)
         if indirect:  # a sync receives something computed from the gradients: probe it
-            _sync_inputs_commute(self.optimizer, concrete, self.mesh, "data_parallel")
+            check_sync_inputs(self.optimizer, concrete, self.mesh, "data_parallel")
             self._inputs_checked = True
         return per
 
@@ -721,7 +719,7 @@ class DataParallel:
     def _checked_input(self, sync: GradientSync, _: Any) -> None:
         """Accepts, in the step's trace, a sync that receives arrays other than the step's
         gradients if the build-time probe checked the optimizer's syncs
-        (:func:`_sync_inputs_commute`: the same update, so the same places); refuses it
+        (:func:`check_sync_inputs`: the same update, so the same places); refuses it
         otherwise."""
         del sync
         if not self._inputs_checked:
