@@ -86,21 +86,18 @@ def parse_rate(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-# The token bucket refills while a step computes, so each burst of traffic that follows an
-# idle gap passes its first ``burst`` bytes at veth speed: with a fixed 128 KB (the
-# testbed's bucket before), a 205 KB sync at 50 Mbit/s took 0.41 of its line-rate time
-# (efficiency 2.4, measured between two namespaces). The bucket is one millisecond of line
-# rate: the qdisc's hrtimer then wakes at most 1000 times a second per link end (a 16 KB
-# bucket at 1 Gbit/s, 7600 wake-ups, held the link to 0.69 of its rate on the 2-core
-# reference machine; 1 ms, 123 KB, to 0.93), with a floor of 8 KiB (a few MTU-sized
-# packets; 8 KiB at 8-50 Mbit/s kept the rate and gave 0.94-0.99 of the line-rate time on
-# 0.1-0.2 MB transfers; 16 KiB 1.03, 128 KiB 2.4).
+# The token bucket refills while a step computes, so the traffic that follows an idle gap
+# passes its first ``burst`` bytes at veth speed, faster than the link: a bucket of a
+# transfer's size would let it through unshaped (a link efficiency above 1). The bucket is
+# one millisecond of line rate, so the qdisc's timer wakes at most 1000 times a second per
+# link end (a smaller bucket at 1 Gbit/s holds the link below its rate on a 2-core host),
+# with a floor of 8 KiB, a few MTU-sized packets.
 _BURST_SECONDS = 1e-3
 _MIN_BURST_KIB = 8
-# The queue behind the bucket keeps the depth it had with the 128 KB bucket (tbf's limit is
-# latency x rate + burst, with latency 10 ms): ``latency 10ms`` with the small bucket
-# left 70 KB at 50 Mbit/s, about one 64 KB GSO burst, and two TCP flows sharing the link
-# lost a packet in two and reached 0.43-0.69 of the line rate (0.92-0.96 with this depth).
+# The queue behind the bucket: tbf's limit is latency x rate + burst, so ``latency 10ms``
+# with a small bucket leaves about one 64 KB GSO burst of queue, and two TCP flows sharing
+# the link lose packets and fall well below the line rate. The limit is set instead: 10 ms
+# of line rate plus 128 KiB.
 _QUEUE_SECONDS = 10e-3
 _QUEUE_EXTRA_BYTES = 128 * 1024
 
