@@ -346,13 +346,11 @@ def test_make_run_path_runs_every_row_on_two_processes(tmp_path):
     # communication (step - compute) takes at least its link bytes' line-rate time: link
     # efficiency <= 1, the compressed rows' 0.2 MB included. The tbf bucket passes at most
     # 8 KiB of a transfer after an idle gap unshaped (testbed.tbf_burst), less than the
-    # TCP/IP headers (about 4.5 %) that the line-rate time leaves out; with the former
-    # 128 KB bucket compressed rows read up to 1.19 by this measure (docs/results, idle
-    # runs). The compute is the fastest of the twins (each the same model step without the
-    # sync, timed once): a row's own twin, slowed by the other test worker, read 73 ms
-    # beside the others' 22-30 ms, which would put a compressed row far above 1. The
-    # margin is that estimate's jitter: a few ms against the compressed rows' 33 ms on the
-    # wire (twins of one step spread by 3-7 ms in the idle runs of docs/results).
+    # TCP/IP headers (about 4.5 %) that the line-rate time leaves out. The compute is the
+    # fastest of the twins (each the same model step without the sync, timed once): a
+    # row's own twin can be slowed by the other test worker, which would put that row far
+    # above 1. The margin is that estimate's jitter: a few ms against the compressed rows'
+    # 33 ms on the wire.
     margin = 0.15
     compute = min(r["compute_only_step_time_s"] for r in rows)
     table = {r["config"]: (r["step_time_s"], r["link_bound_s"]) for r in rows}
