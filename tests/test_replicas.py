@@ -130,6 +130,20 @@ SHARDED = {
     "int8-inter-stage": ("int8", None, {"compress_stage": "inter"}, {}),
     "f32-microbatches": (None, None, {}, {"microbatches": 2}),
     "int8-small-buckets": ("int8", "bf16", {}, {"shard_bucket_bytes": 1024}),
+    "int8-adamw-mask-by-path": ("int8", "bf16", {}, {}),
+}
+
+
+def _no_bias(params):
+    """Weight decay on the weights only, chosen by path (as Flax scripts exclude biases)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda k, _: "'b'" not in jax.tree_util.keystr(k), params
+    )
+
+
+# The optimizer after the sync of a SHARDED row, where it is not Adam.
+SHARDED_INNER = {
+    "int8-adamw-mask-by-path": lambda: optax.adamw(1e-2, weight_decay=0.5, mask=_no_bias),
 }
 
 
@@ -137,7 +151,8 @@ SHARDED = {
 def test_replicas_agree_with_sharded_optimizer(mesh, params, name):
     grad, gather, sync_kw, step_kw = SHARDED[name]
     grad, gather = (None if c is None else getattr(C, c)() for c in (grad, gather))
-    tx = optax.chain(jaxcomm.sync_gradients(compression=grad, **sync_kw), optax.adam(1e-2))
+    inner = SHARDED_INNER.get(name, lambda: optax.adam(1e-2))()
+    tx = optax.chain(jaxcomm.sync_gradients(compression=grad, **sync_kw), inner)
     dp = jaxcomm.data_parallel(
         mlp_loss, tx, mesh, shard_optimizer=True, param_gather=gather, check_replicas=1,
         compiler_options=FAST, **step_kw,
@@ -181,6 +196,8 @@ WRAPPERS = {
     "masked_inside": lambda: optax.chain(
         _sync(), optax.masked(optax.adam(1e-2), lambda p: [{"w": True, "b": False} for _ in p])
     ),
+    "named_chain": lambda: optax.named_chain(("sync", _sync()), ("sgd", optax.sgd(0.1))),
+    "scale_before_sync": lambda: optax.chain(optax.scale(0.5), _sync(), optax.sgd(0.1)),
     "partition": lambda: optax.partition(
         {"a": optax.chain(_sync(), optax.adam(1e-2)), "b": optax.chain(_sync(), optax.sgd(0.1))},
         _label,
