@@ -234,11 +234,19 @@ def test_bad_sharding_arguments_are_refused_at_construction(mesh, kwargs, error,
             build(mesh, **kwargs)
 
 
-def test_a_transform_that_does_not_shard_is_refused_at_the_first_call(mesh):
-    tx = optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-2), optax.scale_by_trust_ratio())
+@pytest.mark.parametrize(
+    "transforms,match",
+    [
+        ((optax.adam(1e-2), optax.scale_by_trust_ratio()), r"\[2\] does not shard"),
+        ((optax.apply_if_finite(optax.adam(1e-2), 3),), r"\[1\] does not shard.*one inf"),
+    ],
+    ids=["trust_ratio", "apply_if_finite"],
+)
+def test_a_transform_that_does_not_shard_is_refused_at_the_first_call(mesh, transforms, match):
+    tx = optax.chain(jaxcomm.sync_gradients(), *transforms)
     model, optimizer, metrics = setup(tx, model=Linear(nnx.Rngs(0)))
     step = jaxcomm.nnx_data_parallel(mesh, shard_optimizer=True)(step_body)
-    with pytest.raises(ValueError, match=r"nnx_data_parallel\(shard_optimizer=True\).*\[2\]"):
+    with pytest.raises(ValueError, match=r"nnx_data_parallel\(shard_optimizer=True\).*" + match):
         step(model, optimizer, metrics, batch(0))
 
 
@@ -279,6 +287,27 @@ def test_nnx_weight_decay_mask_by_path_equals_replicated_optimizer(mesh):
         for i in range(STEPS):
             step(model, optimizer, metrics, batch(i))
         out.append(_params(model))
+    for a, b in zip(*out, strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+
+
+def test_linen_weight_decay_mask_by_path_equals_replicated_optimizer(mesh):
+    """Linen: the mask sees the pieces in the TrainState params' own tree; the biases (set
+    to 1.0, so that a decay of them shows) are not decayed, as in data parallelism."""
+    out = []
+    for shard in (False, True):
+        tx = optax.chain(
+            jaxcomm.sync_gradients(),
+            optax.adamw(1e-2, eps=1e-3, weight_decay=0.5, mask=_no_bias),
+        )
+        state = linen_state(tx)
+        one = lambda k, x: x + 1.0 if "bias" in jax.tree_util.keystr(k) else x  # noqa: E731
+        state = state.replace(params=jax.tree_util.tree_map_with_path(one, state.params))
+        step = jaxcomm.linen_data_parallel(mesh, check_replicas=1, shard_optimizer=shard)
+        step = step(linen_step)
+        for i in range(3):
+            state, _ = step(state, linen_batch(i))
+        out.append([np.asarray(x) for x in jax.tree.leaves(state.params)])
     for a, b in zip(*out, strict=True):
         np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
 

@@ -92,6 +92,24 @@ def test_unsupported_settings_are_refused(mesh, kw, error, match):
         _build(mesh, optax.adam(1e-3), **kw)
 
 
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda tx: optax.named_chain(*((str(k), t) for k, t in enumerate(tx))),
+        lambda tx: optax.MultiSteps(optax.chain(*tx), every_k_schedule=2),
+        lambda tx: optax.inject_hyperparams(lambda: optax.chain(*tx))(),
+    ],
+    ids=["named_chain", "multi_steps", "inject_hyperparams"],
+)
+def test_a_wrapped_chain_is_refused_by_name(mesh, wrap):
+    """shard_optimizer=True splits the optimizer at the sync; a chain inside an optax
+    wrapper (here with a clip before the sync, which would clip each device's own
+    gradient) is refused at construction, not run silently."""
+    tx = wrap([optax.clip_by_global_norm(0.05), jaxcomm.sync_gradients(), optax.sgd(0.1)])
+    with pytest.raises(ValueError, match=r"needs the optimizer as optax.chain.*the sync first"):
+        jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_optimizer=True)
+
+
 def test_param_gather_needs_shard_optimizer(mesh):
     with pytest.raises(ValueError, match="needs shard_optimizer=True"):
         jaxcomm.data_parallel(
