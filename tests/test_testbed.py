@@ -51,6 +51,14 @@ def test_parse_units():
         testbed.Testbed(nodes=1)
 
 
+def test_tbf_bucket_is_a_millisecond_of_line_rate_at_least_8_kib():
+    assert testbed.tbf_burst("50mbit") == "8kb"  # 6.1 KiB a millisecond: the floor
+    assert testbed.tbf_burst("250mbit") == "31kb"
+    assert testbed.tbf_burst("1gbit") == "123kb"
+    with pytest.raises(ValueError, match=r"'50 Mb/s'.*'250mbit'"):
+        testbed.tbf_burst("50 Mb/s")
+
+
 def test_without_root_says_so(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert testbed.main(["--", "true"]) == 2
