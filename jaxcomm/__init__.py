@@ -32,7 +32,7 @@ from jaxcomm.nnx import (
 from jaxcomm.pmap import PmapDataParallel, pmap_data_parallel
 from jaxcomm.profiler import CommProfiler
 from jaxcomm.replicas import ReplicaDivergenceError, check_replicas
-from jaxcomm.sharded import ShardedDataParallel, ShardedState
+from jaxcomm.sharded import ShardedState
 from jaxcomm.state import PerDevice
 from jaxcomm.sync import (
     GradientSync,
@@ -57,7 +57,6 @@ __all__ = [
     "PerDevice",
     "PmapDataParallel",
     "ReplicaDivergenceError",
-    "ShardedDataParallel",
     "ShardedState",
     "SyncGradientsState",
     "SyncRequest",

@@ -33,6 +33,23 @@ How it fits ``jaxcomm.data_parallel``:
   synchronises fragment f, the last branch nothing), so ``jaxcomm.wire_bytes`` counts a step
   as its largest branch, the bytes of one sync; the bytes per step averaged over H steps
   are that total over H (:func:`amortized_bytes`).
+
+One ``update`` of :func:`local_sgd`:
+
+1. The local step: ``inner`` on this device's params (no collective).
+2. The phase ``(count + 1) % H`` picks one branch of a ``lax.switch``: the outer sync of
+   the fragment whose phase it is, no sync, or (a state built for another H or F) a
+   refusal.
+3. The outer sync of fragment f: ``sync_gradients`` averages ``anchor - local`` over the
+   fragment's leaves, ``outer`` turns the mean into the update of the anchor.
+4. The synced fragment's local leaves become the new anchor, bit for bit.
+
+The default ``outer`` (DiLoCo's, Nesterov SGD, lr 0.7, momentum 0.9) is tuned for hundreds
+of inner steps per sync and many syncs. For short runs with few syncs (tens, not
+hundreds), ``optax.sgd(1.0, momentum=0.5, nesterov=True)`` fits better (the digits runs
+of docs/benchmarks.md): the average of the devices' local runs moves about half as far as
+per-step sync would in the same steps, which an outer lr of 1 with momentum 0.5 makes up
+without the overshoot of momentum 0.9.
 """
 
 from __future__ import annotations
@@ -50,7 +67,7 @@ from jax import lax
 from jaxcomm.compression.base import Compressor
 from jaxcomm.mesh import DATA_AXES
 from jaxcomm.state import PerDevice
-from jaxcomm.sync import DEFAULT_MIN_SIZE, _vary_per_device, sync_gradients
+from jaxcomm.sync import DEFAULT_MIN_SIZE, sync_gradients, vary_per_device
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -254,29 +271,15 @@ def local_sgd(
     its own copy of the params (``LocalSGDState.local``, per device) with ``inner`` and no
     collective; after every H-th step the outer gradient ``anchor - local`` is averaged with
     ``sync_gradients(algorithm=..., compression=...)`` and ``outer`` updates the anchor,
-    the replicated ``TrainState.params``, which change only then.
-
-    One ``update``:
-
-    1. The local step: ``inner`` on this device's params (no collective).
-    2. The phase ``(count + 1) % H`` picks one branch of a ``lax.switch``: the outer sync
-       of the fragment whose phase it is, no sync, or (a state built for another H or F)
-       a refusal.
-    3. The outer sync of fragment f: ``sync_gradients`` averages ``anchor - local`` over
-       the fragment's leaves, ``outer`` turns the mean into the update of the anchor.
-    4. The synced fragment's local leaves become the new anchor, bit for bit.
+    the replicated ``TrainState.params``, which change only then (one ``update``, step
+    by step: module docstring).
 
     Args:
       inner: the optimizer of the local steps (its state is per device), e.g.
         ``optax.adamw(1e-3)``.
-      outer: the optimizer of the averaged outer gradient; default
-        ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (DiLoCo's, tuned for hundreds of
-        inner steps per sync and many syncs). ``optax.sgd(1.0)`` with ``sync_every=1`` is
-        plain data parallelism with ``inner``. For short runs with few syncs (tens, not
-        hundreds), ``optax.sgd(1.0, momentum=0.5, nesterov=True)`` fits better (the
-        digits runs of docs/benchmarks.md): the average of the devices' local runs moves
-        about half as far as per-step sync would in the same steps, which an outer lr of
-        1 with momentum 0.5 makes up without the overshoot of momentum 0.9.
+      outer: the optimizer of the averaged outer gradient; default DiLoCo's
+        ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (short runs: module docstring).
+        ``optax.sgd(1.0)`` with ``sync_every=1`` is plain data parallelism with ``inner``.
       sync_every: H, steps between two syncs of a fragment (1: every step).
       fragments: F, the number of fragments synchronised on staggered steps (whole leaves,
         contiguous, about equal bytes; 1 <= F <= H). Each sync step moves one fragment.
@@ -302,11 +305,9 @@ def local_sgd(
       ValueError: at ``update``, a state built for another ``sync_every`` or ``fragments``
         (e.g. a checkpoint resumed into a differently configured ``local_sgd``, which
         would otherwise re-phase the syncs silently; another ``fragments`` also changes
-        the state's structure, which ``data_parallel`` refuses before the step). Called
-        eagerly it is a ``ValueError``; inside ``jit`` (``data_parallel``) the check runs
-        on the device and a host callback raises it, so the step fails with a
-        ``jax.errors.JaxRuntimeError`` whose message carries the ``ValueError``'s text
-        when its results are read.
+        the state's structure, which ``data_parallel`` refuses before the step). Inside
+        ``jit`` a host callback raises it: the step fails with a
+        ``jax.errors.JaxRuntimeError`` carrying its text when its results are read.
 
     Example:
       >>> tx = jaxcomm.local_sgd(optax.adam(3e-3), sync_every=50,
@@ -393,8 +394,8 @@ def _init(cfg: _Config, params: Any) -> LocalSGDState:
     frags = _split(params, fragment_of_leaves(params, cfg.fragments), cfg.fragments)
     return LocalSGDState(
         count=jnp.zeros((), jnp.int32),
-        local=_vary_per_device(PerDevice(params), cfg.axes),
-        inner=_vary_per_device(PerDevice(cfg.inner.init(params)), cfg.axes),
+        local=vary_per_device(PerDevice(params), cfg.axes),
+        inner=vary_per_device(PerDevice(cfg.inner.init(params)), cfg.axes),
         outer=tuple(cfg.outer.init(p) for p in frags),
         sync=tuple(s.init(p) for s, p in zip(cfg.syncs, frags, strict=True)),
         sync_every=jnp.asarray(cfg.sync_every, jnp.int32),
@@ -563,7 +564,7 @@ def _reset_synced(
     Returns:
       The local params, a tree like ``params``.
     """
-    new = _vary_per_device(PerDevice(optax.apply_updates(params, updates)), cfg.axes).value
+    new = vary_per_device(PerDevice(optax.apply_updates(params, updates)), cfg.axes).value
     treedef = jax.tree.structure(params)
     return jax.tree.unflatten(
         treedef,

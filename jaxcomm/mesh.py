@@ -61,7 +61,7 @@ def valid_intra_sizes(devices: Sequence[jax.Device]) -> list[int]:
 def _sorted_devices(devices: Sequence[jax.Device]) -> list[jax.Device]:
     # Group by process first so that intra groups are process-local, then keep the
     # runtime's order inside a process (never sort by ``device.id``: ids are not contiguous
-    # across processes, see ../shared/REFERENCE.md).
+    # across processes: 0, 1, 2048, 2049 were seen on two processes).
     order = {p: i for i, p in enumerate(dict.fromkeys(d.process_index for d in devices))}
     return sorted(devices, key=lambda d: order[d.process_index])
 

@@ -173,12 +173,12 @@ def _the_sync(optimizer: Any, params: Any, opt_state: Any, n: int) -> GradientSy
     """The optimizer's one :class:`~jaxcomm.sync.GradientSync`, found by tracing its update
     abstractly with a :class:`~jaxcomm.sync.SyncRequest` that collects it."""
     abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), params)
-    request = SyncRequest(found=[])
-    update = functools.partial(optimizer.update, sync_request=request)
+    found: list[GradientSync] = []
+    update = functools.partial(optimizer.update, sync_request=SyncRequest(on_sync=found.append))
     zero = lambda: jnp.zeros((), jnp.float32)  # noqa: E731 (value= for the trace only)
     jax.eval_shape(lambda g, s: update_with_value(update, g, s, params, zero), abstract, opt_state)
-    # A retry with value= traces the sync again: the same sync, recorded twice.
-    syncs = list({id(s): s for s in request.found}.values())
+    # A retry with value= traces the sync again: the same sync, reported twice.
+    syncs = list({id(s): s for s in found}.values())
     if len(syncs) != 1:
         raise ValueError(
             f"data_parallel(microbatches={n}, accumulate='overlap') needs exactly one "
@@ -243,8 +243,7 @@ def accumulate_gradients(
       optimizer: the optax transform, containing one ``jaxcomm.sync_gradients``.
       params: replicated parameters.
       opt_state: this device's optimizer state (per-device parts unstacked).
-      batch: this device's batch; every leaf's leading dimension divides by
-        ``microbatches``.
+      batch: this device's batch; each leaf's leading dimension divides by ``microbatches``.
       microbatches: number of microbatches ``N``.
       accumulate: ``'local'`` or ``'overlap'`` (:data:`ACCUMULATE`).
       has_aux: ``loss_fn`` returns ``(loss, metrics)``.

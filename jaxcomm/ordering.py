@@ -6,14 +6,14 @@ the collectives inside it finish; gloo, its transport between processes, pairs t
 operations of one communicator in the order they are issued. A collective that does not
 depend on such a conditional's result may then run concurrently with the collectives
 inside it, and devices that interleave them differently exchange the wrong buffers
-(``jaxcomm.xla_cpu``, workaround 6). In one process the devices meet at a rendezvous
-keyed by the operation, so nothing shows there.
+(``jaxcomm.backend``, reason 6). In one process the devices meet at a rendezvous keyed by
+the operation, so nothing shows there.
 
 :func:`after` gives a value a data dependency on others that XLA cannot remove: a
 collective computed from ``after(x, y)`` waits until ``y`` is complete. It is applied only
-on a CPU mesh (``jaxcomm.xla_cpu.active``); elsewhere it returns ``x`` untouched, and the
-compiled program is the plain one. ``jaxcomm.hlo.ordering_hazards`` finds what is left in
-a compiled module.
+where the backend row says ``tie_collective_order`` (a CPU mesh); elsewhere it returns
+``x`` untouched, and the compiled program is the plain one.
+``jaxcomm.hlo.ordering_hazards`` finds what is left in a compiled module.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcomm import xla_cpu
+from jaxcomm import backend
 from jaxcomm.state import varying_axes
 
 __all__ = ["after"]
@@ -33,8 +33,8 @@ def after(x: Any, *deps: Any) -> Any:
     """``x`` (a pytree), made to depend on every array of ``deps`` on a CPU mesh.
 
     Every array of ``x`` keeps its value, bit for bit; on a CPU mesh it is computed from
-    an int32 zero read out of ``deps`` (``jaxcomm.xla_cpu.tie``), so whatever consumes it runs
-    after ``deps`` are complete. Use it on the inputs of a collective that must not start
+    an int32 zero read out of ``deps`` (``jaxcomm.backend.tie``), so whatever consumes it
+    runs after ``deps`` are complete. Use it on the inputs of a collective that must not start
     while a conditional or loop holding collectives (``deps`` are its outputs) may still be
     running (module docstring). The replication type of ``x`` must cover that of ``deps``
     (inside ``shard_map``, a varying dependency would make an invariant ``x`` varying):
@@ -53,7 +53,7 @@ def after(x: Any, *deps: Any) -> Any:
       >>> plain = jaxcomm.allreduce(after(plain, reduced), op="mean")
     """
     leaves = [d for d in jax.tree.leaves(deps) if jnp.size(d) > 0]
-    if not leaves or not jax.tree.leaves(x) or not xla_cpu.active():
+    if not leaves or not jax.tree.leaves(x) or not backend.current().tie_collective_order:
         return x
 
     # Arrays tie only to dependencies that vary over no more axes than they do (reading
@@ -67,7 +67,7 @@ def after(x: Any, *deps: Any) -> Any:
     for mine, members in groups.items():
         usable = [d for d in leaves if varying_axes(d) <= mine]
         if usable:
-            tied = xla_cpu.tie_all([flat[i] for i in members], usable)
+            tied = backend.tie_all([flat[i] for i in members], usable)
             for i, t in zip(members, tied, strict=True):
                 flat[i] = t
     return jax.tree.unflatten(treedef, flat)

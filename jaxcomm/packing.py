@@ -4,8 +4,8 @@ The one packing abstraction of jaxcomm. A :class:`BufferPlan` lists buffers; eac
 a run of *pieces* ``(leaf_index, start, stop)``, element ranges of raveled leaves laid end
 to end. :meth:`BufferPlan.pack` builds the buffers (one concatenate per buffer, static
 slices only where a leaf is cut), :meth:`BufferPlan.unpack` restores the leaves exactly,
-by static slices; on a CPU mesh at runtime offsets instead, so that XLA:CPU compiles the
-slices of one size as one kernel (``jaxcomm.xla_cpu``, workaround 1).
+by static slices; where the backend row says ``runtime_offsets`` (XLA:CPU) at runtime
+offsets instead, so that the slices of one size compile as one kernel (``jaxcomm.backend``).
 
 Callers decide *which* leaves go where and build the plan with one of two functions:
 
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm import xla_cpu
+from jaxcomm import backend
 
 __all__ = ["Buffer", "BufferPlan", "plan_groups", "plan_streams"]
 
@@ -132,9 +132,9 @@ class BufferPlan:
                     ranges.append((buf, offset, offset + e - s))
                     owners.append((i, s))
                 offset += e - s
-        # Static slices; on a CPU mesh at runtime offsets (jaxcomm.xla_cpu, workaround 1).
-        if xla_cpu.active():
-            pieces = xla_cpu.slices_at_runtime_offsets(ranges)
+        # Static slices; at runtime offsets where the backend row says so (XLA:CPU).
+        if backend.current().runtime_offsets:
+            pieces = backend.slices_at_runtime_offsets(ranges)
         else:
             pieces = [lax.slice(buf, (o,), (stop,)) for buf, o, stop in ranges]
         for (i, s), piece in zip(owners, pieces, strict=True):

@@ -8,8 +8,9 @@ one row per device (``common_utils.get_metrics`` reads row 0). ``pmap_data_paral
 axis_name='batch')`` stands in for ``jax.pmap(train_step, axis_name='batch')`` and keeps all
 of that:
 
-- the step runs as under :func:`jaxcomm.linen_data_parallel` (``jax.shard_map`` over the
-  mesh's data axes, ``check_vma=True``), with ``axis_name`` bound to those axes
+- the step runs as under its sibling :func:`jaxcomm.linen_data_parallel`, on the same
+  engine (:class:`jaxcomm.flax_step.FlaxStep`: ``jax.shard_map`` over the mesh's data axes,
+  ``check_vma=True``), with ``axis_name`` bound to those axes
   (``jaxcomm.axis_names``): the model's SyncBatchNorm and the step's ``lax.pmean`` /
   ``lax.psum`` over ``'batch'`` are the same reductions over every device;
 - arguments that are a ``TrainState`` come in pmap's layout and go back in it: each
@@ -28,7 +29,6 @@ with that line to delete; Flax's ``DynamicScale`` becomes ``jaxcomm.dynamic_scal
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,9 +42,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm import outputs
 from jaxcomm.axis_names import check_axis_name
+from jaxcomm.flax_step import FlaxFrontEnd, FlaxStep, check_decorator_args, key_data
+from jaxcomm.linen import LinenAdapter
 from jaxcomm.mesh import DATA_AXES
-from jaxcomm.nnx import LinenDataParallel, _decorator_args, key_data
-from jaxcomm.replicas import check_replicas as _check_replicas
+from jaxcomm.replicas import check_replicas as compare_replicas
 from jaxcomm.state import varying_axes
 
 __all__ = ["PmapDataParallel", "pmap_data_parallel"]
@@ -66,9 +67,26 @@ def _rows_hint() -> str:
     )
 
 
-class PmapDataParallel(LinenDataParallel):
+def _check_rows(data: Any, num_devices: int) -> None:
+    """Refuses a batch argument whose leading axis is not the devices (pmap's layout)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(data)[0]:
+        shape = np.shape(x)
+        if not shape or shape[0] != num_devices:
+            raise ValueError(
+                f"pmap_data_parallel: batch argument {jax.tree_util.keystr(path)} has shape "
+                f"{shape}; in pmap's layout its leading axis is the {num_devices} "
+                f"devices: (devices, per_device, ...), as common_utils.shard(batch) or "
+                f"x.reshape({num_devices}, -1, *x.shape[1:]) makes it.{_rows_hint()}"
+            )
+
+
+class PmapDataParallel(FlaxFrontEnd):
     """A ``jax.pmap``-style Linen step run data-parallel over a mesh; build it with
-    :func:`pmap_data_parallel`."""
+    :func:`pmap_data_parallel`.
+
+    A sibling of :class:`jaxcomm.LinenDataParallel` over the same engine and the same
+    Linen adapter: it adds pmap's layouts around the engine's call (the state's rows in
+    and out, the outputs one row per device, the user's step on each device's row)."""
 
     _name = "pmap_data_parallel"
 
@@ -81,11 +99,16 @@ class PmapDataParallel(LinenDataParallel):
         axis_name: str,
         check_replicas: int,
     ):
-        super().__init__(
-            self._body, mesh, axes=axes, check_replicas=check_replicas, axis_name=axis_name
-        )
         self._user_fn = fn
-        functools.update_wrapper(self, fn)
+        engine = FlaxStep(
+            self._body,
+            mesh,
+            LinenAdapter(self._name, check_batch=_check_rows),
+            axes=axes,
+            check_replicas=check_replicas,
+            axis_name=axis_name,
+        )
+        super().__init__(engine, fn)
         self.axis_name = axis_name
         stacked, rep = P(self.axes), P()
         # Row i of a stacked leaf <-> device i's replica. No data moves between devices:
@@ -124,27 +147,11 @@ class PmapDataParallel(LinenDataParallel):
 
         return jax.tree.map(row, out, is_leaf=_is_state)
 
-    def _shard(self, data):
-        for path, x in jax.tree_util.tree_flatten_with_path(data)[0]:
-            shape = np.shape(x)
-            if not shape or shape[0] != self.num_devices:
-                raise ValueError(
-                    f"{self._name}: batch argument {jax.tree_util.keystr(path)} has shape "
-                    f"{shape}; in pmap's layout its leading axis is the {self.num_devices} "
-                    f"devices: (devices, per_device, ...), as common_utils.shard(batch) or "
-                    f"x.reshape({self.num_devices}, -1, *x.shape[1:]) makes it.{_rows_hint()}"
-                )
-        return super()._shard(data)
-
     # -- the pmap layout of TrainState arguments ------------------------------------------
     def _per_device_flags(self, states: tuple) -> list[bool] | None:
         """Which leaves of ``states`` the compiled step stores per device (None before the
         step for this structure is built)."""
-        treedef = jax.tree.structure(states)
-        for key, (plan, _) in self._plans.items():
-            if key[1] == treedef:
-                return list(plan[3])
-        return None
+        return self.engine.per_device_flags(jax.tree.structure(states))
 
     def _from_rows(self, states: tuple) -> tuple:
         leaves, treedef = jax.tree.flatten(states)
@@ -200,11 +207,11 @@ class PmapDataParallel(LinenDataParallel):
         if first:
             # The rows were taken as replicas unchecked; once, compare them by their bits
             # (a state whose rows differ would otherwise train apart silently).
-            _check_replicas(
+            compare_replicas(
                 key_data(states), mesh=self.mesh, what=f"{self._name}: the TrainState rows "
             )
         it = iter(states)
-        out = super().__call__(*[next(it) if _is_state(a) else a for a in args])
+        out = self.engine(*[next(it) if _is_state(a) else a for a in args])
         flat, treedef = jax.tree.flatten(out, is_leaf=_is_state)
         states = iter(self._to_rows(tuple(x for x in flat if _is_state(x))))
         rows = iter(self._own_rows([x for x in flat if not _is_state(x)]))
@@ -249,7 +256,7 @@ def pmap_data_parallel(
       ...     functools.partial(train_step, learning_rate_fn=learning_rate_fn))
       >>> state, metrics = p_train_step(jax_utils.replicate(state), common_utils.shard(batch))
     """
-    n, axes = _decorator_args("pmap_data_parallel", mesh, axes, check_replicas)
+    n, axes = check_decorator_args("pmap_data_parallel", mesh, axes, check_replicas)
     name = check_axis_name(axis_name, axes, "pmap_data_parallel")
     if name is None:
         raise TypeError(

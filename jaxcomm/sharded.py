@@ -1,6 +1,7 @@
 """Sharded optimizer state: ZeRO stage 1/2 with ZeRO++-style quantized collectives.
 
-``jaxcomm.data_parallel(..., shard_optimizer=True)`` builds a :class:`ShardedDataParallel`;
+``jaxcomm.data_parallel(..., shard_optimizer=True)`` runs its step over a
+:class:`ShardedOptimizer` (the layout strategy of the step core, ``jaxcomm.layout``);
 ``jaxcomm.nnx_data_parallel(mesh, shard_optimizer=True)`` and ``linen_data_parallel`` run
 the same :class:`ShardedOptimizer` inside the user's step.
 Params stay replicated (every device computes the forward and backward pass on them, as in
@@ -46,9 +47,9 @@ deciding from one device's piece) is refused naming its position in the ``optax.
 
 The stored state is a ``TrainState`` like data parallelism's (orbax saves it as it is):
 a per-device leaf ``(N, m)`` read row after row is its param leaf, flattened and padded,
-whatever ``bucket_bytes`` was, so :meth:`ShardedDataParallel.reshard` lays out a state
-written on another device count and a state written with other buckets restores as it
-is.
+whatever ``bucket_bytes`` was, so :meth:`ShardedOptimizer.reshard`
+(``DataParallel.reshard``) lays out a state written on another device count and a state
+written with other buckets restores as it is.
 """
 
 from __future__ import annotations
@@ -66,11 +67,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm import ordering
 from jaxcomm.collectives import all_gather_invariant, reduce_scatter
 from jaxcomm.compression.base import BufferCodec, Compressor
 from jaxcomm.compression.keys import dither_seed, step_key
-from jaxcomm.distributed import check_same_on_processes
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.packing import BufferPlan, plan_groups
 from jaxcomm.state import (
@@ -78,16 +77,19 @@ from jaxcomm.state import (
     leaf_specs,
     marked_per_device,
     stack_leaves,
-    unstack_leaves,
     varying_axes,
 )
-from jaxcomm.sync import DEFAULT_MIN_SIZE, GradientSync
-from jaxcomm.train import DataParallel, TrainState, _cell, _chain_parts, _check_params
+from jaxcomm.sync import (
+    DEFAULT_MIN_SIZE,
+    GradientSync,
+    SyncGradientsState,
+    SyncRequest,
+    accepting_requests,
+)
 from jaxcomm.validate import check_int
 
 __all__ = [
     "ShardPlan",
-    "ShardedDataParallel",
     "ShardedOptimizer",
     "ShardedState",
     "clip_by_global_norm",
@@ -258,7 +260,7 @@ def make_shard_plan(
     bucket of its own; ``None``: one bucket per dtype); each bucket is one buffer. The
     stored state does not depend on the buckets (each leaf is split on its own,
     :class:`ShardPlan`), so a state written with one ``bucket_bytes`` or device count
-    restores under another (:meth:`ShardedDataParallel.reshard` for the device count).
+    restores under another (:meth:`ShardedOptimizer.reshard` for the device count).
     """
     buckets: dict[Any, list[list[int]]] = {}
     filled: dict[Any, int] = {}
@@ -275,78 +277,72 @@ def make_shard_plan(
     return ShardPlan(plan_groups(leaves, groups), int(devices), tuple(axes))
 
 
-def clip_by_global_norm(max_norm: float, axes: tuple[str, ...]) -> optax.GradientTransformation:
-    """``optax.clip_by_global_norm`` for updates sharded over ``axes``: the squared norm of
-    this device's chunk summed over the data axes (zero padding adds nothing), then
-    optax's rule: scale every chunk by ``max_norm / norm`` where the norm exceeds it.
+def clip_by_global_norm(
+    max_norm: float, axes: tuple[str, ...] | None = None
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm`` that also clips updates split over devices: the
+    squared norm of this device's updates summed over the axes they are split over (zero
+    padding adds nothing), then optax's rule: scale every update by ``max_norm / norm``
+    where the norm exceeds it.
+
+    The axes are ``axes`` if given, else those the step's request names
+    (``jaxcomm.SyncRequest.sharded_over``: the data axes with ``shard_optimizer=True``,
+    none otherwise), so the same chain clips alike sharded or not.
 
     Args:
       max_norm: the maximum global norm.
-      axes: the mesh (or ``jax.vmap``) axes the updates are split over.
+      axes: the mesh (or ``jax.vmap``) axes the updates are split over; None: the
+        request's.
 
     Returns:
-      A stateless ``optax.GradientTransformation``.
+      A stateless ``optax.GradientTransformationExtraArgs``.
 
     Example:
-      >>> tx = optax.chain(clip_by_global_norm(1.0, ('inter', 'intra')), optax.adam(1e-3))
+      >>> tx = optax.chain(jaxcomm.sync_gradients(), clip_by_global_norm(1.0),
+      ...                  optax.adam(1e-3))
     """
 
-    def update(updates, state, params=None):
-        del params
-        g_norm = jnp.sqrt(lax.psum(optax.tree.norm(updates, squared=True), axes))
+    def update(updates, state, params=None, *, sync_request=None, **extra_args):
+        del params, extra_args
+        over = axes if axes is not None else getattr(sync_request, "sharded_over", ())
+        squared = optax.tree.norm(updates, squared=True)
+        g_norm = jnp.sqrt(lax.psum(squared, tuple(over)) if over else squared)
         trigger = g_norm < max_norm
         clip = lambda t: lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)  # noqa: E731
         return jax.tree.map(clip, updates), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update)
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
-def _unwrapped_update(init: Callable, update: Callable) -> Callable:
-    """``update`` without optax's extra-args wrapper (``with_extra_args_support``)."""
-    inner = _cell(update, "tx")
-    if isinstance(inner, optax.GradientTransformation) and inner.init is init:
-        return inner.update
-    return update
+_CHAIN_FIX = (
+    "{where}(shard_optimizer=True) needs the optimizer as "
+    "optax.chain(jaxcomm.sync_gradients(...), *transforms), the sync first: the "
+    "sync's compressor reduce-scatters the gradients and the transforms after it "
+    "run on each device's shard, e.g. optax.chain(jaxcomm.sync_gradients(), "
+    "optax.adamw(1e-3))."
+)
 
 
-def _shardable(tx: optax.GradientTransformation, axes: tuple[str, ...]) -> Any:
-    """``tx`` with every ``optax.clip_by_global_norm`` (also in nested chains) replaced by
-    :func:`clip_by_global_norm` over ``axes``; the chains keep their state structure."""
-    update = _unwrapped_update(tx.init, tx.update)
-    if getattr(update, "__qualname__", "") == "clip_by_global_norm.<locals>.update_fn":
-        return clip_by_global_norm(_cell(update, "max_norm"), axes)
-    parts = _chain_parts(tx.init, tx.update)
-    if parts is None:
-        return tx
-    return optax.chain(
-        *(_shardable(optax.GradientTransformationExtraArgs(i, u), axes) for i, u in parts)
-    )
+def split_state(state: Any, where: str = "data_parallel") -> tuple[Any, tuple]:
+    """The state of ``optax.chain(jaxcomm.sync_gradients(...), *transforms)`` (a tuple,
+    one entry per transform) -> ``(the sync's SyncGradientsState, the transforms'
+    states)``; ``where`` names the step builder in the errors.
 
-
-def split_sync(
-    optimizer: optax.GradientTransformation, where: str = "data_parallel"
-) -> tuple[GradientSync, list[optax.GradientTransformation]]:
-    """``optax.chain(sync_gradients(...), *rest)`` -> ``(the GradientSync, rest)``; ``where``
-    names the step builder in the errors."""
-    parts = _chain_parts(optimizer.init, optimizer.update)
-    sync = getattr(parts[0][0], "__self__", None) if parts else None
-    if not isinstance(sync, GradientSync):
-        raise ValueError(
-            f"{where}(shard_optimizer=True) needs the optimizer as "
-            "optax.chain(jaxcomm.sync_gradients(...), *transforms), the sync first: the "
-            "sync's compressor reduce-scatters the gradients and the transforms after it "
-            "run on each device's shard, e.g. optax.chain(jaxcomm.sync_gradients(), "
-            "optax.adamw(1e-3))."
-        )
-    rest = []
-    for k, (i, u) in enumerate(parts[1:], start=1):
-        if isinstance(getattr(i, "__self__", None), GradientSync):
+    Raises:
+      ValueError: the state is not such a chain's (another optimizer, a wrapper around
+        the chain, the sync elsewhere), or holds a second sync's state.
+    """
+    chain = isinstance(state, tuple) and not hasattr(state, "_fields") and len(state) > 0
+    if not chain or not isinstance(state[0], SyncGradientsState):
+        raise ValueError(_CHAIN_FIX.format(where=where))
+    is_sync = lambda x: isinstance(x, SyncGradientsState)  # noqa: E731
+    for k, rest in enumerate(state[1:], start=1):
+        if any(is_sync(x) for x in jax.tree.leaves(rest, is_leaf=is_sync)):
             raise ValueError(
                 f"{where}(shard_optimizer=True): a second jaxcomm.sync_gradients at "
                 f"optax.chain position [{k}]; keep one, first in the chain."
             )
-        rest.append(optax.GradientTransformationExtraArgs(i, u))
-    return sync, rest
+    return state[0], tuple(state[1:])
 
 
 def _check_sync(sync: GradientSync, axes: tuple[str, ...], where: str) -> None:
@@ -518,19 +514,23 @@ def per_device_bytes(tree: Any) -> int:
     return total
 
 
-def _probe_updates(tx: Any, shard_tx: Any, params: Any, grads: tuple, axes: tuple, sizes: tuple):
-    """Updates of ``tx`` (from init, one per gradient of ``grads``) on the params' own
-    tree, as data parallelism runs it, and of ``shard_tx`` on the tree of the ``N``
-    devices' pieces, as the sharded step runs it (vmapped over ``axes``): ``(whole,
-    sharded)``, per update one flat array per leaf (its ``n_i`` real elements)."""
+def _probe_updates(tx: Any, params: Any, grads: tuple, axes: tuple, sizes: tuple):
+    """Updates of ``tx`` (from init, one per gradient of ``grads``, its sync passing the
+    gradients through) on the params' own tree, as data parallelism runs it, and on the
+    tree of the ``N`` devices' pieces, as the sharded step runs it (vmapped over ``axes``
+    of ``sizes``; the whole tree under axes of size 1, so the sync finds its axes):
+    ``(whole, sharded)``, per update one flat array per leaf (its ``n_i`` real
+    elements)."""
     leaves, treedef = jax.tree.flatten(params)
     splan = make_shard_plan(leaves, int(np.prod(sizes)), axes)
     sizes_of = [int(np.prod(np.shape(x), dtype=np.int64)) for x in leaves]
 
-    def updates(tx, p, *gs):
+    def updates(over, p, *gs):
         s, out = tx.init(p), []
         for g in gs:
-            u, s = update_with_value(tx.update, g, s, p, lambda: jnp.zeros((), jnp.float32))
+            request = SyncRequest(communicate=False, grads=g, sharded_over=over)
+            update = functools.partial(tx.update, sync_request=request)
+            u, s = update_with_value(update, g, s, p, lambda: jnp.zeros((), jnp.float32))
             p = optax.apply_updates(p, u)
             out.append(u)
         return out
@@ -541,8 +541,18 @@ def _probe_updates(tx: Any, shard_tx: Any, params: Any, grads: tuple, axes: tupl
             for x, n in zip(treedef.flatten_up_to(tree), sizes_of, strict=True)
         ]
 
+    def lift(tree):  # a leading axis of size 1 per data axis
+        return jax.tree.map(lambda x: jnp.asarray(x)[(None,) * len(axes)], tree)
+
+    def vmapped(fn):
+        for a in reversed(axes):
+            fn = jax.vmap(fn, axis_name=a)
+        return fn
+
     # op by op: compiling a program over every leaf costs more than running it once
-    whole = [flat(u, jnp.ravel) for u in updates(tx, params, *grads)]
+    drop = lambda x: jnp.ravel(x.reshape(x.shape[len(axes) :]))  # noqa: E731
+    whole = vmapped(functools.partial(updates, ()))(lift(params), *(lift(g) for g in grads))
+    whole = [flat(u, drop) for u in whole]
 
     def split(tree):  # each leaf as (sizes..., m_i): the devices' pieces, row-major
         m = splan.piece_elements
@@ -552,9 +562,7 @@ def _probe_updates(tx: Any, shard_tx: Any, params: Any, grads: tuple, axes: tupl
         ]
         return jax.tree.unflatten(treedef, rows)
 
-    fn = functools.partial(updates, shard_tx)
-    for a in reversed(axes):
-        fn = jax.vmap(fn, axis_name=a)
+    fn = vmapped(functools.partial(updates, tuple(axes)))
     sharded = jax.jit(fn)(split(params), *(split(g) for g in grads))
     return whole, [flat(u, lambda x: x) for u in sharded]
 
@@ -591,35 +599,34 @@ def _probe_gradients(p: list, rng: np.random.Generator) -> tuple:
 
 
 def refuse_unshardable(
-    transforms: Sequence[Any],
+    optimizer: Any,
     params: Any,
     axes: tuple[str, ...],
     sizes: tuple,
     where: str = "data_parallel",
 ) -> None:
-    """Refuses transforms whose update on the devices' pieces differs from data
+    """Refuses an optimizer whose update on the devices' pieces differs from data
     parallelism's on the whole params.
 
     The probe: three updates from ``init`` on random gradients (a large one and a small
-    one, so clipping shows; then one with an ``inf``), once on the params' own tree
-    (what data parallelism runs) and once on the tree of the ``N`` devices' pieces (what
-    the sharded step runs: the same tree structure and paths, every leaf a 1-D piece; a
-    ``jax.vmap`` per data axis, named like it, so :func:`clip_by_global_norm`'s sum over
-    the axes runs). The updates must agree to 1e-4 relative, with non-finite values in
-    the same places; else the first transform of the chain whose prefix disagrees (or
-    fails on 1-D pieces) is named. Parameter trees over ``2**22`` elements are probed on
-    the same tree with each dimension capped at 16.
+    one, so clipping shows; then one with an ``inf``), the sync passing them through
+    (``SyncRequest(communicate=False)``), once on the params' own tree (what data
+    parallelism runs) and once on the tree of the ``N`` devices' pieces (what the sharded
+    step runs: the same tree structure and paths, every leaf a 1-D piece; a ``jax.vmap``
+    per data axis, named like it, with ``SyncRequest.sharded_over`` naming them, so
+    :func:`clip_by_global_norm`'s sum over the axes runs). The updates must agree to 1e-4
+    relative, with non-finite values in the same places. Parameter trees over ``2**22``
+    elements are probed on the same tree with each dimension capped at 16.
 
     Args:
-      transforms: the transforms after ``sync_gradients`` (``optax.clip_by_global_norm``
-        is probed as its sharded twin, :func:`clip_by_global_norm`).
+      optimizer: the optimizer, ``optax.chain(jaxcomm.sync_gradients(...), *transforms)``.
       params: the params (a pytree of arrays or ``ShapeDtypeStruct`` s), in the tree
         the optimizer is given.
       axes: the data axes; sizes: their sizes.
       where: the step builder, for the error.
 
     Raises:
-      ValueError: naming the chain position (counting the sync as ``[0]``) and why.
+      ValueError: saying why the transforms do not shard.
     """
     leaves, treedef = jax.tree.flatten(params)
     shapes = [tuple(np.shape(x)) for x in leaves]
@@ -629,45 +636,43 @@ def refuse_unshardable(
     dtypes = [jnp.result_type(x) for x in leaves]
     p = [np.asarray(rng.standard_normal(s), dtype=t) for s, t in zip(shapes, dtypes, strict=True)]
     p, *grads = [jax.tree.unflatten(treedef, x) for x in (p, *_probe_gradients(p, rng))]
+    why = _unshardable(optimizer, p, tuple(grads), axes, sizes)
+    if why is not None:
+        raise ValueError(
+            f"{where}(shard_optimizer=True): the transforms after jaxcomm.sync_gradients "
+            f"do not shard: {why}. Sharded optimizer state needs transforms that act "
+            "elementwise on each leaf (adam, adamw, sgd, lion, add_decayed_weights, masks "
+            "chosen by path, schedules) or jaxcomm.sharded.clip_by_global_norm. Use "
+            "shard_optimizer=False for this optimizer."
+        )
 
-    def verdict(k: int) -> str | None:
-        tx = optax.chain(*transforms[: k + 1])
-        shard_tx = optax.chain(*(_shardable(t, axes) for t in transforms[: k + 1]))
-        try:
-            # The third gradient holds an inf on purpose: numpy's warnings about it
-            # (0 * inf in sgd(0.0)) would only alarm the user.
-            with np.errstate(invalid="ignore", over="ignore"):
-                whole, sharded = _probe_updates(tx, shard_tx, p, tuple(grads), axes, sizes)
-        except Exception as e:  # noqa: BLE001 (the reason is reported)
-            return f"it fails on the flat 1-D pieces ({type(e).__name__}: {e})"
-        if not _agree(whole[:2], sharded[:2]):
-            return (
-                "on the devices' flat 1-D pieces of the params it gives another update "
-                "than on whole leaves (it reads a leaf's shape or a per-leaf statistic: a "
-                "Shampoo-style preconditioner, per-leaf clipping or normalisation, a mask "
-                "or label chosen by a leaf's shape or ndim)"
-            )
-        if not _agree(whole[2:], sharded[2:]):
-            return (
-                "after a gradient with one inf it gives another update than data "
-                "parallelism: it decides from each device's piece alone (optax."
-                "apply_if_finite, a skip on non-finite values: one device would skip the "
-                "step, the others take it)"
-            )
-        return None
 
-    if not transforms or verdict(len(transforms) - 1) is None:
-        return
-    for k in range(len(transforms)):
-        why = verdict(k)
-        if why is not None:
-            raise ValueError(
-                f"{where}(shard_optimizer=True): the transform at optax.chain "
-                f"position [{k + 1}] does not shard: {why}. Sharded optimizer state needs "
-                "transforms that act elementwise on each leaf (adam, adamw, sgd, lion, "
-                "add_decayed_weights, masks chosen by path, schedules) or "
-                "optax.clip_by_global_norm. Use shard_optimizer=False for this optimizer."
-            )
+def _unshardable(tx: Any, p: Any, grads: tuple, axes: tuple, sizes: tuple) -> str | None:
+    """Why the probe of :func:`refuse_unshardable` refuses ``tx``, or None."""
+    try:
+        # The third gradient holds an inf on purpose: numpy's warnings about it
+        # (0 * inf in sgd(0.0)) would only alarm the user.
+        with np.errstate(invalid="ignore", over="ignore"):
+            whole, sharded = _probe_updates(tx, p, grads, axes, sizes)
+    except Exception as e:  # noqa: BLE001 (the reason is reported)
+        return f"they fail on the flat 1-D pieces ({type(e).__name__}: {e})"
+    if not _agree(whole[:2], sharded[:2]):
+        return (
+            "on the devices' flat 1-D pieces of the params they give another update "
+            "than on whole leaves (a transform reads a leaf's shape or a statistic of a "
+            "leaf or of all the updates: a Shampoo-style preconditioner, per-leaf "
+            "clipping or normalisation, a mask or label chosen by a leaf's shape or ndim, "
+            "optax.clip_by_global_norm's norm of each device's pieces alone: use "
+            "jaxcomm.sharded.clip_by_global_norm)"
+        )
+    if not _agree(whole[2:], sharded[2:]):
+        return (
+            "after a gradient with one inf they give another update than data "
+            "parallelism: a transform decides from each device's piece alone (optax."
+            "apply_if_finite, a skip on non-finite values: one device would skip the "
+            "step, the others take it)"
+        )
+    return None
 
 
 class ShardedOptimizer:
@@ -685,9 +690,18 @@ class ShardedOptimizer:
       where: the step builder, named in errors.
 
     Raises:
-      ValueError / NotImplementedError: at construction, what the sharded step does not
-        take (see :func:`split_sync`, :func:`check_param_gather`); at
-        :meth:`infer_layout`, a transform that does not shard (:func:`refuse_unshardable`).
+      ValueError / NotImplementedError: at construction, a ``param_gather`` or
+        ``bucket_bytes`` it does not take (:func:`check_param_gather`); at
+        :meth:`infer_layout`, an optimizer that is not such a chain (:func:`split_state`),
+        sync settings the sharded step does not implement, or transforms that do not
+        shard (:func:`refuse_unshardable`).
+
+    The optimizer runs whole on this device's pieces: its ``sync_gradients``, told by the
+    request that the step reduce-scattered the gradients already
+    (``SyncRequest(communicate=False)``), passes them through, and reports its
+    :class:`~jaxcomm.GradientSync` (``SyncRequest.on_sync``), whose configuration
+    (compressor, seed, ``compress_stage``) the reduce-scatter uses; the chain's state is
+    stored without the sync's (``ShardedState.inner``: the transforms' states).
 
     Example:
       >>> engine = ShardedOptimizer(tx, mesh, ('inter', 'intra'))
@@ -709,9 +723,8 @@ class ShardedOptimizer:
         self.where = where
         self.param_gather = check_param_gather(param_gather, where)
         self.bucket_bytes = _check_bucket_bytes(bucket_bytes, where)
-        self.sync, self.transforms = split_sync(optimizer, where)
-        _check_sync(self.sync, axes, where)
-        self.tx = optax.chain(*(_shardable(t, axes) for t in self.transforms))
+        self.optimizer = accepting_requests(optimizer)
+        self.sync: GradientSync | None = None  # reported by the chain's sync (infer_layout)
         self.mesh, self.axes = mesh, tuple(axes)
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.shard_plan: ShardPlan | None = None
@@ -719,6 +732,13 @@ class ShardedOptimizer:
         self.paths: list[str] = []  # of the ShardedState's leaves
         self.local: Any = None  # one device's ShardedState, abstract
         self.per: list[bool] = []  # per leaf of the ShardedState: stored per device
+        self.local_sgd = False  # the gradient is taken at the replicated params
+
+    @property
+    def syncs(self) -> list[GradientSync]:
+        """The one sync the step runs (its configuration reduce-scatters), once
+        :meth:`infer_layout` found it."""
+        return [] if self.sync is None else [self.sync]
 
     def _pieces(self, pieces: Sequence[jax.Array]) -> Any:
         """This device's pieces (one per leaf) in the params' tree: what the transforms see,
@@ -730,7 +750,26 @@ class ShardedOptimizer:
         """This device's :class:`ShardedState` for the param ``leaves`` (in shard_map)."""
         pieces = self._pieces(self.shard_plan.local(leaves))
         master = pieces if self.param_gather is not None else ()
-        return ShardedState(self.tx.init(pieces), master)
+        _, inner = split_state(self.optimizer.init(pieces), self.where)
+        return ShardedState(inner, master)
+
+    def _request(self, grads: Any, on_sync: Callable | None = None) -> SyncRequest:
+        """What the chain's sync is told: the step reduced ``grads`` (this device's pieces)
+        already, over :attr:`axes`; a sync that receives anything else is refused."""
+
+        def other_input(sync, _):
+            del sync
+            raise ValueError(_CHAIN_FIX.format(where=self.where))
+
+        return SyncRequest(False, on_sync, grads, other_input, self.axes)
+
+    def _chain_update(self, grads: Any, inner: Any, own: Any, value: Callable) -> tuple:
+        """The whole chain on the pieces (its sync passing them through, its state for
+        the occasion): ``(updates, the transforms' new states)``."""
+        state = (self.sync.init(grads), *inner)
+        update = functools.partial(self.optimizer.update, sync_request=self._request(grads))
+        updates, state = update_with_value(update, grads, state, own, value)
+        return updates, tuple(state[1:])
 
     def update(
         self,
@@ -763,8 +802,8 @@ class ShardedOptimizer:
             chunks.append(_scatter_mean(buf, self.axes, codec, seed, compress_inner=compress_inner))
         gathered = self.param_gather is not None
         own = opt.master if gathered else self._pieces(splan.local(params))
-        updates, inner = update_with_value(
-            self.tx.update, self._pieces(splan.split(chunks)), opt.inner, own, value
+        updates, inner = self._chain_update(
+            self._pieces(splan.split(chunks)), opt.inner, own, value
         )
         new = optax.apply_updates(own, updates)
         sent = splan.join(self.treedef.flatten_up_to(new))
@@ -792,6 +831,7 @@ class ShardedOptimizer:
 
         def init_probe(p):
             s = self.init_local(p)
+            self._find_sync(p)
             flat, rec["treedef"] = jax.tree_util.tree_flatten_with_path(s)
             rec["paths"] = [jax.tree_util.keystr(k) for k, _ in flat]
             rec["local"] = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
@@ -815,12 +855,30 @@ class ShardedOptimizer:
         )  # fmt: skip
         self.paths, self.local, self.per = rec["paths"], local, per
         sizes = tuple(int(self.mesh.shape[a]) for a in self.axes)
-        refuse_unshardable(self.transforms, params, self.axes, sizes, self.where)
+        refuse_unshardable(self.optimizer, params, self.axes, sizes, self.where)
         return per
 
+    def _find_sync(self, leaves: Sequence[jax.Array]) -> None:
+        """Sets :attr:`sync`: the chain's one sync, as it reports itself when the update
+        traces (inside the layout probe's ``shard_map``), checked for what the sharded
+        step implements."""
+        pieces = self._pieces(self.shard_plan.local(leaves))
+        found: list[GradientSync] = []
+        update = functools.partial(
+            self.optimizer.update, sync_request=self._request(pieces, found.append)
+        )
+        zero = lambda: jnp.zeros((), jnp.float32)  # noqa: E731 (value= for the trace only)
+        update_with_value(update, pieces, self.optimizer.init(pieces), pieces, zero)
+        syncs = list({id(x): x for x in found}.values())
+        if len(syncs) != 1:
+            raise ValueError(_CHAIN_FIX.format(where=self.where))
+        _check_sync(syncs[0], self.axes, self.where)
+        self.sync = syncs[0]
+
     def init_fn(self, per: list[bool]) -> Callable:
-        """The jitted init: the replicated param leaves -> the :class:`ShardedState`, its
-        per-device leaves stacked along the data axes (one chunk per device)."""
+        """The init: the replicated params (their tree, or its leaves) -> the
+        :class:`ShardedState`, its per-device leaves stacked along the data axes (one
+        chunk per device), jitted."""
 
         def init(p):
             s = self.init_local(p)
@@ -832,7 +890,7 @@ class ShardedOptimizer:
             ]
             return stack_leaves(jax.tree.unflatten(treedef, leaves), per)
 
-        return jax.jit(
+        jitted = jax.jit(
             jax.shard_map(
                 init,
                 mesh=self.mesh,
@@ -840,136 +898,66 @@ class ShardedOptimizer:
                 out_specs=leaf_specs(self.local, per, self.axes),
             )
         )
+        return lambda params: jitted(jax.tree.leaves(params))
 
-
-class ShardedDataParallel(DataParallel):
-    """A data-parallel step with sharded optimizer state; build it with
-    ``jaxcomm.data_parallel(..., shard_optimizer=True)`` (the module docstring has the
-    algorithm).
-
-    Attributes (besides :class:`~jaxcomm.DataParallel`'s):
-      sharded: the :class:`ShardedOptimizer` (``.sync``: the optimizer's
-        :class:`~jaxcomm.GradientSync`, whose compressor reduce-scatters;
-        ``.param_gather``; ``.bucket_bytes``; ``.shard_plan`` after ``init``).
-
-    Example:
-      >>> tx = optax.chain(jaxcomm.sync_gradients(compression=jaxcomm.compression.int8()),
-      ...                  optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-      >>> dp = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_optimizer=True,
-      ...                            param_gather=jaxcomm.compression.bf16())
-      >>> state = dp.init(params)          # Adam's moments: 1/N per device
-      >>> state, metrics = dp(state, batch)
-    """
-
-    def __init__(
-        self,
-        *args: Any,
-        param_gather: Compressor | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        **kwargs: Any,
-    ):
-        super().__init__(*args, **kwargs)
-        if self.microbatches > 1 and self.accumulate != "local":
+    def check_step(self, *, feedback: bool, communicate: bool) -> None:
+        """Refuses the profiler's feedback input and the compute-only twin."""
+        if feedback or not communicate:
             raise NotImplementedError(
-                "data_parallel(shard_optimizer=True, microbatches > 1) accumulates the "
-                f"microbatches' gradients on each device (accumulate='local') and "
-                f"reduce-scatters once; accumulate={self.accumulate!r} (a reduction per "
-                "microbatch) is not implemented. Use accumulate='local'."
+                f"{self.where}(shard_optimizer=True): the profiler's feedback and its "
+                "compute-only twin are not implemented for sharded optimizer state."
             )
-        if not self._require_sync:
-            raise ValueError(
-                "data_parallel(shard_optimizer=True) reduce-scatters the gradients itself: "
-                "require_sync=False does not apply; leave it True."
-            )
-        self.sharded = ShardedOptimizer(
-            self.optimizer,
-            self.mesh,
-            self.axes,
-            param_gather=param_gather,
-            bucket_bytes=bucket_bytes,
+
+    def step(
+        self,
+        grads: Any,
+        opt_state: ShardedState,
+        params: Any,
+        step: jax.Array,
+        value: Callable[[], jax.Array],
+        *,
+        update: Callable | None = None,
+        communicate: bool = True,
+    ) -> tuple[Any, ShardedState, Any]:
+        """:meth:`update` on trees (``jaxcomm.layout.OptimizerLayout.step``): ``(new
+        params, new ShardedState, done)``, ``done`` the new params (the outputs'
+        collectives wait for the gathers). ``update`` and ``communicate`` do not apply
+        (the step reduce-scatters itself; :meth:`check_step` refuses the twin)."""
+        del update, communicate
+        leaves, new_opt = self.update(
+            jax.tree.leaves(grads), opt_state, jax.tree.leaves(params), step, value
         )
-        self.syncs = [self.sharded.sync]
+        new = jax.tree.unflatten(jax.tree.structure(params), leaves)
+        return new, new_opt, new
 
-    def _update(self, grads: Any, opt: ShardedState, params: Any, step: jax.Array, value):
-        """``(new params, new ShardedState)`` (:meth:`ShardedOptimizer.update`)."""
-        leaves, new_opt = self.sharded.update(
-            jax.tree.leaves(grads), opt, jax.tree.leaves(params), step, value
-        )
-        return jax.tree.unflatten(jax.tree.structure(params), leaves), new_opt
-
-    def _infer_layout(self, params: Any) -> list[bool]:
-        per = self.sharded.infer_layout(params)
-        self._opt_paths, self._opt_local = self.sharded.paths, self.sharded.local
-        return per
-
-    # -- state --------------------------------------------------------------------------
-    def _init_fn(self, per: list[bool]) -> Callable:
-        init = self.sharded.init_fn(per)
-        return lambda params: init(jax.tree.leaves(params))
-
-    def init(self, params: Any, model_state: Any = None) -> TrainState:
-        """Places params on the mesh (replicated) and initialises the sharded optimizer
-        state: each device's chunk, sharded along the data axes.
-
-        Raises:
-          ValueError: the optimizer does not shard (:func:`refuse_unshardable`), or the
-            initial values differ between processes.
-        """
-        _check_params(params)
-        check_same_on_processes(
-            "the initial params and model state",
-            (params, model_state),
-            fix="Draw them from one seed on every process, or load them from one checkpoint.",
-        )
-        params = jax.device_put(params, self.replicated)
-        if model_state is not None:
-            model_state = jax.device_put(model_state, self.replicated)
-        per = self._layout(params)
-        return TrainState(
-            step=jax.device_put(jnp.zeros((), jnp.int32), self.replicated),
-            params=params,
-            opt_state=self._init_fn(per)(params),
-            model_state=model_state,
-        )
-
-    def reshard(self, state: TrainState) -> TrainState:
-        """``state`` of a sharded step on another device count (e.g. restored from a
-        checkpoint written on 8 devices) laid out for this one.
+    def reshard(self, opt_state: Any, stacked: NamedSharding) -> Any:
+        """``opt_state`` of a sharded step on another device count laid out for this one
+        (after :meth:`infer_layout`), its per-device leaves placed with ``stacked``.
 
         Each per-device leaf ``(N', m')`` read row after row is its param leaf, flattened
         (device ``r`` owns piece ``r``; zero padding at the end; :class:`ShardPlan`): it
         is cut or zero-padded to ``N m`` and split into this step's ``(N, m)``. The
         padding is never unpacked into params, so the real elements move unchanged;
-        replicated leaves are copied. The layout does not depend on ``shard_bucket_bytes``
-        (the buckets only group the pieces for the collectives), so a state written with
-        other buckets restores as it is.
-
-        Args:
-          state: a :class:`~jaxcomm.TrainState` of a sharded step with the same params and
-            optimizer, its arrays on this step's devices (restore them with this mesh's
-            shardings) or on the host.
-
-        Returns:
-          The state, sharded over this step's mesh.
+        replicated leaves are copied. The layout does not depend on ``bucket_bytes``.
 
         Raises:
           ValueError: the optimizer state does not have this step's structure, a
             per-device leaf is not one piece per device, or its size fits no leaf of
             the size this step's leaf has (another params tree).
         """
-        per = self._layout(state.params)
-        local = jax.tree.leaves(self.sharded.local)
-        leaves, treedef = jax.tree.flatten(state.opt_state)
-        if len(leaves) != len(per):
+        replicated = NamedSharding(self.mesh, P())
+        leaves, treedef = jax.tree.flatten(opt_state)
+        if len(leaves) != len(self.per):
             raise ValueError(
                 f"reshard: the optimizer state has {len(leaves)} leaves, this step's "
-                f"{len(per)}; restore a state written by a sharded step with the same "
+                f"{len(self.per)}; restore a state written by a sharded step with the same "
                 "optimizer and params."
             )
         out = []
-        for x, f, loc, path in zip(leaves, per, local, self.sharded.paths, strict=True):
+        local = jax.tree.leaves(self.local)
+        for x, f, loc, path in zip(leaves, self.per, local, self.paths, strict=True):
             if not f:
-                out.append(jax.device_put(x, self.replicated))
+                out.append(jax.device_put(x, replicated))
                 continue
             if loc.ndim != 1 or jnp.ndim(x) != 2:
                 raise ValueError(
@@ -977,37 +965,5 @@ class ShardedDataParallel(DataParallel):
                     "per device; only chunked state (Adam's moments, master chunks) reshards."
                 )
             _check_piece(path, jnp.shape(x), self.num_devices, loc.shape[0])
-            out.append(_relayout(x, self.num_devices, loc.shape[0], self._stacked))
-        put = lambda t: jax.device_put(t, self.replicated)  # noqa: E731
-        return TrainState(
-            put(state.step),
-            put(state.params),
-            jax.tree.unflatten(treedef, out),
-            None if state.model_state is None else put(state.model_state),
-        )
-
-    # -- step ---------------------------------------------------------------------------
-    def _local_step(self, state, batch, comm_share=None, *, feedback=None, communicate=True):
-        """One device's step inside shard_map: its gradient, then steps 1-4 of the module
-        docstring, then the model state and metrics combined."""
-        if comm_share is not None or not communicate:
-            raise NotImplementedError(
-                "data_parallel(shard_optimizer=True): the profiler's feedback and its "
-                "compute-only twin are not implemented for sharded optimizer state."
-            )
-        opt = unstack_leaves(state.opt_state, self._opt_layout)
-        value, aux, grads, _, model_state = self._gradients(state, opt, batch, None, True)
-        params, new_opt = self._update(
-            grads, opt, state.params, state.step, lambda: lax.pmean(value, self.axes)
-        )
-        metrics = {"loss": value, **dict(aux or {})}
-        synced, metrics = ordering.after(
-            (model_state if self._with_model_state else None, metrics), params
-        )
-        synced, metrics = self._outputs(synced, metrics, local_sgd=False)
-        if self._with_model_state:
-            model_state = synced
-        new_state = TrainState(
-            state.step + 1, params, stack_leaves(new_opt, self._opt_layout), model_state
-        )
-        return new_state, metrics
+            out.append(_relayout(x, self.num_devices, loc.shape[0], stacked))
+        return jax.tree.unflatten(treedef, out)

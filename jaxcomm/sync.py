@@ -68,6 +68,7 @@ __all__ = [
     "accepting_requests",
     "gradient_sync",
     "sync_gradients",
+    "vary_per_device",
 ]
 
 COMPRESS_STAGES = ("all", "inter")
@@ -104,9 +105,11 @@ class SyncRequest(NamedTuple):
       communicate: False: the gradients pass through unchanged (they were reduced already,
         one microbatch at a time, or this is the profiler's compute-only twin); the count
         advances, the compressor state does not change.
-      found: a list each ``sync_gradients`` appends its :class:`GradientSync` to when its
-        update is traced (the step builder checks the optimizer synchronises, and the
-        microbatch loop calls the sync's ``reduce`` itself).
+      on_sync: ``on_sync(sync)``, called with its :class:`GradientSync` by each
+        ``sync_gradients`` this request reaches, while its update traces: how the step
+        builder learns which syncs its optimizer runs (and that the request reaches
+        them: a wrapper that drops optax's extra arguments would hide a sync), and how the
+        microbatch loop finds the sync whose ``reduce`` it calls itself. None: not asked.
       grads: the gradients the step computed and hands the optimizer (each device's own),
         or None (not stated: nothing is checked). A sync that receives other arrays (a
         transform before it in the chain, a wrapper's accumulator) averages a function of
@@ -119,12 +122,18 @@ class SyncRequest(NamedTuple):
         receives arrays other than ``grads``: the step builder records them for its
         build-time probe, or accepts a sync the probe checked; it raises to refuse. None:
         refused (``ValueError``) at once.
+      sharded_over: the data axes the updates are split over: the sharded step
+        (``shard_optimizer=True``) runs the optimizer on this device's pieces of the
+        reduced gradients, so a transform that takes a statistic of all of the updates
+        (``jaxcomm.sharded.clip_by_global_norm``'s norm) reduces it over these axes.
+        ``()``: every device holds the whole updates.
     """
 
     communicate: bool = True
-    found: list | None = None
+    on_sync: Callable[[GradientSync], None] | None = None
     grads: Any = None
     other_input: Callable[[GradientSync, Any], None] | None = None
+    sharded_over: tuple[str, ...] = ()
 
 
 _DEFAULT_REQUEST = SyncRequest()
@@ -171,7 +180,7 @@ class GradientSync(NamedTuple):
                     "its per-device state is one intra-node shard."
                 ) from e
         cstate = self.compression.init(plan.buffer_specs(inner))
-        return SyncGradientsState(count, _vary_per_device(cstate, self.axes))
+        return SyncGradientsState(count, vary_per_device(cstate, self.axes))
 
     def reduce(self, grads: Any, state: SyncGradientsState) -> tuple[Any, SyncGradientsState]:
         """The mean of ``grads`` over ``axes`` (each device's own gradients in, the same
@@ -336,8 +345,8 @@ def sync_gradients(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
     def update(grads, state, params=None, *, sync_request=None, **extra_args):
         del params, extra_args
         sync_request = sync_request or _DEFAULT_REQUEST
-        if sync_request.found is not None:
-            sync_request.found.append(sync)
+        if sync_request.on_sync is not None:
+            sync_request.on_sync(sync)
         if sync_request.grads is not None and not _same_leaves(grads, sync_request.grads):
             if sync_request.other_input is None:
                 raise ValueError(
@@ -471,11 +480,11 @@ def _mean_compressed(sync: GradientSync, plan: LeafPlan, leaves: list, cstate: A
         if residual is not None:
             plan.unpack(list(residual), extra)
         xs = [leaves[i] if extra[i] is None else leaves[i] + extra[i] for i in plan.compressed]
-        return _mean_plain(sync, xs), _vary_per_device(after, sync.axes), jnp.ones((), bool)
+        return _mean_plain(sync, xs), vary_per_device(after, sync.axes), jnp.ones((), bool)
 
     def lossy(cs):  # both branches type the residual alike
         means, cs, finite, _ = _mean_packed(sync, plan, leaves, cs, ctx)
-        return means, _vary_per_device(cs, sync.axes), finite
+        return means, vary_per_device(cs, sync.axes), finite
 
     means, cstate, finite = lax.cond(is_exact, exact, lossy, cstate)
     return means, cstate, finite, means
@@ -563,7 +572,7 @@ def _codec_mean_inter(sync: GradientSync, buffers: list, cstate: Any, ctx: Reduc
 # -- state typing ----------------------------------------------------------------------
 
 
-def _vary_per_device(cstate: Any, axes: tuple[str, ...]) -> Any:
+def vary_per_device(cstate: Any, axes: tuple[str, ...]) -> Any:
     """Types ``PerDevice`` leaves as varying over ``axes`` (inside shard_map; free at run
     time), so that state carried through ``lax.scan`` / ``lax.cond`` keeps one type: the
     update makes residuals varying, and a carry must not change type."""
@@ -582,6 +591,9 @@ def _vary_per_device(cstate: Any, axes: tuple[str, ...]) -> Any:
         cstate,
         is_leaf=lambda n: isinstance(n, PerDevice),
     )
+
+
+# The name jaxcomm.diloco imports until it takes the public one.
 
 
 def _check_shared_state(name: str, cstate: Any, axes: tuple[str, ...]) -> None:

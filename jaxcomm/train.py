@@ -14,33 +14,20 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm import ordering, outputs, xla_cpu
+from jaxcomm import backend, ordering, outputs
 from jaxcomm.axis_names import bind
 from jaxcomm.collectives import allreduce_floats, check_axes
-from jaxcomm.compression.adaptive import AdaptiveState, adaptive_states, map_adaptive
-from jaxcomm.compression.cast import Fp16State
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import agree, check_same_on_processes
 from jaxcomm.hlo import ordering_hazards
+from jaxcomm.layout import OptimizerLayout, ReplicatedOptimizer
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
-from jaxcomm.microbatch import accumulate_gradients, check_accumulate, update_with_value
+from jaxcomm.microbatch import accumulate_gradients, check_accumulate
 from jaxcomm.replicas import check_replicas as _check_replicas
-from jaxcomm.state import (
-    infer_per_device,
-    leaf_specs,
-    marked_per_device,
-    stack_leaves,
-    unstack_leaves,
-    varying_axes,
-)
-from jaxcomm.sync import (
-    NOT_COMMUTING,
-    GradientSync,
-    SyncGradientsState,
-    SyncRequest,
-    accepting_requests,
-    other_input_message,
-)
+from jaxcomm.sharded import ShardedOptimizer, shard_options
+from jaxcomm.state import leaf_specs, stack_leaves, unstack_leaves
+from jaxcomm.sync import GradientSync, accepting_requests
+from jaxcomm.sync_inputs import check_sync_inputs
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -71,222 +58,6 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     model_state: Any = None
-
-
-def _accumulators(opt_state: Any) -> list[bool]:
-    """Flags the leaves of ``optax.MultiSteps``' ``acc_grads`` (one flag per leaf).
-
-    They hold each device's own gradient sums. MultiSteps passes them through a
-    ``lax.cond`` whose branches must agree in type, so the fixed point of the layout
-    inference cannot discover them from an invariant start: they are per device from the
-    outset.
-    """
-
-    def visit(node):
-        if isinstance(node, optax.MultiStepsState):
-            return node._replace(
-                **{
-                    f: jax.tree.map(lambda _, f=f: f == "acc_grads", getattr(node, f))
-                    for f in node._fields
-                }
-            )
-        return jax.tree.map(lambda _: False, node)
-
-    flags = jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
-    return jax.tree.leaves(flags)
-
-
-def _cell(fn: Any, name: str) -> Any:
-    """The closure variable ``name`` of function ``fn``, or None.
-
-    Not used by the data-parallel step (which checks what reaches each sync at the sync
-    itself, :class:`~jaxcomm.sync.SyncRequest`); kept for ``jaxcomm.sharded`` until it
-    stops reading optax's closures."""
-    code = getattr(fn, "__code__", None)
-    if code is None or not fn.__closure__ or name not in code.co_freevars:
-        return None
-    return fn.__closure__[code.co_freevars.index(name)].cell_contents
-
-
-def _chain_parts(init: Callable, update: Callable) -> list[tuple[Callable, Callable]] | None:
-    """The ``(init, update)`` of each transform of an ``optax.chain``, or None if
-    ``(init, update)`` is not one (optax's wrappers that only add extra-args support are
-    looked through). Kept for ``jaxcomm.sharded`` only, as :func:`_cell`."""
-    inner = _cell(update, "tx")
-    if isinstance(inner, optax.GradientTransformation) and inner.init is init:
-        update = inner.update
-    inits, updates = _cell(init, "init_fns"), _cell(update, "update_fns")
-    if inits is None or updates is None or len(inits) != len(updates):
-        return None
-    return list(zip(inits, updates, strict=True))
-
-
-def _has_sync(state: Any) -> bool:
-    found = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, SyncGradientsState))
-    return any(isinstance(x, SyncGradientsState) for x in found)
-
-
-# The probe of what reaches a sync: gradient scales (clipping shows at some scale only) and
-# the tolerance of "equal" (relative, f32 rounding of a linear map is far below it).
-_PROBE_SCALES = (1e-3, 1.0, 1e3)
-_PROBE_RTOL = 1e-3
-
-
-def check_sync_inputs(optimizer: Any, params: Any, mesh: Mesh, where: str) -> None:
-    """Checks that every sync of ``optimizer`` that receives arrays other than the step's
-    gradients receives a function of them that commutes with the mean over devices.
-
-    Such a sync (:class:`~jaxcomm.sync.SyncRequest`: a transform before it in a chain, or
-    a wrapper such as ``optax.MultiSteps`` handing it its accumulated mean, of any
-    structure) averages each device's image of its own gradient, which equals the
-    one-device run only if the map commutes with the mean. The probe runs the optimizer's
-    ``update`` (from its ``init`` state) compiled on one device of the mesh's axes, the
-    syncs passing their input through, fed two random gradients and their mean at three
-    scales; at each place the trace reaches such a sync it hands the sync's input to the
-    host (``jax.debug.callback``, so a sync inside a ``lax.cond`` branch or a loop reports
-    what it received when it runs). Each call's input for the mean must be the mean of
-    the inputs for the two gradients (``scale``, ``add_decayed_weights``, an accumulator's
-    running mean; not ``clip_by_global_norm``). A sync none of whose places runs in the
-    probe (only in a branch not taken from the initial state), or whose places run a
-    different number of times for different gradients, cannot be checked and is refused.
-    Syncs are told apart by identity within the probe's one trace (a wrapper that builds
-    its transforms anew at each update, ``optax.inject_hyperparams``, is traced once).
-
-    Raises:
-      ValueError: a sync's input does not commute with the mean, or cannot be checked,
-        or the probe could not run the optimizer (never a silent pass).
-    """
-    params = jax.tree.map(_host_value, params)
-    leaves, treedef = jax.tree.flatten(params)
-    sites: list[Any] = []  # the sync at each place the probe's trace reaches one
-    runs: list[dict[int, list]] = []
-
-    def record(k, x):
-        runs[-1].setdefault(k, []).append(jax.tree.map(np.asarray, x))
-
-    def other_input(sync, x):
-        sites.append(sync)
-        jax.debug.callback(functools.partial(record, len(sites) - 1), x)
-
-    def run(g, p):
-        request = SyncRequest(communicate=False, grads=g, other_input=other_input)
-
-        def update(*args, **kwargs):
-            sites.clear()  # a failed attempt's places (no value= given) are not in the program
-            return optimizer.update(*args, sync_request=request, **kwargs)
-
-        update_with_value(update, g, optimizer.init(p), p, lambda: jnp.zeros((), jnp.float32))
-        return jnp.zeros(())
-
-    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    one = Mesh(np.array(mine[:1]).reshape((1,) * mesh.devices.ndim), mesh.axis_names)
-    probe = jax.jit(
-        jax.shard_map(run, mesh=one, in_specs=(P(), P()), out_specs=P(), check_vma=False)
-    )
-    rng = np.random.default_rng(0)
-
-    def draw(scale):
-        return [
-            (scale * rng.standard_normal(np.shape(x))).astype(x.dtype)
-            if jnp.issubdtype(x.dtype, jnp.floating)
-            else np.zeros_like(x)
-            for x in leaves
-        ]
-
-    verdict = None
-    try:
-        for scale in _PROBE_SCALES:
-            g1, g2 = draw(scale), draw(scale)
-            mean = [
-                ((a.astype(np.float64) + b) / 2).astype(a.dtype)
-                for a, b in zip(g1, g2, strict=True)
-            ]
-            for g in (g1, g2, mean):
-                runs.append({})
-                # Run, not staged, also when the step is built under a trace (eval_shape).
-                with jax.ensure_compile_time_eval():
-                    probe(jax.tree.unflatten(treedef, g), params)
-                jax.effects_barrier()
-            verdict = verdict or _sites_verdict(sites, runs[-3:], scale)
-    except Exception as e:  # a probe that fails is no verdict: say so, never pass silently
-        raise ValueError(
-            f"{where}: jaxcomm.sync_gradients receives arrays other than the step's "
-            "gradients (a transform before it, or a wrapper around it), and the probe that "
-            "checks they commute with the mean over devices failed to run the optimizer on "
-            f"one device: {type(e).__name__}: {e}. Put jaxcomm.sync_gradients() first in "
-            "the optax.chain."
-        ) from e
-    if verdict is not None:
-        raise ValueError(other_input_message(where, verdict))
-
-
-def _sites_verdict(sites: list, runs: list[dict[int, list]], scale: float) -> str | None:
-    """What is wrong with the inputs the syncs at ``sites`` received in the probe's three
-    ``runs`` (two gradients, their mean) at gradient ``scale``, or None."""
-    unchecked = (
-        "and the probe that checks such a transform commutes with the mean could not check "
-        "it (the sync did not run from the initial state, or ran a different number of "
-        "times for different gradients)"
-    )
-    for sync in {id(s): s for s in sites}.values():
-        ran = False
-        for k in (k for k, s in enumerate(sites) if s is sync):
-            calls = [r.get(k, []) for r in runs]
-            if len({len(x) for x in calls}) != 1:
-                return unchecked
-            ran = ran or bool(calls[0])
-            for xa, xb, xc in zip(*calls, strict=True):
-                if not _mean_commutes(xa, xb, xc):
-                    return f"{NOT_COMMUTING} (at gradient scale {scale:g})"
-        if not ran:
-            return unchecked
-    return None
-
-
-def _mean_commutes(a: Any, b: Any, c: Any) -> bool:
-    """Whether ``c`` (the image of the mean) equals the mean of ``a`` and ``b`` (the images
-    of two gradients), to :data:`_PROBE_RTOL` of their norms."""
-    f = lambda t: [np.asarray(x, np.float64) for x in jax.tree.leaves(t)]  # noqa: E731
-    a, b, c = f(a), f(b), f(c)
-    if [x.shape for x in a] != [x.shape for x in c] or [x.shape for x in b] != [x.shape for x in c]:
-        return False
-    want = [(x + y) / 2 for x, y in zip(a, b, strict=True)]
-    norm = lambda xs: float(np.sqrt(sum(np.sum(x * x) for x in xs)))  # noqa: E731
-    num = norm([w - z for w, z in zip(want, c, strict=True)])
-    return bool(num <= _PROBE_RTOL * (norm(want) + norm(c)) + 1e-30)
-
-
-def _host_value(x: Any) -> Any:
-    """``x`` as a value on the host (ones for an abstract leaf), for build-time probes."""
-    if isinstance(x, jax.ShapeDtypeStruct | jax.core.Tracer):  # abstract (eval_shape)
-        return np.ones(x.shape, x.dtype)
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_shards[0].data
-    return np.asarray(jax.device_get(x))
-
-
-def _fp16_skipped(old: Any, new: Any) -> jax.Array | None:
-    """True where an fp16 sync overflowed in this step (its counter moved), or None
-    without fp16. Replicated: the counter is reduced over every data axis."""
-    pick = lambda t: [  # noqa: E731
-        x for x in jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, Fp16State))
-        if isinstance(x, Fp16State)
-    ]  # fmt: skip
-    pairs = list(zip(pick(old), pick(new), strict=True))
-    if not pairs:
-        return None
-    return jnp.any(jnp.stack([b.overflow_steps > a.overflow_steps for a, b in pairs]))
-
-
-def _unless(skipped: jax.Array, new: Any, old: Any) -> Any:
-    """``old`` where ``skipped``, else ``new``; fp16 counters always the new ones."""
-
-    def keep(n, o):
-        if isinstance(n, Fp16State):
-            return n
-        return jax.tree.map(lambda a, b: jnp.where(skipped, b, a), n, o)
-
-    return jax.tree.map(keep, new, old, is_leaf=lambda x: isinstance(x, Fp16State))
 
 
 def _float_metrics(tree: Any) -> Any:
@@ -340,7 +111,7 @@ def compile_on_every_process(step: Any, args: tuple, mesh: Mesh, what: str) -> A
     compiled, error = None, None
     try:
         compiled = step.lower(*args).compile()
-        if mesh.devices.flat[0].platform == "cpu":  # gloo pairs ops by order
+        if backend.for_mesh(mesh).check_collective_order:  # gloo pairs ops by order
             _refuse_ordering_hazards(compiled.as_text())
     except Exception as e:  # every process learns of it: none runs the step alone
         error = e
@@ -366,40 +137,6 @@ def _refuse_ordering_hazards(text: str) -> None:
             "pairs). On several processes gloo would pair them differently and hang. Make "
             "the later collective's input depend on the conditional's result "
             "(jaxcomm.ordering.after), e.g. use one sync_gradients for all leaves."
-        )
-
-
-def _refuse_drift(paths: list[str], per: list[bool], marked: list[bool]) -> None:
-    """Refuses optimizer state computed from each device's own gradients without a mark."""
-    drifting = [p for p, f, m in zip(paths, per, marked, strict=True) if f and not m]
-    if drifting:
-        more = f" (and {len(drifting) - 1} more leaves)" if len(drifting) > 1 else ""
-        raise ValueError(
-            f"data_parallel: optimizer state {drifting[0]}{more} is computed from each "
-            "device's own gradients: a stateful transform runs before "
-            "jaxcomm.sync_gradients in the chain, so every device would keep a different "
-            "copy (e.g. Adam's moments of its local gradients). Put "
-            "jaxcomm.sync_gradients() first, e.g. optax.chain(jaxcomm.sync_gradients(), "
-            "optax.adamw(1e-3)); if per-device state is what you mean, wrap it in "
-            "jaxcomm.PerDevice in the transform's init."
-        )
-
-
-def _refuse_varying_updates(updates: list[tuple[str, list]]) -> None:
-    """Refuses an update that varies over the data axes (no sync before it)."""
-    varying = [(k, v) for k, v in updates if v]
-    if varying:
-        path, vma = varying[0]
-        more = f" (and {len(varying) - 1} more leaves)" if len(varying) > 1 else ""
-        raise ValueError(
-            f"data_parallel: the optimizer's update of params{path}{more} varies over "
-            f"mesh axes {tuple(vma)}: it is "
-            "computed from each device's own gradients with no synchronising collective "
-            "after them, so params would differ across devices. Put "
-            "jaxcomm.sync_gradients() in the optax.chain before the transforms whose "
-            "output must agree, e.g. optax.chain(jaxcomm.sync_gradients(), "
-            "optax.adamw(1e-3)). If you reduce the gradients yourself, pass "
-            "require_sync=False (replication is then not proven; use check_replicas=N)."
         )
 
 
@@ -463,6 +200,36 @@ def _check_optimizer(optimizer: Any) -> None:
             "GradientTransformation (init/update); pass e.g. "
             "optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))."
         )
+
+
+def _check_step_options(
+    optimizer: Any,
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    check_replicas: Any,
+    microbatches: Any,
+    accumulate: Any,
+    with_model_state: bool,
+) -> tuple[int, int]:
+    """Checks :class:`DataParallel`'s arguments at construction; returns
+    ``(check_replicas, microbatches)`` as ints."""
+    check_replicas = check_int(
+        "check_replicas",
+        0 if check_replicas is None else check_replicas,
+        minimum=0,
+        fix="N compares the replicas every N steps; 0 or None turns it off",
+    )
+    microbatches = check_int("microbatches", microbatches, minimum=1, fix="1 turns it off")
+    check_accumulate(accumulate)
+    _check_optimizer(optimizer)
+    if microbatches > 1 and with_model_state:
+        raise ValueError(
+            "microbatches > 1 with with_model_state=True is not supported: model state "
+            "such as batch-norm statistics would be updated once per microbatch instead "
+            "of once per step. Use microbatches=1 for such models."
+        )
+    check_mesh_axes("data_parallel", axes, mesh)
+    return check_replicas, microbatches
 
 
 def _check_params(params: Any) -> None:
@@ -532,23 +299,11 @@ class DataParallel:
         microbatches: int = 1,
         accumulate: str = "local",
         check_replicas: int | None = None,
+        shard: Mapping[str, Any] | None = None,
     ):
-        check_replicas = check_int(
-            "check_replicas",
-            0 if check_replicas is None else check_replicas,
-            minimum=0,
-            fix="N compares the replicas every N steps; 0 or None turns it off",
+        check_replicas, microbatches = _check_step_options(
+            optimizer, mesh, axes, check_replicas, microbatches, accumulate, with_model_state
         )
-        microbatches = check_int("microbatches", microbatches, minimum=1, fix="1 turns it off")
-        check_accumulate(accumulate)
-        _check_optimizer(optimizer)
-        if microbatches > 1 and with_model_state:
-            raise ValueError(
-                "microbatches > 1 with with_model_state=True is not supported: model state "
-                "such as batch-norm statistics would be updated once per microbatch instead "
-                "of once per step. Use microbatches=1 for such models."
-            )
-        check_mesh_axes("data_parallel", axes, mesh)
         self.mesh = mesh
         self.axes = axes
         self.optimizer = accepting_requests(optimizer)
@@ -567,15 +322,34 @@ class DataParallel:
         self.check_replicas = int(check_replicas)
         self._compiled_step: Any = None
         self._opt_layout: list[bool] | None = None  # per optimizer-state leaf: per device?
-        self._opt_paths: list[str] = []
-        self._opt_local: Any = None  # this device's optimizer state shapes, from the probe
-        self._local_sgd = False  # the optimizer holds jaxcomm.local_sgd (from the probe)
-        self.syncs: list[GradientSync] = []  # each sync_gradients' GradientSync (probe)
-        # The build-time probe found that what reaches each sync commutes with the mean
-        # (a linear transform before it, MultiSteps' accumulator): the step accepts it.
-        self._inputs_checked = False
+        self.layout: OptimizerLayout = self._make_layout(shard)
         self._calls = 0
         self._feedback: Any = None  # set_feedback: the measured share goes into each step
+
+    def _make_layout(self, shard: Mapping[str, Any] | None) -> OptimizerLayout:
+        """The optimizer's layout: replicated, or sharded with the :class:`ShardedOptimizer`
+        keyword arguments ``shard`` (:func:`jaxcomm.sharded.shard_options`)."""
+        if shard is None:
+            return ReplicatedOptimizer(
+                self.optimizer,
+                self.mesh,
+                self.axes,
+                require_sync=self._require_sync,
+                overlapped=self._overlapped,
+            )
+        if self._overlapped:
+            raise NotImplementedError(
+                "data_parallel(shard_optimizer=True, microbatches > 1) accumulates the "
+                f"microbatches' gradients on each device (accumulate='local') and "
+                f"reduce-scatters once; accumulate={self.accumulate!r} (a reduction per "
+                "microbatch) is not implemented. Use accumulate='local'."
+            )
+        if not self._require_sync:
+            raise ValueError(
+                "data_parallel(shard_optimizer=True) reduce-scatters the gradients itself: "
+                "require_sync=False does not apply; leave it True."
+            )
+        return ShardedOptimizer(self.optimizer, self.mesh, self.axes, **shard)
 
     # -- state ------------------------------------------------------------------------
     def state_specs(self, state: TrainState) -> TrainState:
@@ -592,165 +366,33 @@ class DataParallel:
         """Paths (``jax.tree_util.keystr``) of the optimizer-state leaves stored per device
         (known after :meth:`init` or the first step)."""
         flags = self._opt_layout or []
-        return [p for p, f in zip(self._opt_paths, flags, strict=True) if f]
+        return [p for p, f in zip(self.layout.paths, flags, strict=True) if f]
 
     def _layout(self, params: Any) -> list[bool]:
+        """Per optimizer-state leaf, whether it is stored per device: decided once, by
+        the layout (:meth:`jaxcomm.layout.OptimizerLayout.infer_layout`)."""
         if self._opt_layout is None:
-            self._opt_layout = self._infer_layout(params)
+            self._opt_layout = self.layout.infer_layout(params)
         return self._opt_layout
 
-    def _infer_layout(self, params: Any) -> list[bool]:
-        """Which optimizer-state leaves are per device, from shard_map's replication types.
+    @property
+    def syncs(self) -> list[GradientSync]:
+        """The :class:`~jaxcomm.GradientSync` of each ``sync_gradients`` the step runs, in
+        the order it runs them (known after :meth:`init`)."""
+        return self.layout.syncs
 
-        1. ``init`` is traced: a leaf is per device if it is marked ``PerDevice`` (or is an
-           ``optax.MultiSteps`` accumulator), or typed varying over the data axes.
-        2. ``update`` with per-device gradients is traced abstractly (no compute, no
-           compile) until the set is stable, because a per-device input can make further
-           leaves vary; the trace also collects every :class:`~jaxcomm.GradientSync`.
-        3. State that varies without a mark (a stateful transform before the sync) and an
-           update that varies (no sync) are refused, naming the leaf; so is a transform
-           before the sync that does not commute with the mean.
-        """
-        concrete = params
-        params = jax.tree.map(
-            lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype, sharding=self.replicated), params
-        )
-        rec = self._trace_init(params)
-        self._opt_paths = rec["paths"]
-        self._opt_local = jax.tree.unflatten(rec["treedef"], rec["local"])
-        self._local_sgd = rec["local_sgd"]
-        if rec["local_sgd"] and self._overlapped:
-            raise ValueError(
-                "data_parallel(accumulate='overlap') reduces every microbatch's gradient, but "
-                "jaxcomm.local_sgd synchronises only every sync_every steps: use "
-                "accumulate='local' (the default) with local_sgd."
-            )
-        if not self._require_sync:
-            # The user reduces (or, for a compute-only twin, skips) the gradients: nothing
-            # is proven, so only explicit marks decide (and check_replicas=N checks values).
-            return rec["marked"]
-        marked = [m or v for m, v in zip(rec["marked"], rec["vary"], strict=True)]
-        per, updates, indirect = self._trace_update(params, rec, marked)
-        _refuse_drift(rec["paths"], per, rec["marked"])
-        _refuse_varying_updates(updates)
-        if indirect:  # a sync receives something computed from the gradients: probe it
-            check_sync_inputs(self.optimizer, concrete, self.mesh, "data_parallel")
-            self._inputs_checked = True
-        return per
-
-    def _trace_init(self, params: Any) -> dict[str, Any]:
-        """Step 1 of :meth:`_infer_layout`: the optimizer state's paths, local shapes,
-        marks and replication types after ``init``."""
-        axes = frozenset(self.axes)
-        rec: dict[str, Any] = {}
-
-        def init_probe(p):
-            s = self.optimizer.init(p)
-            flat, treedef = jax.tree_util.tree_flatten_with_path(s)
-            rec["treedef"] = treedef
-            rec["paths"] = [jax.tree_util.keystr(k) for k, _ in flat]
-            rec["local"] = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
-            rec["vary"] = [bool(varying_axes(x) & axes) for _, x in flat]
-            rec["marked"] = [
-                a or b for a, b in zip(marked_per_device(s), _accumulators(s), strict=True)
-            ]
-            rec["local_sgd"] = gradient_params(s) is not None
-            return jnp.zeros(())
-
-        jax.eval_shape(self._probe_map(init_probe, (P(),)), params)
-        return rec
-
-    def _trace_update(self, params: Any, rec: dict, marked: list[bool]):
-        """Step 2 of :meth:`_infer_layout`: ``update`` traced with per-device gradients
-        until the per-device set is stable (:func:`jaxcomm.state.infer_per_device`).
-        Returns the set and, per update leaf, its path and the data axes it varies over;
-        sets :attr:`syncs`."""
-        axes = frozenset(self.axes)
-        out: dict[str, Any] = {}
-        indirect: list[GradientSync] = []  # syncs that receive other arrays than g
-
-        def other_input(sync, _):
-            if not any(x is sync for x in indirect):
-                indirect.append(sync)
-
-        def update_probe(s, p):
-            g = jax.tree.map(jnp.zeros_like, p)
-            if not self._overlapped:  # gradients of the local batch(es): per device
-                g = lax.pcast(g, self.axes, to="varying")
-            request = self._sync_request(not self._overlapped, g, other_input)
-            update = functools.partial(self.optimizer.update, sync_request=request)
-            u, s2 = update_with_value(update, g, s, p, lambda: jnp.zeros((), jnp.float32))
-            self._check_synced(request.found, s)
-            self.syncs = list({id(x): x for x in request.found}.values())
-            out["updates"] = [
-                (jax.tree_util.keystr(k), sorted(varying_axes(x) & axes))
-                for k, x in jax.tree_util.tree_flatten_with_path(u)[0]
-            ]
-            return [bool(varying_axes(x) & axes) for x in jax.tree.leaves(s2)]
-
-        local = jax.tree.unflatten(rec["treedef"], rec["local"])
-        try:
-            per = infer_per_device(
-                update_probe, local, marked, self.mesh, self.axes, args=(params,), arg_specs=(P(),)
-            )
-        except (TypeError, ValueError) as e:
-            if "manual axis types" not in str(e) and "vma" not in str(e):
-                raise
-            raise ValueError(
-                "data_parallel: the optimizer's update does not type-check under "
-                "shard_map's replication check: a branch or decision depends on each "
-                "device's own gradients, so devices could take different branches (and "
-                "some would skip the sync's collectives). A common cause is a wrapper "
-                "around jaxcomm.sync_gradients that decides from the raw gradients, e.g. "
-                "optax.apply_if_finite(optax.chain(jaxcomm.sync_gradients(), ...)): put "
-                "it after the sync instead, optax.chain(jaxcomm.sync_gradients(), "
-                f"optax.apply_if_finite(...)). JAX says: {e}"
-            ) from e
-        return per, out["updates"], indirect
-
-    def _sync_request(self, communicate: bool, grads: Any, other_input: Callable) -> SyncRequest:
-        """The request the step passes every sync: the gradients it computed (which the
-        sync must receive, or ``other_input`` decides). With ``accumulate='overlap'`` the
-        sync reduced each microbatch already and passes its input through, so whatever
-        runs before it sees the global mean, as on one device: nothing to check."""
-        stated = None if self._overlapped else grads
-        return SyncRequest(communicate, [], stated, other_input)
-
-    def _checked_input(self, sync: GradientSync, _: Any) -> None:
-        """Accepts, in the step's trace, a sync that receives arrays other than the step's
-        gradients if the build-time probe checked the optimizer's syncs
-        (:func:`check_sync_inputs`: the same update, so the same places); refuses it
-        otherwise."""
-        del sync
-        if not self._inputs_checked:
-            raise ValueError(
-                other_input_message(
-                    "data_parallel",
-                    "which was not checked when the step was built (require_sync=False "
-                    "skips the build-time probes)",
-                )
-            )
-
-    def _probe_map(self, fn: Callable, in_specs: tuple) -> Callable:
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P(), check_vma=True)
+    @property
+    def sharded(self) -> ShardedOptimizer | None:
+        """The :class:`~jaxcomm.sharded.ShardedOptimizer` of ``shard_optimizer=True``
+        (``.sync``, ``.param_gather``, ``.bucket_bytes``, ``.shard_plan`` after
+        :meth:`init`), else None."""
+        return self.layout if isinstance(self.layout, ShardedOptimizer) else None
 
     def state_shardings(self, state: TrainState) -> TrainState:
         return jax.tree.map(
             lambda s: NamedSharding(self.mesh, s),
             self.state_specs(state),
             is_leaf=lambda x: isinstance(x, P),
-        )
-
-    def _init_fn(self, per: list[bool]) -> Callable:
-        """The jitted optimizer init: replicated params -> the state, per-device leaves
-        stacked along the data axes."""
-        return jax.jit(
-            jax.shard_map(
-                lambda p: stack_leaves(self.optimizer.init(p), per),
-                mesh=self.mesh,
-                in_specs=(P(),),
-                out_specs=leaf_specs(self._opt_local, per, self.axes),
-            )
         )
 
     def abstract_state(self, params: Any) -> TrainState:
@@ -773,7 +415,7 @@ class DataParallel:
             params,
         )
         per = self._layout(abstract)
-        opt = jax.eval_shape(self._init_fn(per), abstract)
+        opt = jax.eval_shape(self.layout.init_fn(per), abstract)
         specs = leaf_specs(opt, per, self.axes)
         opt = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(
@@ -810,7 +452,7 @@ class DataParallel:
         if model_state is not None:
             model_state = jax.device_put(model_state, self.replicated)
         per = self._layout(params)
-        opt_state = self._init_fn(per)(params)
+        opt_state = self.layout.init_fn(per)(params)
         shared = [x for x, f in zip(jax.tree.leaves(opt_state), per, strict=True) if not f]
         check_same_on_processes(
             "the initial optimizer state",
@@ -823,6 +465,35 @@ class DataParallel:
             params=params,
             opt_state=opt_state,
             model_state=model_state,
+        )
+
+    def reshard(self, state: TrainState) -> TrainState:
+        """``state`` of a sharded step (``shard_optimizer=True``) on another device count
+        (e.g. restored from a checkpoint written on 8 devices) laid out for this one
+        (:meth:`jaxcomm.sharded.ShardedOptimizer.reshard`: each per-device leaf read row
+        after row is its param leaf, flattened, so it is cut or zero-padded and split
+        anew; the layout does not depend on ``shard_bucket_bytes``).
+
+        Args:
+          state: a :class:`TrainState` of a sharded step with the same params and
+            optimizer, its arrays on this step's devices (restore them with this mesh's
+            shardings) or on the host.
+
+        Returns:
+          The state, sharded over this step's mesh.
+
+        Raises:
+          ValueError: the step's optimizer state is replicated, or the state does not
+            have this step's structure (see the layout's ``reshard``).
+        """
+        self._layout(state.params)
+        opt_state = self.layout.reshard(state.opt_state, self._stacked)
+        put = lambda t: jax.device_put(t, self.replicated)  # noqa: E731
+        return TrainState(
+            put(state.step),
+            put(state.params),
+            opt_state,
+            None if state.model_state is None else put(state.model_state),
         )
 
     # -- batch ------------------------------------------------------------------------
@@ -916,8 +587,10 @@ class DataParallel:
         feedback: Any = None,
         communicate: bool = True,
     ):
-        """One device's step inside shard_map: gradients, the optimizer (whose
-        ``sync_gradients`` reduces them), the update, then the outputs combined."""
+        """One device's step inside shard_map: the gradients, the optimizer's step by the
+        layout (:meth:`jaxcomm.layout.OptimizerLayout.step`: the syncs reduce, or the
+        sharded optimizer reduce-scatters and gathers), then the outputs combined."""
+        self.layout.check_step(feedback=comm_share is not None, communicate=communicate)
         opt_state = unstack_leaves(state.opt_state, self._opt_layout)
         if comm_share is not None:
             # The measured communication share, an explicit input of the step (one value per
@@ -926,34 +599,24 @@ class DataParallel:
             opt_state = feedback.write(opt_state, lax.pmean(comm_share[0], self.axes))
         # Where this device's gradient is taken: jaxcomm.local_sgd's local params (per
         # device, varying already) if the optimizer has them, else the replicated params.
-        local = gradient_params(opt_state)
+        local = gradient_params(opt_state) if self.layout.local_sgd else None
         value, aux, grads, update, model_state = self._gradients(
             state, opt_state, batch, local, communicate
         )
-        request = self._sync_request(communicate, grads, self._checked_input)
-        # Optimizers that read the loss (optax's extra argument value=, e.g.
-        # reduce_on_plateau) get the loss of the global batch, as on one device.
-        updates, new_opt = update_with_value(
-            functools.partial(update, sync_request=request),
+        params, new_opt, done = self.layout.step(
             grads,
             opt_state,
             state.params,
+            state.step,
             lambda: lax.pmean(value, self.axes),
+            update=update,
+            communicate=communicate,
         )
-        self._check_synced(request.found, opt_state)
-        params = optax.apply_updates(state.params, updates)
-        skipped = _fp16_skipped(opt_state, new_opt)
-        if skipped is not None:
-            # An fp16 sum overflowed (decided from the reduced sum: the same on every
-            # device): the step is skipped whole, as optax.apply_if_finite does. Params and
-            # optimizer state stay as they were; only the fp16 counters move.
-            params = _unless(skipped, params, state.params)
-            new_opt = _unless(skipped, new_opt, opt_state)
         metrics = {"loss": value, **dict(aux or {})}
         # After the update: the sync's conditionals may hold collectives still running
         # when an independent all-reduce starts (jaxcomm.ordering).
         synced, metrics = ordering.after(
-            (model_state if self._with_model_state else None, metrics), updates
+            (model_state if self._with_model_state else None, metrics), done
         )
         synced, metrics = self._outputs(synced, metrics, local_sgd=local is not None)
         if self._with_model_state:
@@ -1022,25 +685,6 @@ class DataParallel:
             flat[i] = x
         return jax.tree.unflatten(treedef, flat), out["metrics"]
 
-    def _check_synced(self, found: list, opt_state: Any) -> None:
-        """Refuses an optimizer whose update ran no ``sync_gradients`` (``found``: the
-        syncs its trace reported through ``SyncRequest``)."""
-        if not self._require_sync or found:
-            return
-        if _has_sync(opt_state):
-            raise ValueError(
-                "data_parallel: the optimizer state holds a SyncGradientsState, but no "
-                "sync_gradients reported itself through optax's extra argument "
-                "sync_request=: a wrapper in the optimizer does not forward extra "
-                "arguments to the transforms it wraps. Forward **extra_args in its update "
-                "(optax's own wrappers do), or wrap it with optax.with_extra_args_support."
-            )
-        raise ValueError(
-            "the optimizer passed to data_parallel never synchronises gradients, so "
-            "params would drift apart across devices. Put jaxcomm.sync_gradients() first "
-            "in the optax.chain, or pass require_sync=False if you reduce them yourself."
-        )
-
     @property
     def _overlapped(self) -> bool:
         """Whether the gradients reach the optimizer reduced already ('overlap' mode)."""
@@ -1073,7 +717,7 @@ class DataParallel:
             local_step,
             mesh=self.mesh,
             in_specs=(specs, P(self.axes), *((P(self.axes),) if feedback else ())),
-            out_specs=(specs, P(self.axes) if self._local_sgd else P()),
+            out_specs=(specs, P(self.axes) if self.layout.local_sgd else P()),
             # Off only where params are meant to drift: require_sync=False (the user's own
             # reduction, or an experiment's compute-only twin) and the profiler's twin.
             check_vma=self._require_sync and communicate,
@@ -1131,14 +775,17 @@ class DataParallel:
         return state, self.shard_batch(batch)
 
     @staticmethod
-    def adaptive_states(state: TrainState) -> list[AdaptiveState]:
-        """The state of each adaptive compressor in ``state.opt_state``, in tree order."""
-        return adaptive_states(state.opt_state)
+    def optimizer_states(state: TrainState) -> list[Any]:
+        """The optimizer state of the step's one optimizer (``jaxcomm.FrontEnd``):
+        ``[state.opt_state]``."""
+        return [state.opt_state]
 
     @staticmethod
-    def replace_adaptive(state: TrainState, fn: Callable) -> TrainState:
-        """``state`` with ``fn`` applied to each adaptive compressor's state."""
-        return state._replace(opt_state=map_adaptive(state.opt_state, fn))
+    def with_optimizer_states(state: TrainState, opt_states: list[Any]) -> TrainState:
+        """``state`` with its optimizer state replaced by ``opt_states``' one entry
+        (``jaxcomm.FrontEnd``)."""
+        (opt_state,) = opt_states
+        return state._replace(opt_state=opt_state)
 
     def compile(
         self, state: TrainState, batch: Any, *, feedback: Any = None, communicate: bool = True
@@ -1179,7 +826,7 @@ class DataParallel:
             self._compiled_step = self.compile(state, batch) if many else self.step_fn(state)
         extra = () if self._feedback is None else (self._feedback.before_step(),)
         out = self._compiled_step(state, self.shard_batch(batch), *extra)
-        if xla_cpu.one_step_in_flight(self.mesh):
+        if backend.for_mesh(self.mesh).one_step_in_flight:
             jax.block_until_ready(out)
         self._calls += 1
         if self.check_replicas and self._calls % self.check_replicas == 0:
@@ -1300,11 +947,8 @@ def data_parallel(
       >>> state = dp.init(params)
       >>> state, metrics = dp(state, {'x': x, 'y': y})
     """
-    from jaxcomm.sharded import ShardedDataParallel, shard_options  # noqa: PLC0415 (imports this)
-
-    kwargs = shard_options("data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
-    cls: type[DataParallel] = DataParallel if kwargs is None else ShardedDataParallel
-    return cls(
+    shard = shard_options("data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
+    return DataParallel(
         loss_fn,
         optimizer,
         mesh,
@@ -1317,5 +961,5 @@ def data_parallel(
         microbatches=microbatches,
         accumulate=accumulate,
         check_replicas=check_replicas,
-        **(kwargs or {}),
+        shard=shard,
     )

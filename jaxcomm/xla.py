@@ -15,7 +15,7 @@ removed flag raises :class:`XlaOptionError` naming its replacement. The check co
 trivial function with the option (``No such compile option`` is a catchable error there),
 once per name and process.
 
-Defaults of the installed XLA (GPU, jax 0.10/0.11; ../shared/REFERENCE.md): latency hiding
+Defaults of the installed XLA (GPU, jax 0.10/0.11, read from the installed jaxlib): latency hiding
 off, collectives async, combine thresholds 31457287 bytes for all-reduce, all-gather and
 reduce-scatter, pipelined collectives off. On CPU the GPU flags are accepted and ignored;
 XLA:CPU combines all-reduces itself (pass ``cpu-all-reduce-combiner``, no threshold), which

@@ -24,7 +24,7 @@ p0 = mlp_init(jax.random.key(0), sizes=(12, 64, 64, 3))
 def run(compression=None, param_gather=None, shard=True, steps=3):
     tx = optax.chain(
         jaxcomm.sync_gradients(compression=compression),
-        optax.clip_by_global_norm(0.1),
+        jaxcomm.sharded.clip_by_global_norm(0.1),
         optax.adamw(1e-2, weight_decay=0.1),
     )
     kw = {"shard_optimizer": True, "param_gather": param_gather} if shard else {}

@@ -321,3 +321,111 @@ def test_local_sgd_is_refused_by_the_nnx_front_end(mesh):
     objs = setup(jaxcomm.local_sgd(optax.sgd(0.1), sync_every=2), model=Linear(nnx.Rngs(0)))
     with pytest.raises(NotImplementedError, match="local_sgd runs under jaxcomm.data_parallel"):
         jaxcomm.nnx_data_parallel(mesh)(step_body)(*objs, batch())
+
+
+# -- the siblings: one engine, the FrontEnd protocol, no patch of optax ----------------------
+
+
+def test_the_flax_front_ends_are_siblings_that_satisfy_front_end(mesh):
+    from jaxcomm.front_end import FrontEnd
+
+    fronts = [
+        jaxcomm.nnx_data_parallel(mesh)(step_body),
+        jaxcomm.linen_data_parallel(mesh)(linen_step),
+        jaxcomm.pmap_data_parallel(mesh, axis_name="batch")(linen_step),
+    ]
+    for front in fronts:
+        assert isinstance(front, FrontEnd)
+    kinds = [type(f) for f in fronts]
+    for a in kinds:  # none is built on another
+        assert not any(b is not a and issubclass(a, b) for b in kinds)
+
+
+def test_nnx_optimizer_states_round_trip(mesh):
+    objs = setup(model=Linear(nnx.Rngs(0)))
+    step = jaxcomm.nnx_data_parallel(mesh)(step_body)
+    leaves, _ = step.drive_inputs(*objs, batch())
+    (opt,) = step.optimizer_states(leaves)
+    want = nnx.as_pure(objs[1].opt_state)
+    assert jax.tree.structure(opt) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(opt), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    bumped = jax.tree.map(lambda x: x + 1, opt)
+    new = step.with_optimizer_states(leaves, [bumped])
+    (again,) = step.optimizer_states(new)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(bumped), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    changed = sum(a is not b for a, b in zip(leaves, new, strict=True))
+    assert changed == len(jax.tree.leaves(opt))  # only the optimizer's leaves
+
+
+def test_linen_optimizer_states_are_the_train_states(mesh):
+    state = linen_state(optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-2)))
+    step = jaxcomm.linen_data_parallel(mesh)(linen_step)
+    leaves, _ = step.drive_inputs(state, linen_batch())
+    (opt,) = step.optimizer_states(leaves)
+    assert jax.tree.structure(opt) == jax.tree.structure(state.opt_state)
+
+
+def test_model_and_optimizer_updates_from_the_replicated_params(mesh):
+    def body(model, optimizer, batch):
+        grads = nnx.grad(lambda m: optax.softmax_cross_entropy_with_integer_labels(
+            m(batch["x"]), batch["y"]).mean())(model)  # fmt: skip
+        optimizer.update(grads)
+
+    def make(sync):
+        model = Linear(nnx.Rngs(0))
+        tx = optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1)) if sync else optax.sgd(0.1)
+        return model, nnx.ModelAndOptimizer(model, tx)
+
+    dp, one = make(True), make(False)
+    jaxcomm.nnx_data_parallel(mesh, check_replicas=1)(body)(*dp, batch())
+    nnx.jit(body)(*one, batch())
+    got, want = jax.tree.leaves(nnx.state(dp[0])), jax.tree.leaves(nnx.state(one[0]))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_an_own_apply_gradients_takes_replicated_params(mesh):
+    from flax.training import train_state
+
+    def make(apply):
+        class State(train_state.TrainState):
+            def apply_gradients(self, *, grads, **kwargs):
+                updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+                params = optax.apply_updates(apply(self.params), updates)
+                return self.replace(step=self.step + 1, params=params, opt_state=opt_state)
+
+        params = {"w": jnp.ones((64, 10)) * 0.01}
+        tx = optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))
+        return State.create(apply_fn=None, params=params, tx=tx)
+
+    def step(state, batch):
+        grads = jax.grad(lambda p: jnp.mean((batch["x"] @ p["w"]) ** 2))(state.params)
+        return state.apply_gradients(grads=grads), {}
+
+    with pytest.raises(ValueError, match=r"passes it jaxcomm.replicated_params\(params\)"):
+        jaxcomm.linen_data_parallel(mesh)(step)(make(lambda p: p), linen_batch())
+    dp = jaxcomm.linen_data_parallel(mesh, check_replicas=1)(step)
+    state, _ = dp(make(jaxcomm.replicated_params), linen_batch())
+    assert int(state.step) == 1 and assert_replicas_equal(state.params) > 0
+
+
+def test_two_steps_trace_at_once_in_two_threads(mesh):
+    import threading
+
+    errors = []
+
+    def run(seed):
+        try:
+            objs = setup(model=Linear(nnx.Rngs(seed)))
+            jaxcomm.nnx_data_parallel(mesh, check_replicas=1)(step_body)(*objs, batch(seed))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

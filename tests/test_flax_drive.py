@@ -39,7 +39,7 @@ def _drive_on_a_slow_link(prof, step, call, adaptive):
     """Runs 3 windows of 2 steps under a synthetic clock (1 s of compute; 5 s between
     calls, so a window reads 5 s from its first call to its end: 2.5 s per step, a share
     of 1 - 1 / 2.5 = 0.6, over ``comm_high``); returns the level after each window."""
-    driver = step._feedback
+    driver = step.feedback
     prof.compute_time, driver.compute0, driver.recent = 1.0, 1.0, [1.0]
     now = [0.0]
     driver._clock = lambda: now[0]
@@ -125,7 +125,7 @@ def test_linen_step_is_driven(mesh):
     # Calibrated: each rung timed once on a copy of the state set to it.
     prof.drive(train_step, state, batch, twin_reps=1, retime_twin=0)
     assert len(prof.kernel_times) == 3 and int(state.opt_state[0].compression.level) == 1
-    train_step._feedback.kernel = [0.0] * 3  # the synthetic clock below has no kernels
+    train_step.feedback.kernel = [0.0] * 3  # the synthetic clock below has no kernels
     box = [state]
 
     def call():

@@ -125,7 +125,7 @@ def test_packing_keeps_replication_types(mesh):
 def test_pack_and_unpack_add_no_per_leaf_ops(mesh):
     """One concatenate per multi-leaf buffer, no slice of a leaf kept whole, one ravel per
     leaf even when buckets cut it (compile time grows with traced ops). Unpacking cuts
-    by static slices, on a CPU mesh at runtime offsets (jaxcomm.xla_cpu)."""
+    by static slices, on a CPU mesh at runtime offsets (jaxcomm.backend)."""
     leaves = _leaves()
 
     def prims(plan):
@@ -161,7 +161,7 @@ def _kernel_bodies(text: str, op: str) -> set[str]:
 
 
 def test_unpack_cuts_leaves_of_one_size_with_one_kernel(mesh):
-    """On a CPU mesh unpacking slices at runtime offsets (jaxcomm.xla_cpu): the 12 leaves
+    """On a CPU mesh unpacking slices at runtime offsets (jaxcomm.backend): the 12 leaves
     of one size share one compiled kernel (at constant offsets each would be a kernel of
     its own). The same values either way."""
     leaves = [jnp.full((3, 5), float(i)) for i in range(12)] + [jnp.arange(7.0)]

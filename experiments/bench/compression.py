@@ -215,7 +215,7 @@ def _round_trip(kernel: str, n: int, block: int, m: int, g: int):
 
         def mean(c):
             if dt == jnp.bfloat16:
-                return bf16_mean(c, axes, "flat", "auto")
+                return bf16_mean(c, axes, "flat")
             lo = (c / m).astype(dt)  # fp16(): pre-divided, summed in 16 bits
             return _f32(lax.psum(lo, axes)), _f32(lo) * m
 

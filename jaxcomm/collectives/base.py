@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm import xla_cpu
+from jaxcomm import backend
 from jaxcomm.packing import BufferPlan, plan_groups
 
 AlgorithmFn = Callable[[jax.Array, tuple[str, ...]], jax.Array]
@@ -31,7 +31,7 @@ PACKED: set[str] = set()
 
 # Leaves below this many elements are concatenated into one buffer per dtype, so that a
 # model's biases and norm scales cost one collective instead of hundreds (the per-call
-# latency dominates them; see the batching notes in ../shared/REFERENCE.md).
+# latency dominates them).
 SMALL_LEAF_ELEMENTS = 1 << 14
 
 
@@ -126,10 +126,10 @@ def reduce_scatter(x: jax.Array, axis: str) -> jax.Array:
     """``psum_scatter(x, axis, tiled=True)`` on a 1-D ``x`` whose length divides by the
     axis size, correct on every backend.
 
-    Where gloo's reduce-scatter is known to return wrong values (a CPU mesh in a program
-    of several processes: ``jaxcomm.xla_cpu.gloo_reduce_scatter_unsafe``, jax-ml/jax#40830)
-    it is computed as a ring of ``lax.ppermute`` s (:func:`ring_reduce_scatter`): the same
-    sum and the bytes of a reduce-scatter.
+    Where the transport's reduce-scatter is known to return wrong values (gloo, in a
+    program of several processes: the backend row's ``ring_reduce_scatter``,
+    jax-ml/jax#40830) it is computed as a ring of ``lax.ppermute`` s
+    (:func:`ring_reduce_scatter`): the same sum and the bytes of a reduce-scatter.
 
     Args:
       x: 1-D per-device array (inside ``jax.shard_map``), length a multiple of the size
@@ -139,7 +139,7 @@ def reduce_scatter(x: jax.Array, axis: str) -> jax.Array:
     Returns:
       This device's chunk of the sum over ``axis``, length ``len(x) / size``.
     """
-    if xla_cpu.gloo_reduce_scatter_unsafe():
+    if backend.current().ring_reduce_scatter and jax.process_count() > 1:
         return ring_reduce_scatter(x, (axis,))
     return lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
 

@@ -1,7 +1,8 @@
 """Inter-process all-reduce through MPI (mpi4jax), for one-device-per-process layouts.
 
 Install the ``mpi`` extra (``pip install 'jaxcomm[mpi]'``; on machines where nvcc exists
-without CUDA headers, see the ``CUDA_ROOT`` workaround in ../shared/REFERENCE.md) and launch
+without CUDA headers, build the CPU bridge: ``CUDA_ROOT=<empty dir> CUDA_PATH=<empty dir>
+pip install mpi4jax``, after Debian's ``openmpi-bin libopenmpi-dev``) and launch
 with ``mpirun -np N python ...``.
 
 mpi4jax lowers to a custom call with an ordered effect, which XLA refuses in a program over

@@ -47,6 +47,7 @@ from jaxcomm.compression.base import (
 from jaxcomm.compression.cast import Fp16State, bf16, bf16_codec, fp16
 from jaxcomm.compression.powersgd import PowerSGDState, powersgd
 from jaxcomm.compression.quantize import int4, int8, int_codec, quantized
+from jaxcomm.compression.skip import SkipsSteps, step_skipped, unless_skipped
 from jaxcomm.compression.sparse import random_k, random_k_codec, topk, topk_codec
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "Ladder",
     "PowerSGDState",
     "ReduceContext",
+    "SkipsSteps",
     "adaptive",
     "adaptive_states",
     "bf16",
@@ -78,7 +80,9 @@ __all__ = [
     "quantized",
     "random_k",
     "random_k_codec",
+    "step_skipped",
     "topk",
     "topk_codec",
+    "unless_skipped",
     "with_comm_share",
 ]

@@ -17,6 +17,28 @@ at most one rung, from two signals that are the same on every device:
 All rungs share one per-device error-feedback residual ``e``: every rung sends
 ``C(g + e)`` and keeps ``e <- g + e - sent``, so switching rungs never drops gradient.
 
+**The rungs**, each with its nominal *compression* (fraction of the f32 bytes saved) and
+its *wire fraction* (bytes relative to an f32 all-reduce on ``p`` devices, which the
+network rule uses):
+
+========================  =================  ==========================================
+rung                      compression        wire fraction on ``p`` devices
+========================  =================  ==========================================
+``'f32'``                 0                  1
+``'bf16'``                0.5                0.5
+``'int8'`` / ``'int4'``   0.75 / 0.875       ``(bits/8 + 4/block) / 4`` (two-phase)
+``'topk:R'``              ``1 - 2R``         ``p R`` (all-gather of index/value pairs)
+``'random_k:R'``          ``1 - R``          ``R`` (all-reduce of shared-seed values)
+========================  =================  ==========================================
+
+Each rung reduces as the fixed compressor of that name does (``bf16()``,
+``int8(block, stochastic)``, ``topk(R, method=topk_method)``, ...), with the shared
+residual as its error feedback. Under ``sync_gradients`` (``compress_stage='all'``)
+the ``'f32'`` rung's steps are an uncompressed sync of the leaves plus the residual
+(``Compressor.exact``). Sparse rungs leave most of each step's gradient in the
+residual by design: their error reads 0.3-0.95, so a ladder with them needs
+``error_low``/``error_high`` above that, or the error rule steps down at once.
+
 Reading order: :func:`adaptive` (the factory), ``_reduce`` (one step: decision, rung
 switch, error of the mean, new state), :class:`Controller` (the rule),
 :func:`error_of_mean` (the signal), :func:`ladder` (rung names and wire fractions, for
@@ -35,6 +57,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -43,7 +66,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomm import xla_cpu
+from jaxcomm import backend
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
     BufferCodec,
@@ -248,19 +271,15 @@ def _parse_ratio(name: str, kind: str) -> float:
     return check_range(f"ladder rung {name!r}: ratio", r, 0.0, 1.0, low_open=True)
 
 
-def _rung(
-    name: str, block: int, topk_method: str, stochastic: bool, switched: bool = True
-) -> BufferCodec:
+def _rung(name: str, block: int, topk_method: str, stochastic: bool) -> BufferCodec:
     """The codec of the rung named ``name`` (``'f32'``, ``'bf16'``, ``'int8'``,
-    ``'int4'``, ``'topk:R'``, ``'random_k:R'``). ``switched``: it runs as a
-    ``lax.switch`` branch, whose outputs are buffers already, so an int rung does not copy
-    its mean into one again."""
+    ``'int4'``, ``'topk:R'``, ``'random_k:R'``)."""
     if name == "f32":
         return full_precision()
     if name == "bf16":
         return bf16_codec()
     if name in ("int8", "int4"):
-        return int_codec(int(name[3:]), block, stochastic=stochastic, materialize=not switched)
+        return int_codec(int(name[3:]), block, stochastic=stochastic)
     kind = name.split(":", 1)[0]
     if kind == "topk":
         return topk_codec(_parse_ratio(name, kind), method=topk_method)
@@ -400,8 +419,6 @@ def _levels(
             f"no compression level lies in [min_compression={lo}, max_compression={hi}]; "
             f"the ladder is {dict((r.name, r.compression) for r in rungs)}. Widen the range."
         )
-    if len(levels) == 1:  # no lax.switch: the rung's result must be made a buffer itself
-        levels = [_rung(levels[0].name, block, topk_method, stochastic, switched=False)]
     return tuple(levels)
 
 
@@ -462,27 +479,7 @@ def adaptive(
 ) -> Compressor:
     """Adaptive compressor that walks a ladder of codecs (see the module docstring).
 
-    The rungs, each with its nominal *compression* (fraction of the f32 bytes saved) and
-    its *wire fraction* (bytes relative to an f32 all-reduce on ``p`` devices, which the
-    network rule uses):
-
-    ========================  =================  ==========================================
-    rung                      compression        wire fraction on ``p`` devices
-    ========================  =================  ==========================================
-    ``'f32'``                 0                  1
-    ``'bf16'``                0.5                0.5
-    ``'int8'`` / ``'int4'``   0.75 / 0.875       ``(bits/8 + 4/block) / 4`` (two-phase)
-    ``'topk:R'``              ``1 - 2R``         ``p R`` (all-gather of index/value pairs)
-    ``'random_k:R'``          ``1 - R``          ``R`` (all-reduce of shared-seed values)
-    ========================  =================  ==========================================
-
-    Each rung reduces as the fixed compressor of that name does (``bf16()``,
-    ``int8(block, stochastic)``, ``topk(R, method=topk_method)``, ...), with the shared
-    residual as its error feedback. Under ``sync_gradients`` (``compress_stage='all'``)
-    the ``'f32'`` rung's steps are an uncompressed sync of the leaves plus the residual
-    (``Compressor.exact``). Sparse rungs leave most of each step's gradient in the
-    residual by design: their error reads 0.3-0.95, so a ladder with them needs
-    ``error_low``/``error_high`` above that, or the error rule steps down at once.
+    The rungs and their wire fractions are in the module docstring.
 
     Args:
       initial_compression_ratio: start at the rung nearest this compression, in
@@ -600,7 +597,7 @@ def _advance(
         last_reason=jnp.where(d.decide, d.reason, state.last_reason),
         window=state.window,
     )
-    return _scalars_in_one_vector(new) if xla_cpu.active() else new
+    return _scalars_in_one_vector(new) if backend.current().runtime_offsets else new
 
 
 _SCALARS = ("level", "error_sum", "window_steps", "hold", "strikes", "last_error", "last_reason")
@@ -608,7 +605,7 @@ _SCALARS = ("level", "error_sum", "window_steps", "hold", "strikes", "last_error
 
 def _scalars_in_one_vector(state: AdaptiveState) -> AdaptiveState:
     """``state`` with the same values, its new scalars read back out of one int32 vector at
-    runtime indices (``jaxcomm.xla_cpu`` workaround 1): XLA:CPU compiles every scalar
+    runtime indices (the backend row's ``runtime_offsets``): XLA:CPU compiles every scalar
     output of a step as a kernel of its own, the vector as one and its reads as one. The
     f32 fields travel bit-cast, exactly."""
     f32, i32 = jnp.float32, jnp.int32
@@ -619,7 +616,7 @@ def _scalars_in_one_vector(state: AdaptiveState) -> AdaptiveState:
     assert words.dtype == i32, words.dtype  # a float would promote and round the words
     reads = [
         lax.dynamic_index_in_dim(words, k, keepdims=False)
-        for k in xla_cpu.runtime_ints(range(len(fields)))
+        for k in backend.runtime_ints(range(len(fields)))
     ]
     back = {
         k: lax.bitcast_convert_type(w, f32) if x.dtype == f32 else w
@@ -645,7 +642,9 @@ def _switch(
        ``(mean, sent)`` with its codec (``codec_means``: means gathered over
        ``ctx.gather_axis``, so every branch returns the same shapes), and returns the
        residual ``c - sent``. The residual is computed inside the branch, where it fuses
-       with the kernel that computes ``sent``.
+       with the kernel that computes ``sent``. A branch's outputs are buffers already:
+       the branches are traced under the backend row without ``materialize`` (one rung
+       is no switch, and keeps the row).
     """
     seeds: dict[Any, list] = {}
     for rung in cfg.rungs:
@@ -659,7 +658,11 @@ def _switch(
 
         return run
 
-    return lax.switch(level, [branch(r) for r in cfg.rungs], cs)
+    branches = [branch(r) for r in cfg.rungs]
+    if len(branches) == 1:  # lax.switch calls a lone branch directly
+        return branches[0](cs)
+    with backend.use(dataclasses.replace(backend.current(), materialize=False)):
+        return lax.switch(level, branches, cs)
 
 
 def _own_means(outs: list[jax.Array], cs: list[jax.Array], ctx: ReduceContext) -> list:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm import xla_cpu
+from jaxcomm import backend
 from jaxcomm.collectives import ALGORITHMS, all_gather_invariant
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.keys import no_seeds
@@ -295,9 +295,9 @@ def all_to_all_rows(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """``lax.all_to_all(x, axes, 0, 0, tiled=True)`` of a ``(p, ...)`` payload: device ``i``
     receives row ``i`` of every device, in device order.
 
-    On a CPU mesh the rows are first cut at runtime offsets, so that XLA:CPU compiles its
-    per-device operands as one kernel (``jaxcomm.xla_cpu``, workaround 2): the same
-    collective, operands and bytes.
+    Where the backend row says ``all_to_all_rows_at_runtime_offsets`` (XLA:CPU) the rows
+    are first cut at runtime offsets, so that its per-device operands compile as one
+    kernel (``jaxcomm.backend``): the same collective, operands and bytes.
 
     Args:
       x: per-device payload (inside ``jax.shard_map``), ``p`` rows over ``axes``.
@@ -306,8 +306,8 @@ def all_to_all_rows(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     Returns:
       ``(p, ...)``: row ``j`` is row ``i`` of device ``j``'s payload on device ``i``.
     """
-    if xla_cpu.active():
-        x = xla_cpu.rows_at_runtime_offsets(x)
+    if backend.current().all_to_all_rows_at_runtime_offsets:
+        x = backend.rows_at_runtime_offsets(x)
     return lax.all_to_all(x, axes, 0, 0, tiled=True)
 
 

@@ -7,9 +7,9 @@ through any registered algorithm (flat, hierarchical, ...) in the low precision.
   (relative error <= 2^-8 per element before the sum). It is a bf16 all-reduce through
   the configured algorithm (NCCL sums bf16 natively). XLA:CPU has no bf16 reductions: it
   promotes a bf16 all-reduce to f32 (the HLO shows ``f32`` all-reduces with
-  ``*_promoted`` reducers), so the wire would carry 32 bits. On a CPU mesh
-  (``jaxcomm.xla_cpu.active``, workaround 4) ``via='auto'`` therefore takes the
-  two-phase route of the quantizers: an all-to-all of bf16 chunks (as raw 16-bit words),
+  ``*_promoted`` reducers), so the wire would carry 32 bits. Where the backend row's
+  ``bf16_route`` is ``'all_to_all'`` (a CPU mesh; ``jaxcomm.backend``) bf16 therefore
+  takes the two-phase route of the quantizers: an all-to-all of bf16 chunks (as raw 16-bit words),
   a local f32 sum, and an all-gather of the bf16 mean: the same ``(p-1)/p 2N`` bytes as
   a bf16 all-reduce, really in 16 bits. The two routes round differently (the two-phase
   mean is rounded to bf16 once, after an f32 sum), within bf16's precision.
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomm import xla_cpu
+from jaxcomm import backend
 from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression.base import (
     BufferCodec,
@@ -60,7 +60,6 @@ from jaxcomm.compression.base import (
 )
 
 __all__ = [
-    "VIAS",
     "Fp16State",
     "bf16",
     "bf16_all_gather",
@@ -70,9 +69,6 @@ __all__ = [
     "bf16_reduce_scatter",
     "fp16",
 ]
-
-
-VIAS = ("auto", "allreduce", "all_to_all")
 
 
 def bf16_exchange_mean(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
@@ -127,18 +123,16 @@ def bf16_all_gather(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return as_f32(lax.bitcast_convert_type(words, jnp.bfloat16))
 
 
-def bf16_mean(
-    x: jax.Array, axes: tuple[str, ...], algorithm: str, via: str
-) -> tuple[jax.Array, jax.Array]:
-    """Mean over ``axes`` with bf16 on the wire (see the module docstring for ``via``).
+def bf16_mean(x: jax.Array, axes: tuple[str, ...], algorithm: str) -> tuple[jax.Array, jax.Array]:
+    """Mean over ``axes`` with bf16 on the wire, by the backend row's ``bf16_route``: a
+    bf16 all-reduce through ``algorithm``, or (XLA:CPU, which would sum a bf16 all-reduce
+    in f32) the two-phase :func:`bf16_exchange_mean` (module docstring).
 
     Returns:
-      ``(mean, sent)``; with ``via='allreduce'`` the bf16 sum's own rounding is not in
+      ``(mean, sent)``; on the all-reduce route the bf16 sum's own rounding is not in
       ``sent`` (the backend sums in bf16), so error feedback is then approximate.
     """
-    if via == "auto":  # XLA:CPU would sum a bf16 all-reduce in f32 (module docstring)
-        via = "all_to_all" if xla_cpu.active() else "allreduce"
-    if via == "all_to_all":
+    if backend.current().bf16_route == "all_to_all":
         mean, sent = bf16_exchange_mean(jnp.ravel(x), axes)
         return mean.reshape(jnp.shape(x)), sent.reshape(jnp.shape(x))
     lo = jnp.asarray(x).astype(jnp.bfloat16)
@@ -146,14 +140,10 @@ def bf16_mean(
     return as_f32(s) / axes_size(axes), as_f32(lo)
 
 
-def bf16(*, via: str = "auto") -> Compressor:
-    """Casts to bfloat16 and sums in bfloat16 (2x fewer bytes than f32).
-
-    Args:
-      via: ``'allreduce'`` (bf16 all-reduce through the configured algorithm),
-        ``'all_to_all'`` (all-to-all + all-gather of bf16 words), or ``'auto'``
-        (all_to_all on a CPU mesh, whose bf16 all-reduce runs in f32; allreduce
-        elsewhere).
+def bf16() -> Compressor:
+    """Casts to bfloat16 and sums in bfloat16 (2x fewer bytes than f32): a bf16
+    all-reduce through the configured algorithm, or on a CPU mesh, whose bf16 all-reduce
+    runs in f32, an all-to-all + all-gather of bf16 words (module docstring).
 
     Returns:
       A stateless :class:`~jaxcomm.compression.Compressor`.
@@ -161,21 +151,14 @@ def bf16(*, via: str = "auto") -> Compressor:
     Example:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.bf16())
     """
+    return from_codec(bf16_codec())
 
-    return from_codec(bf16_codec(via=via))
 
-
-def bf16_codec(*, via: str = "auto") -> BufferCodec:
-    """:func:`bf16`'s per-buffer mean (:func:`bf16_mean`), also an adaptive rung.
-
-    Raises:
-      ValueError: ``via`` not in :data:`VIAS`.
-    """
-    if via not in VIAS:
-        raise ValueError(f"via={via!r} is not known; choose one of {list(VIAS)}.")
+def bf16_codec() -> BufferCodec:
+    """:func:`bf16`'s per-buffer mean (:func:`bf16_mean`), also an adaptive rung."""
 
     def mean(c, ctx, i, seed):
-        return bf16_mean(c, ctx.axes, ctx.algorithm, via)
+        return bf16_mean(c, ctx.axes, ctx.algorithm)
 
     return BufferCodec(
         "bf16",
@@ -197,6 +180,11 @@ class Fp16State(NamedTuple):
 
     overflow_steps: jax.Array
     finite: jax.Array
+
+    def skipped_since(self, before: Fp16State) -> jax.Array:
+        """Whether the step from ``before`` overflowed, and so was skipped (its counter
+        moved): ``jaxcomm.compression.skip.SkipsSteps``."""
+        return self.overflow_steps > before.overflow_steps
 
 
 def fp16() -> Compressor:

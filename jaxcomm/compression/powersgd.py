@@ -25,13 +25,14 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm import xla_cpu
+from jaxcomm import backend
 from jaxcomm.compression import error_feedback as ef
 from jaxcomm.compression.base import (
     Compressor,
@@ -270,12 +271,12 @@ def _unbatched(approx: list[jax.Array], xs: list[jax.Array], lay: _Layout) -> li
     """Each leaf's matrix cut out of its batch's ``(g, N, M)`` product, unpadded, in the
     leaf's shape and dtype.
 
-    Static slices; on a CPU mesh at runtime indices, so that XLA:CPU compiles the cuts
-    of one shape as one kernel (``jaxcomm.xla_cpu``, workaround 1).
+    Static slices; at runtime indices where the backend row says ``runtime_offsets``
+    (XLA:CPU), so that the cuts of one shape compile as one kernel (``jaxcomm.backend``).
     """
     index = None
-    if xla_cpu.active():
-        index = xla_cpu.runtime_ints(range(max(len(g) for g in lay.groups)))
+    if backend.current().runtime_offsets:
+        index = backend.runtime_ints(range(max(len(g) for g in lay.groups)))
     out: list = [None] * len(xs)
     for g, a in zip(lay.groups, approx, strict=True):
         for j, i in enumerate(g):
@@ -335,48 +336,72 @@ def powersgd(
     rank = check_int("rank", rank, minimum=1, fix="e.g. 4")
     min_rate = check_range("min_compression_rate", min_compression_rate, 1.0, float("inf"))
     max_padding = check_range("max_padding", max_padding, 0.0, float("inf"), fix="e.g. 0.1")
+    cfg = _Config(rank, min_rate, bool(warm_start), bool(error_feedback), seed, max_padding)
+    return Compressor(
+        f"powersgd(rank={rank})",
+        functools.partial(_init, cfg),
+        functools.partial(_reduce, cfg),
+        elementwise=False,
+        supports=functools.partial(_supports, cfg),
+    )
 
-    def supports(shape: tuple[int, ...]) -> bool:
-        if len(shape) < 2:
-            return False
-        n, m = matrix_shape(shape)
-        r = min(rank, n, m)
-        return n * m >= min_rate * r * (n + m)
 
-    def init(specs):
-        lay = _layout([jnp.shape(s) for s in specs], rank, max_padding)
-        res = ()
-        if error_feedback:
-            res = ef.init_residuals(
-                [
-                    jax.ShapeDtypeStruct((len(g) * n, m), jnp.float32)
-                    for g, (n, m, _) in zip(lay.groups, lay.pads, strict=True)
-                ]
-            )
-        return PowerSGDState(tuple(_first_q(jax.random.key(seed), lay)), res)
+class _Config(NamedTuple):
+    """The checked arguments of :func:`powersgd`."""
 
-    def reduce(xs, state: PowerSGDState, ctx: ReduceContext):
-        lay = _layout([x.shape for x in xs], rank, max_padding)
-        # Step 1, on (g N, M) batches: one batched product per batch instead of one per
-        # matrix (PyTorch's hook batches likewise).
-        cs = ef.corrected(_stacked(xs, lay), state.residual if error_feedback else None)
-        mats = [
-            c.reshape(len(g), n, m)
-            for c, g, (n, m, _) in zip(cs, lay.groups, lay.pads, strict=True)
-        ]
-        qs = list(state.q) if warm_start else _first_q(ctx.key, lay)
-        # Over every data axis: with compress_stage='inter' the matrices arrive averaged
-        # over the inner axis (equal within a node, but typed varying there through the
-        # per-device residual), and a mean over the outer axes alone would leave P and Q
-        # typed varying. The mean over all axes has the same value and is provably
-        # replicated; through 'hierarchical' its inter-node share is 1/g of the factors.
-        ps, q_local, q_mean = _power_iteration(mats, qs, decision_axes(ctx), ctx.algorithm)
-        approx = [jnp.einsum("gnr,gmr->gnm", p, q) for p, q in zip(ps, q_mean, strict=True)]
-        out = _unbatched(approx, xs, lay)  # step 5
-        res = state.residual
-        if error_feedback:
-            sent = [jnp.einsum("gnr,gmr->gnm", p, q) for p, q in zip(ps, q_local, strict=True)]
-            res = ef.new_residuals(cs, [s.reshape(c.shape) for s, c in zip(sent, cs, strict=True)])
-        return out, PowerSGDState(tuple(q_mean), res)
+    rank: int
+    min_rate: float
+    warm_start: bool
+    error_feedback: bool
+    seed: int
+    max_padding: float
 
-    return Compressor(f"powersgd(rank={rank})", init, reduce, elementwise=False, supports=supports)
+
+def _supports(cfg: _Config, shape: tuple[int, ...]) -> bool:
+    """``Compressor.supports``: a matrix whose rank-``r`` factors save ``min_rate``."""
+    if len(shape) < 2:
+        return False
+    n, m = matrix_shape(shape)
+    r = min(cfg.rank, n, m)
+    return n * m >= cfg.min_rate * r * (n + m)
+
+
+def _init(cfg: _Config, specs: list[Any]) -> PowerSGDState:
+    """``Compressor.init``: the first ``Q`` per batch, zero residuals per batch."""
+    lay = _layout([jnp.shape(s) for s in specs], cfg.rank, cfg.max_padding)
+    res = ()
+    if cfg.error_feedback:
+        res = ef.init_residuals(
+            [
+                jax.ShapeDtypeStruct((len(g) * n, m), jnp.float32)
+                for g, (n, m, _) in zip(lay.groups, lay.pads, strict=True)
+            ]
+        )
+    return PowerSGDState(tuple(_first_q(jax.random.key(cfg.seed), lay)), res)
+
+
+def _reduce(
+    cfg: _Config, xs: list[jax.Array], state: PowerSGDState, ctx: ReduceContext
+) -> tuple[list[jax.Array], PowerSGDState]:
+    """``Compressor.reduce``: steps 1-5 of the module docstring on the batches."""
+    lay = _layout([x.shape for x in xs], cfg.rank, cfg.max_padding)
+    # Step 1, on (g N, M) batches: one batched product per batch instead of one per
+    # matrix (PyTorch's hook batches likewise).
+    cs = ef.corrected(_stacked(xs, lay), state.residual if cfg.error_feedback else None)
+    mats = [
+        c.reshape(len(g), n, m) for c, g, (n, m, _) in zip(cs, lay.groups, lay.pads, strict=True)
+    ]
+    qs = list(state.q) if cfg.warm_start else _first_q(ctx.key, lay)
+    # Over every data axis: with compress_stage='inter' the matrices arrive averaged
+    # over the inner axis (equal within a node, but typed varying there through the
+    # per-device residual), and a mean over the outer axes alone would leave P and Q
+    # typed varying. The mean over all axes has the same value and is provably
+    # replicated; through 'hierarchical' its inter-node share is 1/g of the factors.
+    ps, q_local, q_mean = _power_iteration(mats, qs, decision_axes(ctx), ctx.algorithm)
+    approx = [jnp.einsum("gnr,gmr->gnm", p, q) for p, q in zip(ps, q_mean, strict=True)]
+    out = _unbatched(approx, xs, lay)  # step 5
+    res = state.residual
+    if cfg.error_feedback:
+        sent = [jnp.einsum("gnr,gmr->gnm", p, q) for p, q in zip(ps, q_local, strict=True)]
+        res = ef.new_residuals(cs, [s.reshape(c.shape) for s, c in zip(sent, cs, strict=True)])
+    return out, PowerSGDState(tuple(q_mean), res)

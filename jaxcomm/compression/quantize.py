@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm import xla_cpu
+from jaxcomm import backend
 from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression.base import (
     BufferCodec,
@@ -73,7 +73,7 @@ def _quantize_blocks(
     """:func:`quantize` on blocks: ``xb`` f32 ``(rows, blocks, block)`` -> ``q`` int8
     ``(rows, blocks, block)`` (uint8 ``(rows, blocks, block // 2)`` for 4 bits) and the
     scales ``(rows, blocks)``; ``inv_qmax``: ``1 / qmax`` as a runtime f32 scalar
-    (``jaxcomm.xla_cpu.runtime_f32``), or None for the constant.
+    (``jaxcomm.backend.runtime_f32``), or None for the constant.
 
     Every kernel of the two-phase mean runs on this 3-D block layout. XLA:CPU indexes a
     fused kernel through each reshape and slice inside it (a division per element), so a
@@ -167,17 +167,18 @@ def from_bytes(buf: jax.Array, shape: tuple[int, int], bits: int) -> tuple[jax.A
 
 
 def _in_buffers(f: Callable[..., Any], *args: jax.Array) -> Any:
-    """``f(*args)``; on a CPU mesh computed into buffers of its own
-    (``jaxcomm.xla_cpu.materialized``, workaround 3).
+    """``f(*args)``; computed into buffers of its own where the backend row says
+    ``materialize`` (``jaxcomm.backend.materialized``, XLA:CPU).
 
     XLA:CPU fuses a cheap elementwise producer into every consumer: the decoding of the
     gathered means would run once per gradient leaf cut from them (with a division per
     element through the row padding), and a dither seed's ``lowbias32`` chain (the key's
     words, device, buffer, phase) inside the encoding loop of every element. GPU kernels
     index cheaply, and a GPU conditional reads its predicate on the host: there ``f``
-    runs plainly.
+    runs plainly. A ``lax.switch`` branch's outputs are buffers already: adaptive traces
+    its rungs under a row without ``materialize``.
     """
-    return xla_cpu.materialized(f, *args) if xla_cpu.active() else f(*args)
+    return backend.materialized(f, *args) if backend.current().materialize else f(*args)
 
 
 def two_phase_mean(
@@ -188,7 +189,6 @@ def two_phase_mean(
     block: int,
     seeds: tuple[jax.Array, jax.Array] | None,
     gather_axis: str | None = None,
-    materialize: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Mean of a 1-D f32 ``x`` over ``axes`` through quantized all-to-all + all-gather.
 
@@ -205,10 +205,6 @@ def two_phase_mean(
         ``bits/32`` of the f32 bytes. The result is then the concatenation of the means
         of every device of ``gather_axis`` (in its index order), bit for bit what an f32
         all-gather of each device's mean would give.
-      materialize: decode the mean into a buffer of its own, and compute the seeds into
-        buffers before the encoding (on a CPU mesh, see ``_in_buffers``); False where the
-        caller's result is a buffer already (a ``lax.switch`` branch's output, whose
-        seeds come in as operands), which would copy it once more.
 
     Returns:
       ``(mean, sent)``: the mean (same on all devices; shape of ``x``, or ``g`` times its
@@ -222,12 +218,13 @@ def two_phase_mean(
     blocks = -(-n // (p * block))  # per chunk; every kernel below runs on (rows, blocks, block)
     chunk = (blocks, block if bits == 8 else block // 2)  # value bytes of one chunk
     xb = jnp.pad(x, (0, p * blocks * block - n)).reshape(p, blocks, block)
-    if seeds is not None and materialize:  # into buffers: see _in_buffers (a switch
-        seeds = _in_buffers(lambda *s: s, *seeds)  # branch gets them as operands)
+    if seeds is not None:  # into buffers where the row says so (_in_buffers)
+        seeds = _in_buffers(lambda *s: s, *seeds)
     seed1, seed2 = (None, None) if seeds is None else seeds
-    # On a CPU mesh 1 / qmax comes in as a runtime value, so that the scale kernels of
-    # int8 and int4 (which differ only in this constant) are one (jaxcomm.xla_cpu).
-    inv_qmax = xla_cpu.runtime_f32(_inv_qmax(bits)) if xla_cpu.active() else None
+    # 1 / qmax as a runtime value where the row says so, so that the scale kernels of
+    # int8 and int4 (which differ only in this constant) are one (jaxcomm.backend).
+    runtime = backend.current().runtime_constants
+    inv_qmax = backend.runtime_f32(_inv_qmax(bits)) if runtime else None
     q, s = _quantize_blocks(xb, bits, seed1, inv_qmax)
     local = _dequantize_blocks(q, s, bits)  # (p, blocks, block): what this device sends
     # Phase 1: chunk i of every device goes to device i; values and scales travel as one
@@ -260,7 +257,7 @@ def two_phase_mean(
     # ``sent`` into a buffer too: error feedback's ``c - sent`` on the flat view, fused with
     # the block layout's decoding and update, would index through both layouts (a
     # division per element), where a buffer costs a copy
-    return _in_buffers(decode, gathered, local) if materialize else decode(gathered, local)
+    return _in_buffers(decode, gathered, local)
 
 
 def reduce_scatter_mean(
@@ -322,7 +319,7 @@ def gather_quantized(x: jax.Array, axes: tuple[str, ...], *, bits: int, block: i
     return values.reshape(enc.shape[0], -1)[:, :c].reshape(-1)
 
 
-def int_codec(bits: int, block: int, *, stochastic: bool, materialize: bool = True) -> BufferCodec:
+def int_codec(bits: int, block: int, *, stochastic: bool) -> BufferCodec:
     """The per-buffer mean of :func:`int8` / :func:`int4` (:func:`two_phase_mean`), also
     an adaptive rung; its halves are the sharded step's quantized reduce-scatter
     (:func:`reduce_scatter_mean`) and param gather (:func:`gather_quantized`).
@@ -331,8 +328,6 @@ def int_codec(bits: int, block: int, *, stochastic: bool, materialize: bool = Tr
       bits: 8 or 4.
       block: elements per scale (even for 4 bits).
       stochastic: stochastic rounding from the two phases' dither seeds, else nearest.
-      materialize: decode into a buffer of its own (``two_phase_mean``); False inside a
-        ``lax.switch`` branch, whose outputs are buffers already.
 
     Returns:
       A :class:`~jaxcomm.compression.base.BufferCodec` that gathers its encoded means.
@@ -347,7 +342,7 @@ def int_codec(bits: int, block: int, *, stochastic: bool, materialize: bool = Tr
     def mean(c, ctx, i, seeds):
         m, sent = two_phase_mean(
             c.reshape(-1), ctx.axes, bits=bits, block=block, seeds=seeds,
-            gather_axis=ctx.gather_axis, materialize=materialize,
+            gather_axis=ctx.gather_axis,
         )  # fmt: skip
         return m.reshape(c.shape if ctx.gather_axis is None else (-1,)), sent.reshape(c.shape)
 

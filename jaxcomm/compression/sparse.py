@@ -5,7 +5,7 @@
   cannot be summed by an all-reduce: they are **all-gathered** and summed device by device
   (:func:`sum_pairs_in_device_order`: the same bits on every device and every backend). Per
   device that is ``(p-1) 8k`` bytes against ``2 (p-1)/p 4N`` for an f32 all-reduce, a
-  ratio of ``p * ratio`` -- it only wins below density ``1/p`` (REFERENCE.md).
+  ratio of ``p * ratio`` -- it only wins below density ``1/p``.
   Exact ``lax.top_k`` is slow on large buffers on CPU; the DGC variant estimates the
   threshold from a strided sample, masks, and takes the first ``k`` indices above it
   (those beyond ``k`` stay in the residual). With error feedback nothing is dropped.

@@ -273,36 +273,45 @@ def fat_tree(
             devices_per_node / nics_per_node,
         ),
     ]
-    if leaves_per_pod is None:
-        levels.append(
-            Level("spine", leaves, link_bandwidth, base_latency + 4 * hop_latency, oversubscription)
-        )
-    else:
-        lpp = min(leaves_per_pod, leaves)
-        if leaves % lpp:
-            raise ValueError(
-                f"fat_tree(nodes={nodes}, leaves_per_pod={leaves_per_pod}): {leaves} leaves "
-                "must be a multiple of leaves_per_pod."
-            )
-        levels.append(
-            Level("pod", lpp, link_bandwidth, base_latency + 4 * hop_latency, oversubscription)
-        )
-        levels.append(
-            Level(
-                "cluster",
-                leaves // lpp,
-                link_bandwidth,
-                base_latency + 6 * hop_latency,
-                oversubscription,
-            )
-        )
+    levels += _switch_tiers(
+        nodes, leaves, leaves_per_pod, link_bandwidth, base_latency, hop_latency, oversubscription
+    )
     return Topology(tuple(levels), gamma=gamma, name=f"fat_tree({nodes})")
+
+
+def _switch_tiers(
+    nodes: int,
+    leaves: int,
+    leaves_per_pod: int | None,
+    link_bandwidth: float,
+    base_latency: float,
+    hop_latency: float,
+    oversubscription: float,
+) -> list[Level]:
+    """The tiers of :func:`fat_tree` above its leaves: a spine, or pods and a cluster."""
+    if leaves_per_pod is None:
+        return [
+            Level("spine", leaves, link_bandwidth, base_latency + 4 * hop_latency, oversubscription)
+        ]
+    lpp = min(leaves_per_pod, leaves)
+    if leaves % lpp:
+        raise ValueError(
+            f"fat_tree(nodes={nodes}, leaves_per_pod={leaves_per_pod}): {leaves} leaves "
+            "must be a multiple of leaves_per_pod."
+        )
+    return [
+        Level("pod", lpp, link_bandwidth, base_latency + 4 * hop_latency, oversubscription),
+        Level(
+            "cluster", leaves // lpp, link_bandwidth, base_latency + 6 * hop_latency,
+            oversubscription,
+        ),
+    ]  # fmt: skip
 
 
 def dgx_h100(nodes: int = 64, *, nodes_per_leaf: int = 32, oversubscription: float = 1.0):
     """DGX-H100 nodes (8 GPUs, NVLink 4) on NDR 400 Gb/s InfiniBand, SuperPOD style.
 
-    Per-device figures are nccl-tests bus bandwidths (../shared/REFERENCE.md): NVLink
+    Per-device figures are typical nccl-tests bus bandwidths (NVIDIA nccl-tests): NVLink
     ~370 GB/s inside a node, ~48 GB/s per GPU over its own NDR NIC. 32 nodes per scalable
     unit (leaf group), units joined by spines (2-level tree).
 

@@ -1,14 +1,15 @@
-"""jaxcomm.xla_cpu: the XLA:CPU / gloo workarounds apply on a CPU mesh only.
+"""jaxcomm.backend: one row per platform; the XLA:CPU / gloo rewrites on a CPU mesh only.
 
-Each program is lowered twice: inside ``shard_map`` over the CPU test mesh (the switch
-on: the workaround ops are in the program) and over the same mesh typed as GPU devices,
-lowered for ``'cuda'`` (the switch off: the plain program, which a GPU compiles). On the
-CPU, the switch forced off computes the same values: bit for bit, except bf16, whose
-plain route (a bf16 all-reduce) is held to bf16's precision only (on the 8 test devices,
-a power of two, it comes out bit for bit too: XLA:CPU sums the promoted all-reduce in
-f32, and a division by 8 commutes with the rounding to bf16).
+Each program is lowered twice: inside ``shard_map`` over the CPU test mesh (the CPU row:
+the rewrites are in the program) and over the same mesh typed as GPU devices, lowered for
+``'cuda'`` (the GPU row: the plain program, which a GPU compiles). On the CPU, the GPU row
+forced (``backend.use``) computes the same values: bit for bit, except bf16, whose plain
+route (a bf16 all-reduce) is held to bf16's precision only (on the 8 test devices, a
+power of two, it comes out bit for bit too: XLA:CPU sums the promoted all-reduce in f32,
+and a division by 8 commutes with the rounding to bf16).
 """
 
+import dataclasses
 import re
 
 import jax
@@ -21,7 +22,7 @@ from jax.sharding import AbstractDevice, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm import xla_cpu
+from jaxcomm import backend
 from jaxcomm.compression import ReduceContext
 from jaxcomm.compression.cast import bf16_mean
 from jaxcomm.compression.keys import step_key, two_phase_seeds
@@ -64,7 +65,7 @@ def _int8_mean(x):
 
 
 def _bf16_mean(x):
-    return bf16_mean(x[0], AX, "flat", "auto")[0][None]
+    return bf16_mean(x[0], AX, "flat")[0][None]
 
 
 def _unpack(x):
@@ -75,22 +76,60 @@ def _unpack(x):
     return jnp.concatenate([leaf.reshape(-1) for leaf in out])[None]
 
 
-def test_switch_follows_the_mesh_platform(mesh):
+def test_row_follows_the_mesh_platform(mesh):
     seen = {}
 
     def probe(key):
         def fn(x):
-            seen[key] = xla_cpu.active()
+            seen[key] = backend.current()
             return x
 
         return fn
 
-    assert not xla_cpu.active()  # no mesh in context: the plain program
+    assert backend.current() is backend.PLAIN  # no mesh in context: the plain program
     _lowered(probe("cpu"), mesh, 8, "cpu")
     _lowered(probe("gpu"), _gpu_mesh(mesh), 8, "cuda")
     with jax.set_mesh(mesh):
-        seen["set_mesh"] = xla_cpu.active()
-    assert seen == {"cpu": True, "gpu": False, "set_mesh": True}
+        seen["set_mesh"] = backend.current()
+    assert seen == {"cpu": backend.CPU, "gpu": backend.GPU, "set_mesh": backend.CPU}
+
+
+def test_table_rows_and_lookups(mesh):
+    assert backend.ROWS == {"cpu": backend.CPU, "gpu": backend.GPU, "tpu": backend.TPU}
+    assert backend.for_mesh(mesh) is backend.CPU  # a concrete mesh, on the host
+    assert backend.for_mesh(mesh.abstract_mesh) is backend.CPU
+    assert backend.for_mesh(_gpu_mesh(mesh)) is backend.GPU
+    assert backend.for_platform("metal") is backend.PLAIN
+    assert backend.for_platform(None) is backend.PLAIN
+    # the CPU row takes every rewrite; the others none
+    fields = [f.name for f in dataclasses.fields(backend.Backend) if f.name != "platform"]
+    for f in fields:
+        assert getattr(backend.CPU, f) not in (False, "allreduce"), f
+        for row in (backend.GPU, backend.TPU, backend.PLAIN):
+            assert getattr(row, f) in (False, "allreduce"), (row, f)
+    assert backend.CPU.bf16_route == "all_to_all"
+
+
+def test_use_installs_a_row_for_the_enclosed_traces_only(mesh):
+    seen = []
+
+    def fn(x):
+        seen.append(backend.current())
+        return x
+
+    with backend.use(backend.GPU) as row:
+        assert row is backend.GPU and backend.current() is backend.GPU
+        _lowered(fn, mesh, 8, "cpu")  # a CPU mesh, traced under the GPU row
+        with backend.use(backend.PLAIN):
+            assert backend.current() is backend.PLAIN
+        assert backend.current() is backend.GPU
+    assert backend.current() is backend.PLAIN
+    assert seen == [backend.GPU]
+    with pytest.raises(TypeError, match=r"expected a jaxcomm.backend.Backend row"):
+        with backend.use("cpu"):
+            pass
+    with pytest.raises(ValueError, match=r"bf16_route='nccl' is not known"):
+        backend.Backend("x", bf16_route="nccl")
 
 
 def test_int8_mean_hlo_of_both_paths(mesh):
@@ -170,23 +209,21 @@ def _run(fn, mesh, x):
     return np.asarray(f(per_device(mesh, x)))
 
 
-def _switch_off(monkeypatch):
-    monkeypatch.setattr(xla_cpu, "active", lambda: False)
-
-
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
-def test_switch_off_on_cpu_gives_the_same_values(mesh, monkeypatch, name):
+def test_gpu_row_on_cpu_gives_the_same_values(mesh, name):
     """The plain program run on the CPU: the same bits, except bf16 (another route)."""
     size = _reduce_fn(name)[1]
     x = np.random.default_rng(0).normal(size=(8, size)).astype(np.float32)
     on = _run(_reduce_fn(name)[0], mesh, x)
-    _switch_off(monkeypatch)
-    off = _run(_reduce_fn(name)[0], mesh, x)
+    with backend.use(backend.GPU):
+        off = _run(_reduce_fn(name)[0], mesh, x)
+        plain = _ops(_lowered(_reduce_fn(name)[0], mesh, size, "cpu"))
+    assert not {"sort", "case"} & plain, plain
     if name != "bf16":
         np.testing.assert_array_equal(off.view(np.uint32), on.view(np.uint32))
         return
-    # Switched off, bf16 is a bf16 all-reduce (which XLA:CPU sums in f32) ...
-    assert "all_reduce" in _ops(_lowered(_reduce_fn(name)[0], mesh, size, "cpu"))
+    # Under the GPU row, bf16 is a bf16 all-reduce (which XLA:CPU sums in f32) ...
+    assert "all_reduce" in plain
     # ... within bf16's precision of the two-phase mean: the inputs and the result are
     # each rounded to bf16 once (relative error 2**-8 each).
     bound = 2.0**-8 * (np.abs(x).mean(0) + np.abs(x.mean(0))) * 2
@@ -195,13 +232,37 @@ def test_switch_off_on_cpu_gives_the_same_values(mesh, monkeypatch, name):
 
 
 @pytest.mark.parametrize("fn", [_int8_mean, _unpack], ids=["int8_mean", "unpack"])
-def test_switch_off_on_cpu_helpers_bit_for_bit(mesh, monkeypatch, fn):
+def test_gpu_row_on_cpu_helpers_bit_for_bit(mesh, fn):
     x = np.random.default_rng(1).normal(size=(8, N)).astype(np.float32)
     on = _run(fn, mesh, x)
-    _switch_off(monkeypatch)
-    off = _run(lambda v: fn(v), mesh, x)  # a new function: no shared trace
+    with backend.use(backend.GPU):
+        off = _run(lambda v: fn(v), mesh, x)  # a new function: no shared trace
+        assert "sort" not in _ops(_lowered(lambda v: fn(v), mesh, N, "cpu"))  # really plain
     np.testing.assert_array_equal(off.view(np.uint32), on.view(np.uint32))
-    assert "sort" not in _ops(_lowered(lambda v: fn(v), mesh, N, "cpu"))  # really plain
+
+
+def test_adaptive_rungs_are_not_materialized_inside_the_switch(mesh):
+    """A ``lax.switch`` branch's outputs are buffers already: the int rungs of adaptive
+    trace under the row without ``materialize`` (no conditional of their own), a lone
+    rung (no switch) under the mesh's row."""
+
+    def lowered(comp):
+        def fn(x):
+            ctx = ReduceContext(AX, "flat", jnp.int32(0), step_key(0, jnp.int32(0)))
+            state = comp.init([jax.ShapeDtypeStruct((N,), jnp.float32)])
+            return comp.reduce([x[0]], state, ctx)[0][0][None]
+
+        return _lowered(fn, mesh, N, "cpu")
+
+    def conds(text):
+        return len(re.findall(r"stablehlo\.case", text))
+
+    ladder = C.adaptive(0.75, ladder=("int8", "int4"), min_compression=0.7)
+    lone = C.adaptive(0.75, ladder=("int8",), min_compression=0.7, max_compression=0.8)
+    # the switch, the f32 rung's lax.cond absent, the int8 mean's two materializations
+    # (seeds, decode) only without the switch
+    assert conds(lowered(ladder)) == 1
+    assert conds(lowered(lone)) == 2
 
 
 def test_gloo_reduce_scatter_check_follows_the_mesh(mesh, monkeypatch):
@@ -218,17 +279,17 @@ def test_gloo_reduce_scatter_check_follows_the_mesh(mesh, monkeypatch):
 
 
 def test_runtime_ints_values_and_range():
-    got = jax.jit(lambda: xla_cpu.runtime_ints([5, 0, 5, 2**31 - 1] + list(range(70))))()
+    got = jax.jit(lambda: backend.runtime_ints([5, 0, 5, 2**31 - 1] + list(range(70))))()
     assert [int(x) for x in got] == [5, 0, 5, 2**31 - 1] + list(range(70))
     assert all(x.dtype == jnp.int32 and x.shape == () for x in got)
-    assert xla_cpu.runtime_ints([]) == []
+    assert backend.runtime_ints([]) == []
     with pytest.raises(ValueError, match=r"\[0, 2\*\*31\)"):
-        xla_cpu.runtime_ints([-1, 3])
+        backend.runtime_ints([-1, 3])
 
 
 def test_runtime_f32_keeps_the_bits():
     v = np.float32(1) / np.float32(7)
-    got = jax.jit(lambda: xla_cpu.runtime_f32(v))()
+    got = jax.jit(lambda: backend.runtime_f32(v))()
     assert np.asarray(got).view(np.uint32) == v.view(np.uint32)
 
 
@@ -238,7 +299,7 @@ def test_slices_past_int32_offsets_are_static():
     buf = jax.ShapeDtypeStruct((2**31 + 64,), jnp.int8)
     cuts = [(0, 16), (16, 40), (2**31, 2**31 + 64)]
     jaxpr = jax.make_jaxpr(
-        lambda b: xla_cpu.slices_at_runtime_offsets([(b, s, e) for s, e in cuts])
+        lambda b: backend.slices_at_runtime_offsets([(b, s, e) for s, e in cuts])
     )(buf)
     names = [e.primitive.name for e in jaxpr.eqns]
     assert names.count("dynamic_slice") == 2

@@ -1,0 +1,1113 @@
+"""The one step engine of the Flax front ends (NNX, Linen, pmap), by composition.
+
+:func:`jaxcomm.nnx_data_parallel`, :func:`jaxcomm.linen_data_parallel` and
+:func:`jaxcomm.pmap_data_parallel` are siblings: each builds a :class:`FlaxStep` with a
+small :class:`Adapter` for what its kind of state differs in (which arguments are state,
+how they are split into leaves and merged back, where their optimizers are), and exposes it
+through :class:`FlaxFrontEnd`, the :class:`jaxcomm.front_end.FrontEnd` the profiler drives.
+The engine holds what they share: the plan (the kinds of leaves, the per-device layout
+inferred by :func:`jaxcomm.state.infer_per_device`), the ``jax.shard_map(...,
+check_vma=True)`` of the user's step, its compilation on every process, the replica checks
+and the combination of outputs (:func:`jaxcomm.outputs.combine`).
+
+How each kind of leaf is kept, inside the step:
+
+- params: each device differentiates a varying copy (its own gradient; ``sync_gradients``
+  reduces it). The optimizer the step calls is the one the front end handed in: its
+  ``tx`` is a :class:`Recording` of the user's transform and its update
+  (``nnx.Optimizer.update`` / ``TrainState.apply_gradients``) adds the synchronised update
+  to the invariant old params (:meth:`Recording.apply_updates`), so the new params, and
+  whatever the step computes from them afterwards (a mask, a max-norm), are proven the
+  same on every device by shard_map's replication check. A param that comes out different
+  per device (changed from the batch) is refused. With ``shard_optimizer=True`` the new
+  params are the all-gathered ones, bit for bit.
+- optimizer state: replicated, except state wrapped in ``jaxcomm.PerDevice`` (error
+  feedback, a sharded optimizer's chunks), stored with a leading axis of one entry per
+  device. Other optimizer state that comes out different per device is refused.
+- metrics (sums and counts): each device starts from zero; the additions are summed.
+- rng keys: each device draws from ``fold_in(key, device index)``.
+- any other state a step changes per device (batch statistics): float leaves averaged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm import backend, ordering, outputs
+from jaxcomm.axis_names import bind, bound_names
+from jaxcomm.collectives import check_axes
+from jaxcomm.diloco import gradient_params
+from jaxcomm.distributed import check_same_on_processes, exchange, fingerprint
+from jaxcomm.mesh import check_mesh_axes
+from jaxcomm.replicas import check_replicas as compare_replicas
+from jaxcomm.sharded import ShardedOptimizer, ShardedState
+from jaxcomm.state import (
+    PerDevice,
+    infer_per_device,
+    leaf_specs,
+    stack_leaves,
+    unstack_leaves,
+    unwrap_per_device,
+    varying_axes,
+    wrap_per_device,
+)
+from jaxcomm.sync import SyncRequest, accepting_requests, other_input_message
+from jaxcomm.train import check_sync_inputs, compile_on_every_process, refuse_nnx_object
+from jaxcomm.validate import check_int
+
+__all__ = [
+    "KEY",
+    "METRIC",
+    "OPT",
+    "OTHER",
+    "PARAM",
+    "Adapter",
+    "FlaxFrontEnd",
+    "FlaxStep",
+    "Recording",
+    "TraceHooks",
+    "check_decorator_args",
+    "key_data",
+    "plain_path",
+    "replicated_params",
+]
+
+# Kinds of state leaves.
+PARAM, OPT, METRIC, KEY, OTHER = "param", "opt", "metric", "key", "other"
+
+# The invariant old value of each param of the step being traced, by the identity of its
+# varying copy (for replicated_params). A context variable: each thread's trace sees its own.
+_PARAMS_AT_START: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "jaxcomm_params_at_start", default=None
+)
+
+
+class Log(NamedTuple):
+    """What the step's :class:`Recording` s saw while a step was traced."""
+
+    updates: list  # (params, updates) of each optimizer update
+    syncs: list  # the GradientSync of each sync_gradients the updates ran
+    # other_input(sync, tx, params): a sync received arrays other than the step's
+    # gradients (a transform before it, a wrapper): recorded for the build-time probe,
+    # or, in the step itself, accepted if the probe checked it (SyncRequest.other_input).
+    other_input: Callable
+
+
+class TraceHooks(NamedTuple):
+    """What an adapter hands each optimizer's :class:`Recording` while the step traces."""
+
+    log: Log
+    old: dict  # invariant old params by the identity of their varying copies
+    communicate: bool  # False: the compute-only twin (every sync passes through)
+    engines: dict  # shard_optimizer=True: the ShardedOptimizer of each optimizer index
+    exact: dict  # a sharded optimizer's new params, by the identity of their update
+
+
+class Recording:
+    """Stands in for an optimizer's transform while the step is traced: records each
+    update and the syncs it ran (optax's extra argument ``sync_request``); with
+    ``communicate=False`` (the compute-only twin) every sync passes the gradients through.
+    Its :meth:`apply_updates` is what the front end's optimizer update calls in place of
+    ``optax.apply_updates``.
+
+    Args:
+      tx: the user's transform.
+      hooks: the trace's :class:`TraceHooks`.
+      index: the optimizer's position among the step's optimizers (its sharded engine).
+      step: a thunk of the optimizer's step count, read inside the trace (sharded only:
+        the dither seeds).
+    """
+
+    def __init__(
+        self,
+        tx: optax.GradientTransformation,
+        hooks: TraceHooks,
+        index: int = 0,
+        step: Callable[[], jax.Array] | None = None,
+    ):
+        self._tx, self._hooks = accepting_requests(tx), hooks
+        self._engine = hooks.engines.get(index)
+        self._step = step
+        self.init = tx.init
+
+    def update(self, grads, state, params=None, **kwargs):
+        if gradient_params(state) is not None:
+            # The model's gradient is taken at its (replicated) params, not at local_sgd's
+            # per-device ones: the local steps would be silently wrong.
+            raise NotImplementedError(
+                "jaxcomm.local_sgd runs under jaxcomm.data_parallel only (it takes the "
+                "gradient at each device's local params); the Flax front ends take it at the "
+                "model's params. Use jaxcomm.data_parallel with a params pytree."
+            )
+        hooks = self._hooks
+        # The transform sees the invariant params (weight decay must not make the update
+        # vary); the model holds varying copies only so that gradients are per device.
+        invariant = jax.tree.map(lambda p: hooks.old.get(id(p), p), params)
+        if hooks.communicate:  # the twin runs unchecked: every value is typed invariant
+            _refuse_averaged_gradients(grads)
+        if self._engine is not None:
+            updates, state = self._sharded_update(grads, state, invariant, kwargs)
+        else:
+            request = SyncRequest(
+                communicate=hooks.communicate,
+                on_sync=hooks.log.syncs.append,
+                grads=grads,  # what the step computed: the sync must receive these
+                other_input=lambda sync, _: hooks.log.other_input(sync, self._tx, invariant),
+            )
+            updates, state = self._tx.update(
+                grads, state, invariant, sync_request=request, **kwargs
+            )
+        hooks.log.updates.append((params, updates))
+        return updates, state
+
+    def apply_updates(self, params: Any, updates: Any) -> Any:
+        """``optax.apply_updates`` on each param's invariant old value (the same bits as
+        the device's varying copy, typed as the same on every device); a sharded
+        optimizer's update gives the gathered param itself (old + (new - old) may round
+        differently)."""
+        old, exact = self._hooks.old, self._hooks.exact
+        new = optax.apply_updates(jax.tree.map(lambda p: old.get(id(p), p), params), updates)
+        if not exact:
+            return new
+        none = lambda x: x is None  # noqa: E731 (optax allows None updates)
+        return jax.tree.map(lambda n, u: exact.get(id(u), n), new, updates, is_leaf=none)
+
+    def _sharded_update(self, grads, state, params, kwargs):
+        """The update of a sharded optimizer (``shard_optimizer=True``): its
+        :class:`~jaxcomm.sharded.ShardedOptimizer` on this device's chunks; the new params
+        are recorded by their update's identity for :meth:`apply_updates`."""
+        engine = self._engine
+        if not self._hooks.communicate:
+            raise NotImplementedError(
+                f"{engine.where}(shard_optimizer=True): the compute-only twin "
+                "(communicate=False, the profiler's) is not implemented for sharded "
+                "optimizer state."
+            )
+        if not isinstance(unwrap_per_device(state), ShardedState):
+            raise ValueError(
+                f"{engine.where}(shard_optimizer=True): the optimizer's state is not the "
+                "sharded state the step laid out; pass the optimizer the decorated step "
+                "was first called with, or one restored from its checkpoint."
+            )
+        axes = engine.axes
+
+        def value():
+            if "value" not in kwargs:
+                raise TypeError("the optimizer takes optax's extra argument 'value'; pass it")
+            return lax.pmean(kwargs["value"], axes)
+
+        leaves, treedef = jax.tree.flatten(params)
+        new, opt = engine.update(
+            jax.tree.leaves(grads), unwrap_per_device(state), leaves, self._step(), value
+        )
+        self._hooks.log.syncs.append(engine.sync)
+        updates = [n - p for n, p in zip(new, leaves, strict=True)]
+        self._hooks.exact.update({id(u): n for u, n in zip(updates, new, strict=True)})
+        return jax.tree.unflatten(treedef, updates), wrap_per_device(opt, engine.per)
+
+
+def _refuse_averaged_gradients(grads: Any) -> None:
+    """Refuses gradients that reach the optimizer the same on every device already.
+
+    Each device differentiates its own copy of the params, so its gradients are typed
+    varying; gradients typed invariant were averaged by the step itself (a pmap script's
+    ``lax.pmean(grads, 'batch')``, or Flax's ``DynamicScale.value_and_grad(...,
+    axis_name='batch')``). ``sync_gradients`` would then average the mean again: a second
+    all-reduce, flat and uncompressed where the step's was, for nothing.
+    """
+    floats = [g for g in jax.tree.leaves(grads) if jnp.issubdtype(jnp.result_type(g), jnp.floating)]
+    if floats and not any(varying_axes(g) for g in floats):
+        name = next(iter(bound_names()), None)  # the step's axis_name=, if any
+        mean = f"lax.pmean(grads, {name!r})" if name else "lax.pmean(grads, ...)"
+        raise ValueError(
+            "the gradients reach the optimizer averaged already (the same on every device): "
+            f"delete {mean} from the step: jaxcomm.sync_gradients in the optimizer does the "
+            "mean (hierarchical, compressed). For Flax's DynamicScale.value_and_grad(..., "
+            "axis_name=...), use jaxcomm.dynamic_scale.DynamicScale() in its place: it "
+            "leaves the mean to the sync and takes its finiteness decision on all devices."
+        )
+
+
+def replicated_params(tree: Any) -> Any:
+    """``tree`` with each param of the step being traced at its replicated value.
+
+    Inside a Flax front end's step, ``state.params`` (or the model's ``nnx.Param``) are
+    each device's own copies, typed varying so that each device differentiates its own.
+    A value computed from them after the update, such as a pmap script's restore of a
+    skipped step (``jnp.where(is_fin, new_state.params, state.params)``), would differ per
+    device in type and be refused; this gives the same bits typed as the same on every
+    device. Outside a jaxcomm step (under ``jax.pmap``) it returns ``tree`` unchanged.
+
+    Example:
+      >>> params = jax.tree.map(functools.partial(jnp.where, is_fin), new_state.params,
+      ...                       jaxcomm.replicated_params(state.params))
+    """
+    old = _PARAMS_AT_START.get()
+    if old is None:
+        return tree
+    return jax.tree.map(lambda p: old.get(id(p), p), tree)
+
+
+def _fold(key: Any, dev: Any) -> Any:
+    """``fold_in(key, dev)`` for a typed key or a legacy raw ``uint32`` key, of any batch
+    shape; a raw key comes back raw."""
+    raw = not jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key)
+    k = jax.random.wrap_key_data(key) if raw else key
+    if k.shape:
+        flat = jax.vmap(lambda one: jax.random.fold_in(one, dev))(k.reshape(-1))
+        k = flat.reshape(k.shape)
+    else:
+        k = jax.random.fold_in(k, dev)
+    return jax.random.key_data(k) if raw else k
+
+
+def key_data(tree: Any) -> Any:
+    """``tree`` with typed PRNG keys (``nnx.RngKey``) as their raw ``uint32`` words, so that
+    replicas can be compared by their bits."""
+
+    def raw(x):
+        if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+            return jax.random.key_data(x)
+        return x
+
+    return jax.tree.map(raw, tree)
+
+
+def plain_path(path: tuple) -> tuple:
+    """A key path (jax's or NNX's) as plain dict keys, indices and attribute names."""
+    return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+
+
+def check_decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -> tuple:
+    """The checked ``(check_replicas, axes)`` of a Flax decorator's arguments.
+
+    Raises:
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh`` (an NNX object passed as one).
+      ValueError: ``check_replicas`` is negative or not an integer; bad ``axes``.
+    """
+    refuse_nnx_object(mesh, f"{name}(mesh)")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{name}(mesh): got {type(mesh).__name__}; pass a mesh from "
+            f"jaxcomm.make_mesh() and decorate the step: @jaxcomm.{name}(mesh)."
+        )
+    n = check_int(
+        "check_replicas",
+        0 if check_replicas is None else check_replicas,
+        minimum=0,
+        fix="N compares the replicas every N steps; 0 or None turns it off",
+    )
+    return n, check_axes(axes)
+
+
+class Adapter(Protocol):
+    """What one kind of Flax state (NNX objects, Linen ``TrainState`` s) tells the engine.
+
+    Attributes:
+      name: the decorator's name, in every message.
+      fix: the optimizer the messages suggest (with the sync first).
+    """
+
+    name: str
+    fix: str
+
+    def is_node(self, a: Any) -> bool:
+        """Whether a step argument is state (else it is the batch)."""
+        ...
+
+    def split(self, objs: tuple) -> tuple[Any, Any, tuple[str, ...]]:
+        """``(graphdef, state, kinds)``: a static part, the state pytree, each leaf's kind."""
+        ...
+
+    def enter(self, graphdef: Any, state: Any, hooks: TraceHooks) -> tuple:
+        """Inside the trace: ``(objs, restore, has_optimizer)``, the step's objects rebuilt
+        from ``state`` with each optimizer recording through ``hooks``; ``restore()``
+        undoes what ``enter`` set on them."""
+        ...
+
+    def exit(self, objs: tuple, out: Any) -> tuple[list, Any]:
+        """The new state leaves after the step, and its outputs without the state."""
+        ...
+
+    def write_back(self, objs: tuple, state: Any, out: Any) -> Any:
+        """What the call returns, the new ``state`` written back into ``objs``."""
+        ...
+
+    def optimizers(self, objs: tuple) -> list[tuple]:
+        """``(index, tx, params, opt_state)`` of each optimizer, as arrays."""
+        ...
+
+    def with_opt_state(self, objs: tuple, i: int, opt_state: Any) -> tuple:
+        """``objs`` with optimizer ``i``'s state replaced."""
+        ...
+
+    def opt_states(self, objs: tuple) -> list[tuple[tuple, Any]]:
+        """``(path prefix, opt_state)`` of each optimizer argument: its optax state pytree
+        (arrays), found among the state's leaves under the prefix."""
+        ...
+
+    def leaf_key(self, path: tuple) -> tuple:
+        """A state leaf's plain path as the optax state's own paths spell it (NNX: the
+        ``Variable``'s ``value`` left out)."""
+        ...
+
+    def laid_out(self, objs: tuple) -> Any:
+        """What ``shard_optimizer_state`` returns."""
+        ...
+
+    def check_batch(self, data: Any, num_devices: int) -> None:
+        """Refuses a batch the front end's layout cannot take."""
+        ...
+
+
+class Plan(NamedTuple):
+    """A step built for one structure of state and batch."""
+
+    graphdef: Any
+    treedef: Any
+    kinds: tuple
+    per: Any  # per leaf: stored per device (None while the layout is inferred)
+    nodes: tuple  # per argument: state (True) or batch
+    opts: list  # per optimizer: (treedef of its opt_state, indices among the leaves)
+
+
+def _opt_layout(adapter: Adapter, objs: tuple, state: Any) -> tuple[list, list[bool]]:
+    """Each optimizer's ``(treedef, leaf indices)`` among the leaves of ``state``, and per
+    leaf whether it lies inside a ``jaxcomm.PerDevice`` of an optimizer state."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    at = {adapter.leaf_key(plain_path(p)): j for j, (p, _) in enumerate(flat)}
+    marked = [False] * len(at)
+    is_pd = lambda x: isinstance(x, PerDevice)  # noqa: E731
+    layout = []
+    for prefix, opt_state in adapter.opt_states(objs):
+        flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+        idx = [at[(*prefix, *plain_path(p))] for p, _ in flat]
+        inside = jax.tree.map(
+            lambda n: jax.tree.map(lambda _: True, n) if is_pd(n) else False,
+            opt_state,
+            is_leaf=is_pd,
+        )
+        for j, m in zip(idx, jax.tree.leaves(inside), strict=True):
+            marked[j] = m
+        layout.append((treedef, idx))
+    return layout, marked
+
+
+def _gather(leaves: list, layout: list) -> list:
+    return [jax.tree.unflatten(td, [leaves[j] for j in idx]) for td, idx in layout]
+
+
+def _scatter(leaves: list, layout: list, opt_states: list) -> list:
+    leaves = list(leaves)
+    for (td, idx), o in zip(layout, opt_states, strict=True):
+        for j, x in zip(idx, td.flatten_up_to(o), strict=True):
+            leaves[j] = x
+    return leaves
+
+
+class FlaxStep:
+    """The engine of a Flax front end: the user's step data-parallel over the mesh.
+
+    Args:
+      fn: the step as the user wrote it (or a front end's wrapper of it).
+      mesh: the mesh; its axes are used typed ``Auto``.
+      adapter: the kind of state (:class:`Adapter`).
+      axes: data-parallel axis names.
+      check_replicas: every this many calls, compare the replicated state by its bits.
+      axis_name: a name the step uses for the data axes, bound to them while it traces.
+      shard: ``shard_optimizer=True``: the ``ShardedOptimizer`` arguments; else None.
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        mesh: Mesh,
+        adapter: Adapter,
+        *,
+        axes: tuple[str, ...],
+        check_replicas: int,
+        axis_name: str | None = None,
+        shard: dict | None = None,
+    ):
+        self.adapter = adapter
+        self.name = adapter.name
+        check_mesh_axes(self.name, axes, mesh)
+        self.fn = fn
+        self.axes = axes
+        # A pmap script's axis name, bound to the data axes while the step is traced.
+        self._aliases = {} if axis_name is None else {axis_name: axes}
+        # Plain (Auto) axis types: arrays on it mix with ordinary single-device code.
+        self.mesh = Mesh(
+            mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+        )
+        self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
+        self.batch_sharding = NamedSharding(self.mesh, P(self.axes))
+        self.check_replicas = check_replicas
+        self._plans: dict = {}
+        # The first call's probe found that what reaches each sync commutes with the mean
+        # (a linear transform before it): the step accepts it.
+        self._inputs_checked = False
+        self._compiled_steps: dict = {}  # several processes: each step compiled ahead
+        self._batch_checked = False  # several processes: the first batch was compared
+        self.per_device_paths: list[str] = []
+        self.syncs: list = []  # the GradientSync of each sync_gradients the step runs
+        self._calls = 0
+        # set_feedback's feedback (None before): the measured share goes into each step.
+        self.feedback: Any = None
+        self._feedback_step: Any = None
+        self._opts: list = []  # the optimizer layout of the last prepared state
+        self._layouts: dict = {}  # by the state's structure: (optimizer layout, marked)
+        # shard_optimizer=True: the ShardedOptimizer's arguments, and one per optimizer
+        # (by its position among the step's optimizers), built at the first call.
+        self._shard_args = shard
+        self._engines: dict[int, ShardedOptimizer] = {}
+
+    # -- inside shard_map -------------------------------------------------------------
+    def _stacked_step(self, plan, leaves, args, share=None, *, write=None, communicate=True):
+        """The step inside shard_map: per-device leaves come and go with their device axis.
+
+        With ``share`` (the measured communication share, one value per device), its mean
+        over the devices is written into each optimizer's state by ``write(opt_state,
+        share)`` before the step; with ``communicate=False`` every sync passes the
+        gradients through (the compute-only twin)."""
+        leaves = unstack_leaves(leaves, plan.per)
+        if share is not None:
+            mean = lax.pmean(share[0], self.axes)
+            opt_states = [write(o, mean) for o in _gather(leaves, plan.opts)]
+            leaves = _scatter(leaves, plan.opts, opt_states)
+        result, out = self._local(plan, leaves, args, communicate=communicate)
+        return stack_leaves(result, plan.per), out
+
+    def _local(self, plan, leaves, args, rec=None, *, communicate=True):
+        """One device's step on its local leaves; returns the new leaves and outputs."""
+        dev = lax.axis_index(self.axes)
+        inside = []
+        for x, k in zip(leaves, plan.kinds, strict=True):
+            if k == PARAM:
+                x = lax.pcast(x, self.axes, to="varying")  # each device's own gradient
+            elif k == METRIC:
+                x = jnp.zeros_like(x)  # this device's sums and counts only
+            elif k == KEY:
+                x = _fold(x, dev)
+            inside.append(x)
+        # Old invariant value of every param, by the identity of its varying copy.
+        old = {id(v): x for v, x, k in zip(inside, leaves, plan.kinds, strict=True) if k == PARAM}
+        log = Log([], [], self._checked_input if rec is None else rec["other_input"])
+        hooks = TraceHooks(log, old, communicate, self._engines, {})
+        objs, out = self._run_user(plan, inside, args, hooks)
+        if rec is not None:
+            rec["syncs"] = log.syncs
+        self._check_updates(log, old, inside, rec)
+        out_leaves, out = self.adapter.exit(objs, out)
+        result, summed, averaged = self._new_leaves(plan.kinds, out_leaves, leaves, inside)
+        result, out = self._combine(result, leaves, summed, averaged, out, log)
+        if rec is not None:
+            rec["vary"] = [bool(varying_axes(x) & set(self.axes)) for x in result]
+        return result, out
+
+    def _run_user(self, plan, inside, args, hooks):
+        """The user's step on the objects rebuilt from ``inside``, with the axis name bound
+        and each optimizer recording; refuses a step whose optimizer never syncs."""
+        objs, restore, has_opt = self.adapter.enter(
+            plan.graphdef, jax.tree.unflatten(plan.treedef, inside), hooks
+        )
+        token = _PARAMS_AT_START.set(hooks.old)
+        try:
+            with bind(self._aliases, axes=self.axes, where=self.name):
+                out = self.fn(*self._fill(plan.nodes, objs, args))
+        finally:
+            _PARAMS_AT_START.reset(token)
+            restore()
+        if has_opt and not hooks.log.syncs:
+            raise ValueError(
+                f"{self.name}: the optimizer's transform never synchronises gradients, so "
+                "params would drift apart across devices. Put jaxcomm.sync_gradients() first: "
+                f"{self.adapter.fix}."
+            )
+        return objs, out
+
+    def _check_updates(self, log: Log, old: dict, inside: list, rec: dict | None) -> None:
+        """Refuses an update of params other than the step's own (a second update), and
+        records, in the probe, the leaves whose update varies across devices."""
+        index = {id(v): i for i, v in enumerate(inside)}
+        for params, updates in log.updates:
+            for p, u in zip(jax.tree.leaves(params), jax.tree.leaves(updates), strict=True):
+                if id(p) not in old:
+                    # A gradient at params every device holds alike is summed over the
+                    # devices by JAX itself: a second update would be silently wrong.
+                    raise NotImplementedError(
+                        f"{self.name}: the optimizer's update ran twice in one step, or on "
+                        "params changed before it; call it once per step, and change params "
+                        "after it (a mask or a max-norm on the updated params is kept)."
+                    )
+                if rec is not None and varying_axes(u) & set(self.axes):
+                    rec["varying_update"].append(index[id(p)])
+
+    def _new_leaves(self, kinds, out_leaves, leaves, inside) -> tuple[list, list, list]:
+        """Each leaf's new value by its kind; the metric leaves to sum, the other float
+        leaves the step changed per device to average."""
+        result: list = []
+        summed: list[int] = []  # metric leaves: each device's additions, summed
+        averaged: list[int] = []  # other float state a step changed per device
+        for i, (x, x0, v0, k) in enumerate(zip(out_leaves, leaves, inside, kinds, strict=True)):
+            if k == PARAM:
+                if x is v0:  # not trained this step
+                    x = x0
+                # Else what the step computed: the optimizer's new params (invariant, see
+                # Recording.apply_updates) and any change made to them afterwards. A
+                # value still varying is refused when the step is built (_plan).
+            elif k == METRIC:
+                summed.append(i)  # x0 + psum(x), below
+            elif k == KEY:
+                if x is not v0:
+                    raise ValueError(
+                        f"{self.name}: the step replaced the random key at leaf {i}; keep the "
+                        "key fixed and draw per step from it (nnx.Rngs does; in Linen, "
+                        "jax.random.fold_in(state.key, state.step))."
+                    )
+                x = x0  # draws advance the counts, never the key
+            elif k == OTHER and varying_axes(x) & set(self.axes):
+                if jnp.issubdtype(x.dtype, jnp.floating):
+                    averaged.append(i)  # e.g. batch statistics: pmean, below
+            result.append(x)
+        return result, summed, averaged
+
+    def _combine(self, result, leaves, summed, averaged, out, log) -> tuple[list, Any]:
+        """Batch statistics, metric sums and the step's outputs in one combine: one packed
+        all-reduce per op and dtype, not one per leaf (:func:`jaxcomm.outputs.combine`).
+        After the optimizer's updates, as data_parallel's: the sync's conditionals may hold
+        collectives still running when an independent all-reduce starts, which gloo would
+        pair differently on different processes (:mod:`jaxcomm.ordering`)."""
+        flat, treedef, keep = self._per_device_outputs(out)
+        means, sums, combined = outputs.combine(
+            ordering.after(
+                (
+                    outputs.mean([result[i] for i in averaged]),
+                    outputs.sum([result[i] for i in summed]),
+                    [x for x, k in zip(flat, keep, strict=True) if not k],
+                ),
+                [u for _, u in log.updates],
+            ),
+            self.axes,
+        )
+        it = iter(combined)
+        out = jax.tree.unflatten(
+            treedef, [x if k else next(it) for x, k in zip(flat, keep, strict=True)]
+        )
+        result = list(result)
+        for i, m in zip(averaged, means, strict=True):
+            result[i] = m
+        for i, total in zip(summed, sums, strict=True):
+            result[i] = leaves[i] + total
+        return result, out
+
+    def _checked_input(self, sync: Any, tx: Any, params: Any) -> None:
+        """Accepts, in the step's trace, a sync whose input the build-time probe checked
+        (:func:`jaxcomm.train.check_sync_inputs`, at the first call); refuses it
+        otherwise."""
+        del sync, tx, params
+        if not self._inputs_checked:
+            raise ValueError(
+                other_input_message(self.name, "which the first call's probe did not check")
+            )
+
+    def _per_device_outputs(self, out: Any) -> tuple[list, Any, list[bool]]:
+        """The step's outputs as leaves (markers kept whole), their structure, and which
+        are unmarked and the same on every device (typed invariant): those are returned as
+        they are, not combined (a gather would repeat them once per device)."""
+        marked = lambda x: isinstance(x, outputs.Reduced)  # noqa: E731
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out, is_leaf=marked)[0]]
+        flat, treedef = jax.tree.flatten(out, is_leaf=marked)
+        keep = []
+        for path, x in zip(paths, flat, strict=True):
+            keep.append(not marked(x) and not varying_axes(x) & set(self.axes))
+            if not marked(x) and not keep[-1]:
+                outputs.op_of(x, f"{jax.tree_util.keystr(path)} of {self.name}")  # refusals
+        return flat, treedef, keep
+
+    @staticmethod
+    def _fill(nodes, objs, args):
+        it = iter(objs)
+        return [next(it) if is_node else a for a, is_node in zip(args, nodes, strict=True)]
+
+    # -- plan -------------------------------------------------------------------------
+    def _plan(self, base: Plan, leaves, args, marked) -> tuple[Plan, Callable]:
+        """The plan (the per-device layout inferred, the build-time checks run) and the
+        jitted step for ``base``'s structure, built once per structure."""
+        key = (base.graphdef, base.treedef, jax.tree.structure(args))
+        if key in self._plans:
+            return self._plans[key]
+        paths = [
+            jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(
+                jax.tree.unflatten(base.treedef, leaves)
+            )[0]
+        ]
+        glob_args = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch_sharding), args
+        )
+        indirect: list[tuple] = []  # (sync, tx, abstract params): probed below
+
+        def other_input(sync, tx, params):
+            if not any(s is sync for s, _, _ in indirect):
+                shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+                indirect.append((sync, tx, shapes))
+
+        def probe(lv, a):
+            rec: dict = {"varying_update": [], "other_input": other_input}
+            self._local(base, lv, a, rec)
+            self._refuse_varying(rec, base.kinds, marked, paths)
+            self.syncs = list({id(x): x for x in rec["syncs"]}.values())
+            return rec["vary"]
+
+        per = infer_per_device(
+            probe,
+            leaves,
+            list(marked),
+            self.mesh,
+            self.axes,
+            args=(glob_args,),
+            arg_specs=(P(self.axes),),
+            may_vary=[k == OPT for k in base.kinds],
+        )
+        self.per_device_paths = [p for p, f in zip(paths, per, strict=True) if f]
+        for _, tx, params in {id(t): (s, t, p) for s, t, p in indirect}.values():
+            check_sync_inputs(tx, params, self.mesh, self.name)
+        self._inputs_checked = self._inputs_checked or bool(indirect)
+        self._check_processes([x for x, f in zip(leaves, per, strict=True) if not f])
+        plan = base._replace(per=tuple(per))
+        step = self._jit(plan, leaf_specs(leaves, per, self.axes))
+        self._plans[key] = (plan, step)
+        return plan, step
+
+    def _check_processes(self, replicated: list) -> None:
+        """Replicas start alike only if every process starts from the same values."""
+        check_same_on_processes(
+            f"{self.name}: the initial values of the replicated state (params, optimizer "
+            "state, batch statistics, rng keys)",
+            key_data(replicated),
+            fix=(
+                "Build the model, optimizer and state from the same seed on every process "
+                "(nnx.Rngs(0) or jax.random.key(0), not a seed from jax.process_index()), "
+                "or restore the same checkpoint on every process; per-process randomness "
+                "belongs in the data or in keys the step folds per device."
+            ),
+        )
+
+    def _jit(self, plan, specs, *, write=None, communicate=True):
+        """The jitted shard_map of the step; with ``write`` (a feedback's) it takes the
+        measured share as a third input; ``communicate=False``: the compute-only twin, its
+        params drifting apart, so unchecked by shard_map's replication check."""
+        body = functools.partial(self._stacked_step, plan, write=write, communicate=communicate)
+        return jax.jit(
+            jax.shard_map(
+                body,
+                mesh=self.mesh,
+                in_specs=(specs, P(self.axes), *((P(self.axes),) if write else ())),
+                out_specs=(specs, P()),
+                check_vma=communicate,
+            )
+        )
+
+    def _refuse_varying(self, rec: dict, kinds, marked, paths: list[str]) -> None:
+        """Refuses what a traced step left varying across devices that must agree: an
+        optimizer update, unmarked optimizer state, a param, other non-statistics state."""
+        if rec["varying_update"]:
+            i = rec["varying_update"][0]
+            raise ValueError(
+                f"{self.name}: the optimizer's update of {paths[i]} varies across "
+                f"devices (mesh axes {self.axes}): a stateful transform (e.g. adam) runs "
+                "before jaxcomm.sync_gradients() in the chain, on each device's own "
+                f"gradients. Put the sync first: {self.adapter.fix}."
+            )
+        for i, (v, k, m) in enumerate(zip(rec["vary"], kinds, marked, strict=True)):
+            if v and k == OPT and not m:
+                raise ValueError(
+                    f"{self.name}: optimizer state {paths[i]} comes out different on "
+                    "each device: a stateful transform (e.g. adam's moments) runs on "
+                    "each device's own gradients before jaxcomm.sync_gradients() in the "
+                    "chain, so each device would keep its own moments. Put the sync "
+                    f"first: {self.adapter.fix}. (State meant to be per device is wrapped in "
+                    "jaxcomm.PerDevice.)"
+                )
+            if v and k == PARAM:
+                raise ValueError(
+                    f"{self.name}: param {paths[i]} comes out of the step different on "
+                    "each device: it was computed from values each device holds for "
+                    "itself (its part of the batch, or the params as read before the "
+                    "optimizer's update: each device differentiates its own copy). "
+                    "Change params only through the optimizer's update "
+                    "(optimizer.update / state.apply_gradients, which call "
+                    "optax.apply_updates), and compute any change after it (a mask, a "
+                    "max-norm) from the updated params and values every device shares. "
+                    "Code that calls optax.apply_updates itself (an override of "
+                    "apply_gradients or update) passes it "
+                    "jaxcomm.replicated_params(params)."
+                )
+            if v and k != OPT:
+                raise ValueError(
+                    f"{self.name}: state {paths[i]} ({k}) comes out different on "
+                    "each device and is not optimizer state, batch statistics, a metric "
+                    "or an rng key; change it only from values every device shares."
+                )
+
+    def per_device_flags(self, treedef: Any) -> list[bool] | None:
+        """Which leaves of state with structure ``treedef`` the compiled step stores per
+        device (None before the step for that structure is built)."""
+        for key, (plan, _) in self._plans.items():
+            if key[1] == treedef:
+                return list(plan.per)
+        return None
+
+    # -- call -------------------------------------------------------------------------
+    def prepare(self, args: tuple) -> tuple:
+        """The step's objects, its plan and jitted step, and its inputs on the mesh:
+        ``(objs, plan, step, leaves, data)``."""
+        nodes = [self.adapter.is_node(a) for a in args]
+        objs = tuple(a for a, n in zip(args, nodes, strict=True) if n)
+        data = [None if n else a for a, n in zip(args, nodes, strict=True)]
+        for a in data:
+            jax.tree.map(lambda x: refuse_nnx_object(x, self.name), a)
+        if self._shard_args is not None:
+            objs = self._shard_optimizers(objs)
+        graphdef, state, kinds = self.adapter.split(objs)
+        leaves, treedef = jax.tree.flatten(state)
+        data = self._shard(data)
+        if (graphdef, treedef) not in self._layouts:  # paths depend on the structure only
+            self._layouts[graphdef, treedef] = _opt_layout(self.adapter, objs, state)
+        opts, marked = self._layouts[graphdef, treedef]
+        # A per-device leaf stored by an earlier step (or a sharded optimizer's chunks)
+        # has its device axis already: its plan sees one device's shape.
+        local = [
+            jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+            if m and isinstance(x, jax.Array) and x.sharding == self.batch_sharding
+            else x
+            for x, m in zip(leaves, marked, strict=True)
+        ]
+        base = Plan(graphdef, treedef, kinds, None, tuple(nodes), opts)
+        plan, step = self._plan(base, local, data, marked)
+        self._opts = plan.opts
+        leaves = [self._put(x, f) for x, f in zip(leaves, plan.per, strict=True)]
+        return objs, plan, step, leaves, data
+
+    def _put(self, x: Any, per_device: bool) -> jax.Array:
+        """A state leaf on the mesh: replicated, or one entry per device."""
+        if not per_device:
+            return jax.device_put(x, NamedSharding(self.mesh, P()))
+        if isinstance(x, jax.Array) and x.sharding == self.batch_sharding:
+            return x  # stacked by an earlier call
+        stacked = jnp.broadcast_to(x, (self.num_devices, *np.shape(x)))
+        return jax.device_put(stacked, self.batch_sharding)
+
+    def _compiled(self, step: Callable, leaves: list, data: Any) -> Callable:
+        """``step`` itself in one process; with several, compiled for these inputs' shapes
+        and shardings, once, by :func:`jaxcomm.train.compile_on_every_process` (every
+        process agrees it compiled; a CPU module's ordering hazards are refused)."""
+        if jax.process_count() == 1:
+            return step
+        flat, treedef = jax.tree.flatten((leaves, data))
+        key = (id(step), treedef, tuple((x.shape, x.dtype, x.sharding) for x in flat))
+        if key not in self._compiled_steps:
+            self._compiled_steps[key] = compile_on_every_process(
+                step, (leaves, data), self.mesh, f"{self.name} step"
+            )
+        return self._compiled_steps[key]
+
+    def __call__(self, *args):
+        objs, plan, step, leaves, data = self.prepare(args)
+        if self.feedback is None:
+            new, out = self._compiled(step, leaves, data)(leaves, data)
+        else:
+            new, out = self._feedback_step(leaves, data, self.feedback.before_step())
+        if backend.for_mesh(self.mesh).one_step_in_flight:
+            jax.block_until_ready(new)
+        self._calls += 1
+        if self.check_replicas and self._calls % self.check_replicas == 0:
+            compare_replicas(key_data(new), mesh=self.mesh, what=f"state (step {self._calls})")
+        if self.feedback is not None:
+            self.feedback.after_step(new)
+        return self.adapter.write_back(objs, jax.tree.unflatten(plan.treedef, new), out)
+
+    # -- shard_optimizer=True ----------------------------------------------------------
+    def _shard_optimizers(self, objs: tuple) -> tuple:
+        """``objs`` with each optimizer's state laid out sharded (:class:`ShardedState`,
+        its chunks stacked along the data axes in ``jaxcomm.PerDevice``), from the state
+        its ``init`` gives; a state sharded already (a later call, a restored checkpoint)
+        is kept. Builds each optimizer's :class:`~jaxcomm.sharded.ShardedOptimizer` once
+        (its checks and the probe of its transforms run here, at the first call)."""
+        for i, tx, params, opt_state in self.adapter.optimizers(objs):
+            engine = self._engines.get(i)
+            if engine is None:
+                engine = ShardedOptimizer(
+                    tx, self.mesh, self.axes, where=self.name, **self._shard_args
+                )
+                engine.infer_layout(params)
+                self._engines[i] = engine
+            if isinstance(unwrap_per_device(opt_state), ShardedState):
+                continue
+            fresh = jax.tree.leaves(jax.jit(tx.init)(params))
+            given = jax.tree.leaves(opt_state)
+            if len(fresh) != len(given) or not all(
+                bool(jnp.array_equal(a, b)) for a, b in zip(fresh, given, strict=False)
+            ):
+                raise ValueError(
+                    f"{self.name}(shard_optimizer=True): the optimizer's state is not the "
+                    "one its init gives (it was updated, or restored from an unsharded "
+                    "checkpoint), and only a fresh state is laid out sharded (its moments "
+                    "would be lost). Build the optimizer anew before the first step, or "
+                    "restore a state saved from this sharded step."
+                )
+            replicated = jax.device_put(jax.tree.leaves(params), NamedSharding(self.mesh, P()))
+            sharded = wrap_per_device(engine.init_fn(engine.per)(replicated), engine.per)
+            objs = self.adapter.with_opt_state(objs, i, sharded)
+        return objs
+
+    def shard_optimizer_state(self, *args) -> Any:
+        """Lays each optimizer's state out sharded now, as the first call does; see
+        :meth:`FlaxFrontEnd.shard_optimizer_state`."""
+        if self._shard_args is None:
+            raise ValueError(
+                f"{self.name}: shard_optimizer_state needs the step built with "
+                "shard_optimizer=True."
+            )
+        objs = self._shard_optimizers(tuple(a for a in args if self.adapter.is_node(a)))
+        return self.adapter.laid_out(objs)
+
+    # -- the FrontEnd protocol ---------------------------------------------------------
+    def drive_inputs(self, *args) -> tuple[list, Any]:
+        """``(leaves, batch)``: the state's flat leaves and the batch on the mesh."""
+        _, _, _, leaves, data = self.prepare(args)
+        return leaves, data
+
+    def set_feedback(self, feedback: Any, *args) -> Any:
+        """Compiles the step with the measured share as its third input; every later call
+        passes ``feedback.before_step()`` and hands the new leaves to
+        ``feedback.after_step``."""
+        _, plan, _, leaves, data = self.prepare(args)
+        step = self._jit(plan, leaf_specs(leaves, plan.per, self.axes), write=feedback.write)
+        share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self.batch_sharding)
+        self._feedback_step = compile_on_every_process(
+            step, (leaves, data, share), self.mesh, f"{self.name} step"
+        )
+        self.feedback = feedback
+        return self._feedback_step
+
+    def compile(self, *args, communicate: bool = True) -> Any:
+        """The step compiled for these arguments (``communicate=False``: the twin)."""
+        _, plan, _, leaves, data = self.prepare(args)
+        step = self._jit(plan, leaf_specs(leaves, plan.per, self.axes), communicate=communicate)
+        return compile_on_every_process(step, (leaves, data), self.mesh, f"{self.name} step")
+
+    def optimizer_states(self, state: list) -> list[Any]:
+        """Each optimizer's optax state, read from the flat leaves ``state``."""
+        return _gather(list(state), self._opts)
+
+    def with_optimizer_states(self, state: list, opt_states: list) -> list:
+        """The flat leaves ``state`` with each optimizer's state replaced."""
+        return _scatter(state, self._opts, opt_states)
+
+    # -- the batch ---------------------------------------------------------------------
+    def _shard(self, data):
+        self.adapter.check_batch(data, self.num_devices)
+        many = jax.process_count() > 1
+        if many and not self._batch_checked:
+            self._check_global_batch(data)
+
+        def put(x):
+            if many and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
+                x = np.asarray(x)  # this process's copy of the global batch
+            x = x if isinstance(x, jax.Array) else np.asarray(x)
+            if x.ndim == 0 or x.shape[0] % self.num_devices:
+                where = f" of {jax.process_count()} processes" if many else ""
+                raise ValueError(
+                    f"{self.name}: a batch argument of shape {x.shape} does not split "
+                    f"over the {self.num_devices} devices{where} along its leading axis; use "
+                    f"a multiple of {self.num_devices} (non-module arguments are the global "
+                    "batch)."
+                )
+            return jax.device_put(x, self.batch_sharding)
+
+        return jax.tree.map(put, data)
+
+    def _check_global_batch(self, data: Any) -> None:
+        """Refuses, at the first call on several processes, a batch that is not the same
+        global batch on every process.
+
+        The Flax front ends take the global batch on every process (each device takes its
+        slice of the leading axis), where ``jaxcomm.data_parallel`` takes each process's
+        part. A process's part cannot be told from a global batch by its shape (a part of
+        ``n`` rows looks like a global batch of ``n``), only by comparing processes: each
+        posts its batch leaves' paths, shapes and dtypes and a digest of their values
+        (:func:`jaxcomm.distributed.fingerprint`) through the coordination service (no
+        collective). Leaves that are global arrays already (not fully addressable, e.g.
+        from ``jax.make_array_from_process_local_data``) are not compared.
+
+        Raises:
+          ValueError: on every process, naming the shapes each process passed (or, for
+            equal shapes, the processes whose values differ) and the fix.
+        """
+        host = [
+            (jax.tree_util.keystr(k), x)
+            for k, x in jax.tree_util.tree_flatten_with_path(data)[0]
+            if not (isinstance(x, jax.Array) and not x.is_fully_addressable)
+        ]
+        shapes = ", ".join(f"{k} {np.shape(x)} {np.asarray(x).dtype}" for k, x in host)
+        posted = exchange(
+            f"{self.name}/global batch", f"{shapes}|{fingerprint([x for _, x in host])}"
+        )
+        differ = [i for i, v in enumerate(posted) if v != posted[0]]
+        if not differ:
+            self._batch_checked = True  # (a refused first call is compared again)
+            return
+        i = differ[0]
+        theirs = posted[i].rsplit("|", 1)[0]
+        if theirs != posted[0].rsplit("|", 1)[0]:
+            what = f"process {i} passed {theirs}; process 0 passed {posted[0].rsplit('|', 1)[0]}"
+        else:
+            what = f"processes {differ} passed other values than process 0 (shapes {shapes})"
+        rows = next((np.shape(x)[0] for _, x in host if np.ndim(x)), 0)
+        raise ValueError(
+            f"{self.name}: the batch differs between processes: {what}. {self.name} takes "
+            "the global batch, the same on every process (each device takes its slice of "
+            "the leading axis), not each process's part as jaxcomm.data_parallel does. Pass "
+            "every process the same global batch, or build the global array from each "
+            f"process's part: jax.make_array_from_process_local_data(step.batch_sharding, "
+            f"part) (a part of {rows} rows on each of {jax.process_count()} processes makes "
+            f"a global batch of {rows * jax.process_count()} rows)."
+        )
+
+
+class FlaxFrontEnd:
+    """What the Flax front ends share: their :class:`FlaxStep`, exposed as a
+    :class:`jaxcomm.front_end.FrontEnd` (the interface ``jaxcomm.CommProfiler.drive``
+    drives). The program's state is the flat list of the state's leaves.
+
+    Attributes:
+      engine: the :class:`FlaxStep` that runs the step.
+      mesh: the mesh the step runs on (its axes typed ``Auto``).
+      axes: data-parallel axis names.
+      num_devices: devices along ``axes``.
+      batch_sharding: how a batch (or one value per device) is laid out.
+      check_replicas: compare the replicas every this many calls (0: off).
+      per_device_paths: optimizer-state leaves stored per device (after the first call).
+      syncs: the ``GradientSync`` of each ``sync_gradients`` the step runs (after the
+        first call).
+      feedback: the feedback :meth:`set_feedback` installed (None before).
+    """
+
+    def __init__(self, engine: FlaxStep, fn: Callable | None = None):
+        self.engine = engine
+        functools.update_wrapper(self, fn or engine.fn)
+
+    mesh = property(lambda self: self.engine.mesh)
+    axes = property(lambda self: self.engine.axes)
+    num_devices = property(lambda self: self.engine.num_devices)
+    batch_sharding = property(lambda self: self.engine.batch_sharding)
+    check_replicas = property(lambda self: self.engine.check_replicas)
+    per_device_paths = property(lambda self: self.engine.per_device_paths)
+    syncs = property(lambda self: self.engine.syncs)
+    feedback = property(lambda self: self.engine.feedback)
+
+    def __call__(self, *args):
+        return self.engine(*args)
+
+    def shard_optimizer_state(self, *args) -> Any:
+        """Lays each optimizer's state out sharded now, as the first call does
+        (``shard_optimizer=True``): e.g. before restoring a checkpoint of the sharded
+        state, whose structure (``ShardedState`` chunks, stacked) it then has.
+
+        Args:
+          *args: the step's arguments (its ``nnx.Optimizer`` and model, or its
+            ``TrainState`` s; the batch may be left out).
+
+        Returns:
+          NNX: None (the optimizers are updated in place). Linen: the ``TrainState`` with
+          its sharded ``opt_state`` (a tuple of them for several).
+
+        Raises:
+          ValueError: the step was built without ``shard_optimizer=True``; or as at the
+            first call (a transform that does not shard, a trained state).
+
+        Example:
+          >>> train_step.shard_optimizer_state(model, optimizer)
+          >>> target = nnx.state(optimizer)                   # the sharded layout
+          >>> nnx.update(optimizer, checkpointer.restore(path, target))
+        """
+        return self.engine.shard_optimizer_state(*args)
+
+    def drive_inputs(self, *args) -> tuple[list, Any]:
+        """The inputs of the compiled step for these arguments (as the step is called):
+        ``(leaves, batch)``, the state's flat leaves and the batch on the mesh, for
+        ``jaxcomm.CommProfiler.drive``, which times the step on them several times.
+
+        Returns:
+          ``(leaves, batch)``; the first is the state :meth:`optimizer_states` reads.
+        """
+        return self.engine.drive_inputs(*args)
+
+    def set_feedback(self, feedback: Any, *args) -> Any:
+        """Feeds a measurement into every later step, and compiles that step now.
+
+        From now on each call passes ``feedback.before_step()`` (an f32 array of one
+        value per device, laid out like the batch: the measured communication share) into
+        the step as an explicit input; inside, its mean over the devices is written into
+        each optimizer's state with ``feedback.write(opt_state, share)`` before the user's
+        step runs, and the new state's leaves go to ``feedback.after_step(leaves)``.
+        ``jaxcomm.CommProfiler.drive`` is the feedback that measures the share; users call
+        that.
+
+        Args:
+          feedback: an object with ``before_step() -> jax.Array``,
+            ``write(opt_state, share) -> opt_state`` (traced) and ``after_step(leaves)``.
+          *args: the step's arguments, as it is called (it is compiled for them).
+
+        Returns:
+          The ``jax.stages.Compiled`` step: ``compiled(leaves, batch, share)``.
+        """
+        return self.engine.set_feedback(feedback, *args)
+
+    def compile(self, *args, communicate: bool = True) -> Any:
+        """The step compiled for these arguments (as the step is called).
+
+        Args:
+          *args: the step's arguments.
+          communicate: False builds the compute-only twin: every ``sync_gradients`` passes
+            the gradients through (no gradient collective; the params drift apart, so no
+            replication check). It returns the new state without writing it back.
+
+        Returns:
+          A ``jax.stages.Compiled`` step ``compiled(*drive_inputs(*args))`` returning the
+          new state's leaves and the outputs.
+
+        Example:
+          >>> twin = train_step.compile(model, optimizer, metrics, batch, communicate=False)
+          >>> jaxcomm.wire_bytes(twin, mesh=mesh)["total"]   # the metrics' scalars only
+        """
+        return self.engine.compile(*args, communicate=communicate)
+
+    def optimizer_states(self, state: list) -> list[Any]:
+        """The optax state of each optimizer argument (an ``nnx.Optimizer``, a
+        ``TrainState``), read from the step's state leaves (as :meth:`drive_inputs`
+        returns them and the step updates them; per-device leaves keep their device axis).
+
+        Example:
+          >>> leaves, batch = train_step.drive_inputs(model, optimizer, batch)
+          >>> jaxcomm.compression.adaptive_states(train_step.optimizer_states(leaves))
+        """
+        return self.engine.optimizer_states(state)
+
+    def with_optimizer_states(self, state: list, opt_states: list) -> list:
+        """The step's state leaves with each optimizer's state replaced by ``opt_states``
+        (the structure :meth:`optimizer_states` returned)."""
+        return self.engine.with_optimizer_states(state, opt_states)
