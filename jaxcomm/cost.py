@@ -34,9 +34,10 @@ sampled values; all-to-all + all-gather of quantized chunks; all-gather of (inde
 pairs) with its wire bytes, on the inter-node stage only (full-precision reduce-scatter and
 all-gather inside the node) or on the whole reduction; its codec (:class:`Codec`: encode
 and decode seconds per f32 byte, measured by ``python -m experiments.bench compression
---calibration``; :data:`H200_CODEC` for an H200 from the GPU check's kernel figures); the
-packing of the leaves into one buffer and back; adaptive's error sketch and its all-reduce;
-and a fixed cost per collective call by kind (``call_s``).
+--calibration``; :data:`H200_CODEC` for an H200 from the GPU check's kernel figures in
+``jaxcomm/data/h200_codec.json``); the packing of the leaves into one buffer and back;
+adaptive's error sketch and its all-reduce; and a fixed cost per collective call by kind
+(``call_s``).
 
 References:
   Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in
@@ -53,8 +54,10 @@ Example:
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
+from importlib import resources
 from typing import NamedTuple
 
 import numpy as np
@@ -78,7 +81,9 @@ __all__ = [
     "compressed_time",
     "halving_doubling_time",
     "hierarchical_time",
+    "kernel_codecs",
     "lower_bound",
+    "measured",
     "parse_compression",
     "predict",
     "predict_allgather",
@@ -511,6 +516,13 @@ CODEC_KERNELS: tuple[str, ...] = (
     "powersgd", "sketch", "copy",
 )  # fmt: skip
 _RUNGS = ("f32", "bf16", "int8", "int4", "topk:R", "random_k:R")
+# Each compressor's arguments, in its factory's order, with their types.
+_PARAMS: dict[str, tuple[tuple[str, type], ...]] = {
+    "none": (), "bf16": (), "fp16": (), "int8": (("block", int), ("stochastic", bool)),
+    "int4": (("block", int), ("stochastic", bool)), "topk": (("ratio", float),),
+    "random_k": (("ratio", float),), "powersgd": (("rank", int),),
+    "adaptive": (("rung", str), ("block", int), ("stochastic", bool)),
+}  # fmt: skip
 # Adaptive's error of the mean: one all-reduce of 2 x 1021 f32 over every data axis.
 _SKETCH_BYTES = 2 * 1021 * 4
 
@@ -661,31 +673,7 @@ def parse_compression(text: str | None) -> Compression | None:
     name, inner = m.group(1), (m.group(2) or "").strip()
     if name not in COMPRESSORS:
         raise _bad(text, f"unknown compressor {name!r}; allowed: {list(COMPRESSORS)}")
-    params = {
-        "none": (), "bf16": (), "fp16": (), "int8": (("block", int), ("stochastic", bool)),
-        "int4": (("block", int), ("stochastic", bool)), "topk": (("ratio", float),),
-        "random_k": (("ratio", float),), "powersgd": (("rank", int),),
-        "adaptive": (("rung", str), ("block", int), ("stochastic", bool)),
-    }[name]  # fmt: skip
-    kinds = dict(params)
-    got: dict = {}
-    keyword = False
-    for i, arg in enumerate(a for a in (x.strip() for x in inner.split(",")) if a):
-        key, eq, raw = arg.partition("=")
-        keyword = keyword or bool(eq)
-        if not eq:
-            if i >= len(params) or keyword:
-                raise _bad(
-                    text,
-                    f"unexpected argument {arg!r} (positional after the "
-                    f"{len(params)} of {name}, or after a key=value)",
-                )
-            key, raw = params[i][0], arg
-        key = key.strip()
-        if key not in kinds:
-            allowed = [k for k, _ in params] or "no arguments"
-            raise _bad(text, f"{name} takes {allowed}, not {key!r}")
-        got[key] = _value(text, raw, kinds[key])
+    got = _arguments(text, name, inner)
     if name == "none":
         return None
     block = got.get("block", 256)
@@ -709,7 +697,36 @@ def parse_compression(text: str | None) -> Compression | None:
         if rank < 1:
             raise _bad(text, f"rank={rank} must be >= 1")
         return Compression(f"powersgd({rank})", "powersgd", "allreduce", float(rank))
-    rung = got.get("rung")
+    return _adaptive_at(text, got.get("rung"), block, stochastic)
+
+
+def _arguments(text: str, name: str, inner: str) -> dict:
+    """The arguments of ``name(inner)``, positional or ``key=value``, by name and typed."""
+    params = _PARAMS[name]
+    kinds = dict(params)
+    got: dict = {}
+    keyword = False
+    for i, arg in enumerate(a for a in (x.strip() for x in inner.split(",")) if a):
+        key, eq, raw = arg.partition("=")
+        keyword = keyword or bool(eq)
+        if not eq:
+            if i >= len(params) or keyword:
+                raise _bad(
+                    text,
+                    f"unexpected argument {arg!r} (positional after the "
+                    f"{len(params)} of {name}, or after a key=value)",
+                )
+            key, raw = params[i][0], arg
+        key = key.strip()
+        if key not in kinds:
+            allowed = [k for k, _ in params] or "no arguments"
+            raise _bad(text, f"{name} takes {allowed}, not {key!r}")
+        got[key] = _value(text, raw, kinds[key])
+    return got
+
+
+def _adaptive_at(text: str, rung: str | None, block: int, stochastic: bool) -> Compression:
+    """``adaptive(rung, ...)``: the compressor of its rung, priced with the error sketch."""
     if rung is None:
         raise _bad(text, "adaptive needs the rung it is held at, e.g. adaptive(int4)")
     rk, _, rr = rung.partition(":")
@@ -725,51 +742,51 @@ def parse_compression(text: str | None) -> Compression | None:
     return base._replace(spec=f"adaptive({rung}{extra})", sketch=rk != "f32")
 
 
-def _pb(seconds: float, nbytes: float) -> float:
-    return seconds / nbytes
+def measured(name: str) -> dict:
+    """A file of measured figures shipped in ``jaxcomm/data/`` (JSON), read as a dict.
+
+    Each file names the command, date and machine its figures came from.
+
+    Example:
+      >>> measured("h200_codec.json")["machine"]
+      "one NVIDIA H200 (device_kind 'NVIDIA H200', 4.8 TB/s HBM3e)"
+    """
+    return json.loads(resources.files("jaxcomm").joinpath("data", name).read_text())
 
 
-# The one GPU check (docs/results/gpu_check_2026-11-30_run1.json, part 'kernels'): best of
-# 7 rounds x 10 jitted calls on one H200, the ResNet-152 gradient as 60,192,808 f32 (8
-# rows, block 256); PowerSGD rank 4 on its 156 compressed matrices (60,040,384 f32).
-_H200_B = 60_192_808 * 4
-_H200_M = 60_040_384 * 4
-_H200_COPY = 0.00012601989999936337
-_H200_DEQ8, _H200_DEQ4 = 9.500299999984919e-05, 0.00016431919999959632
-_GPU = "gpu_check 2026-11-30 (H200): "
-#: Codec of an H200 from the GPU check's kernel figures. ``source`` names each figure;
-#: a kernel the check did not time has a stand-in, named as such (an upper bound where it
-#: reads or writes more bytes than the kernel it stands for).
-H200_CODEC: dict[str, Codec] = {
-    "int8": Codec(_pb(0.0003345682999999156 + _H200_DEQ8, _H200_B), _pb(_H200_DEQ8, _H200_B),
-                  _GPU + "int8 quantize (stochastic) + dequantize; dequantize"),
-    "int8-nearest": Codec(_pb(0.00015797739999996453 + _H200_DEQ8, _H200_B),
-                          _pb(_H200_DEQ8, _H200_B),
-                          _GPU + "int8 quantize (nearest) + dequantize; dequantize"),
-    "int4": Codec(_pb(0.0003199059000003501 + _H200_DEQ4, _H200_B), _pb(_H200_DEQ4, _H200_B),
-                  _GPU + "int4 quantize (stochastic) + dequantize; dequantize"),
-    "int4-nearest": Codec(_pb(0.0003199059000003501 + _H200_DEQ4, _H200_B),
-                          _pb(_H200_DEQ4, _H200_B),
-                          "not measured (no int4 nearest kernel in the GPU check): stand-in "
-                          "int4 stochastic, an upper bound"),
-    "bf16": Codec(_pb(_H200_COPY, _H200_B), _pb(_H200_COPY, _H200_B),
-                  "not measured (no cast kernel): stand-in the f32 copy (x * 2), an upper "
-                  "bound"),
-    "fp16": Codec(_pb(_H200_COPY, _H200_B), _pb(_H200_COPY, _H200_B),
-                  "not measured (no cast kernel): stand-in the f32 copy, an upper bound"),
-    "topk": Codec(_pb(0.002193175700000438, _H200_B), _pb(_H200_COPY, _H200_B),
-                  _GPU + "top-k 1% sampled selection; decode not measured: stand-in the copy"),
-    "random_k": Codec(_pb(_H200_COPY, _H200_B), _pb(_H200_COPY, _H200_B),
-                      "not measured: stand-in the f32 copy both ways"),
-    "powersgd": Codec(
-        _pb(0.0018145652000001178 + 0.015205242100000049 + 0.00209320290000079, _H200_M),
-        _pb(0.0018145652000001178, _H200_M),
-        _GPU + "PowerSGD r=4 P = M Q + orthogonalize (a QR per matrix) + Q = M^T P; "
-        "decode P Q^T not measured: stand-in P = M Q"),
-    "sketch": Codec(_pb(_H200_COPY, _H200_B), 0.0,
-                    "not measured (no sketch kernel): stand-in the f32 copy"),
-    "copy": Codec(_pb(_H200_COPY, _H200_B), _pb(_H200_COPY, _H200_B), _GPU + "copy (x * 2)"),
-}  # fmt: skip
+def kernel_codecs(figures: dict) -> dict[str, Codec]:
+    """A codec table from a file of kernel times (the form of ``h200_codec.json``).
+
+    Each codec's encode (decode) seconds per f32 byte is the sum of its ``encode``
+    (``decode``) kernels' times in ``kernels_s``, divided by the bytes they processed
+    (``bytes[codec['bytes']]``).
+
+    Args:
+      figures: the file's dict (:func:`measured`).
+
+    Returns:
+      ``{codec name: Codec}``.
+    """
+    kernels, sizes = figures["kernels_s"], figures["bytes"]
+
+    def per_byte(names: list[str], nbytes: float) -> float:
+        return sum(kernels[k] for k in names) / nbytes
+
+    return {
+        name: Codec(
+            per_byte(c["encode"], sizes[c["bytes"]]),
+            per_byte(c["decode"], sizes[c["bytes"]]),
+            c["source"],
+        )
+        for name, c in figures["codecs"].items()
+    }
+
+
+#: Codec of an H200 from the GPU check's kernel figures (``jaxcomm/data/h200_codec.json``:
+#: its command, date and machine). ``source`` names each figure; a kernel the check did
+#: not time has a stand-in, named as such (an upper bound where it reads or writes more
+#: bytes than the kernel it stands for).
+H200_CODEC: dict[str, Codec] = kernel_codecs(measured("h200_codec.json"))
 
 
 def call_kinds(algorithm: str, topology: Topology) -> tuple[str, ...]:

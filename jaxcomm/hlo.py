@@ -210,7 +210,6 @@ def parse_collectives(text: str, mesh: Mesh | None = None) -> HloModule:
     Returns:
       The parsed module.
     """
-    num_devices = int(mesh.devices.size) if mesh is not None else None
     partitions = _mesh_axis_partitions(mesh) if mesh is not None else {}
     comps: dict[str, list[str]] = {}
     branches: dict[str, tuple[str, int]] = {}
@@ -227,73 +226,97 @@ def parse_collectives(text: str, mesh: Mesh | None = None) -> HloModule:
         im = _INSTR_RE.match(line)
         if not im:
             continue
-        name, type_str, opcode, rest = im.groups()
-        comps.setdefault(current, []).extend(c for _, c in _CALLS_RE.findall(rest))
-        bm = _BRANCHES_RE.search(rest)
-        if bm:
-            names = [b.strip().lstrip("%") for b in bm.group(1).split(",") if b.strip()]
-            comps[current].extend(names)
-            branches.update({b: (name, i) for i, b in enumerate(names)})
-        tc = re.search(r"true_computation=%?([\w.\-]+)", rest)
-        fc = re.search(r"false_computation=%?([\w.\-]+)", rest)
-        if tc and fc:
-            branches[tc.group(1)] = (name, 0)
-            branches[fc.group(1)] = (name, 1)
-        base = opcode.removesuffix("-start")
-        if base not in COLLECTIVE_KINDS:
-            continue
-        is_async = opcode.endswith("-start")
-        arrays = _arrays(type_str)
-        if is_async and base in ("all-gather", "collective-permute") and len(arrays) >= 2:
-            arrays = arrays[len(arrays) // 2 :]  # ((operands), (results)) -> results
-        elif is_async and len(arrays) == 2 * _operand_count(rest):
-            # XLA:GPU in jaxlib 0.11 types an all-reduce-start as (operands..., results...):
-            # counted whole, every async all-reduce showed twice its bytes (seen on an H200).
-            arrays = arrays[len(arrays) // 2 :]
-        groups_attr = _attr(rest, "replica_groups")
-        groups = parse_replica_groups(groups_attr, num_devices) if groups_attr else ()
-        pairs_attr = _attr(rest, "source_target_pairs")
-        pair_strs = re.findall(r"\{(\d+,\d+)\}", pairs_attr) if pairs_attr else []
-        pairs = tuple(tuple(int(v) for v in p.split(",")) for p in pair_strs)
-        if base == "collective-permute":
-            gsize = len(pairs)
-        else:
-            gsize = len(groups[0]) if groups else (num_devices or 1)
-        result = sum(n for _, n in arrays)
-        operand = {"reduce-scatter": result * gsize, "all-gather": result // max(gsize, 1)}.get(
-            base, result
-        )
-        dtype = arrays[0][0] if arrays else "?"
-        axes = None
-        if groups and partitions:
-            axes = partitions.get(frozenset(frozenset(g) for g in groups))
-        elif pairs and mesh is not None:
-            axes = _permute_axes(pairs, mesh)
-        found.append(
-            Collective(
-                kind=base,
-                name=name,
-                dtype=dtype,
-                operand_elements=operand,
-                result_elements=result,
-                operand_bytes=sum(
-                    _DTYPE_BYTES.get(dt, 4) * (n * operand / max(result, 1)) for dt, n in arrays
-                ),
-                group_size=gsize,
-                replica_groups=groups,
-                source_target_pairs=pairs,
-                axes=axes,
-                computation=current,
-                is_async=is_async,
-                num_buffers=len(arrays),
-            )
-        )
+        name, _, _, rest = im.groups()
+        _note_calls(comps, branches, current, name, rest)
+        collective = _collective(im.groups(), current, mesh, partitions)
+        if collective is not None:
+            found.append(collective)
     return HloModule(
         text=text,
         collectives=tuple(found),
         calls={k: tuple(v) for k, v in comps.items()},
         branches=branches,
         entry=entry,
+    )
+
+
+def _note_calls(
+    comps: dict[str, list[str]],
+    branches: dict[str, tuple[str, int]],
+    current: str,
+    name: str,
+    rest: str,
+) -> None:
+    """Records the computations instruction ``name`` of ``current`` calls, and the
+    branches of a conditional (``branch_computations`` or true / false)."""
+    comps.setdefault(current, []).extend(c for _, c in _CALLS_RE.findall(rest))
+    bm = _BRANCHES_RE.search(rest)
+    if bm:
+        names = [b.strip().lstrip("%") for b in bm.group(1).split(",") if b.strip()]
+        comps[current].extend(names)
+        branches.update({b: (name, i) for i, b in enumerate(names)})
+    tc = re.search(r"true_computation=%?([\w.\-]+)", rest)
+    fc = re.search(r"false_computation=%?([\w.\-]+)", rest)
+    if tc and fc:
+        branches[tc.group(1)] = (name, 0)
+        branches[fc.group(1)] = (name, 1)
+
+
+def _collective(
+    groups: tuple[str, str, str, str],
+    current: str,
+    mesh: Mesh | None,
+    partitions: dict[frozenset, tuple[str, ...]],
+) -> Collective | None:
+    """The :class:`Collective` of one instruction (``name, type, opcode, rest`` of its
+    line, in computation ``current``), or None for another opcode."""
+    name, type_str, opcode, rest = groups
+    num_devices = int(mesh.devices.size) if mesh is not None else None
+    base = opcode.removesuffix("-start")
+    if base not in COLLECTIVE_KINDS:
+        return None
+    is_async = opcode.endswith("-start")
+    arrays = _arrays(type_str)
+    if is_async and base in ("all-gather", "collective-permute") and len(arrays) >= 2:
+        arrays = arrays[len(arrays) // 2 :]  # ((operands), (results)) -> results
+    elif is_async and len(arrays) == 2 * _operand_count(rest):
+        # XLA:GPU in jaxlib 0.11 types an all-reduce-start as (operands..., results...):
+        # counted whole, every async all-reduce showed twice its bytes (seen on an H200).
+        arrays = arrays[len(arrays) // 2 :]
+    groups_attr = _attr(rest, "replica_groups")
+    replica = parse_replica_groups(groups_attr, num_devices) if groups_attr else ()
+    pairs_attr = _attr(rest, "source_target_pairs")
+    pair_strs = re.findall(r"\{(\d+,\d+)\}", pairs_attr) if pairs_attr else []
+    pairs = tuple(tuple(int(v) for v in p.split(",")) for p in pair_strs)
+    if base == "collective-permute":
+        gsize = len(pairs)
+    else:
+        gsize = len(replica[0]) if replica else (num_devices or 1)
+    result = sum(n for _, n in arrays)
+    operand = {"reduce-scatter": result * gsize, "all-gather": result // max(gsize, 1)}.get(
+        base, result
+    )
+    axes = None
+    if replica and partitions:
+        axes = partitions.get(frozenset(frozenset(g) for g in replica))
+    elif pairs and mesh is not None:
+        axes = _permute_axes(pairs, mesh)
+    return Collective(
+        kind=base,
+        name=name,
+        dtype=arrays[0][0] if arrays else "?",
+        operand_elements=operand,
+        result_elements=result,
+        operand_bytes=sum(
+            _DTYPE_BYTES.get(dt, 4) * (n * operand / max(result, 1)) for dt, n in arrays
+        ),
+        group_size=gsize,
+        replica_groups=replica,
+        source_target_pairs=pairs,
+        axes=axes,
+        computation=current,
+        is_async=is_async,
+        num_buffers=len(arrays),
     )
 
 

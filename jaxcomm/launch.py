@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jaxcomm.distributed import (
     ENV_COORDINATOR,
@@ -146,7 +147,6 @@ def run_group(
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
-    first_error = 0
     try:
         for cmd, extra, prefix in zip(commands, envs, prefixes, strict=True):
             p = subprocess.Popen(
@@ -160,40 +160,52 @@ def run_group(
             t = threading.Thread(target=_forward, args=(p.stdout, prefix, out, lock), daemon=True)
             t.start()
             threads.append(t)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        running = set(range(len(procs)))
-        while running:
-            for i in sorted(running):
-                rc = procs[i].poll()
-                if rc is None:
-                    continue
-                running.discard(i)
-                if rc != 0 and first_error == 0:
-                    first_error = 128 - rc if rc < 0 else rc
-                    with lock:
-                        out.write(
-                            f"[launch] process {i} exited with {rc}; the others end "
-                            f"within {settle_s:g} s\n"
-                        )
-                        out.flush()
-                    settled = time.monotonic() + settle_s
-                    while any(procs[j].poll() is None for j in running):
-                        if time.monotonic() > settled:
-                            break
-                        time.sleep(0.05)
-            if first_error:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                with lock:
-                    out.write(f"[launch] timeout after {timeout_s} s; ending all processes\n")
-                first_error = 124
-                break
-            time.sleep(0.05)
+        return _watch(procs, timeout_s, settle_s, out, lock)
     finally:
         for p in procs:
             _end_group(p, grace_s)
         for t in threads:
             t.join(timeout=5)
+
+
+def _watch(
+    procs: list[subprocess.Popen],
+    timeout_s: float | None,
+    settle_s: float,
+    out: Any,
+    lock: threading.Lock,
+) -> int:
+    """Waits for ``procs``: 0 when all exit 0; the first non-zero code (``128 + s`` for a
+    signal ``s``) once the others had ``settle_s`` to end; 124 after ``timeout_s``."""
+    first_error = 0
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    running = set(range(len(procs)))
+    while running:
+        for i in sorted(running):
+            rc = procs[i].poll()
+            if rc is None:
+                continue
+            running.discard(i)
+            if rc != 0 and first_error == 0:
+                first_error = 128 - rc if rc < 0 else rc
+                with lock:
+                    out.write(
+                        f"[launch] process {i} exited with {rc}; the others end "
+                        f"within {settle_s:g} s\n"
+                    )
+                    out.flush()
+                settled = time.monotonic() + settle_s
+                while any(procs[j].poll() is None for j in running):
+                    if time.monotonic() > settled:
+                        break
+                    time.sleep(0.05)
+        if first_error:
+            return first_error
+        if deadline is not None and time.monotonic() > deadline:
+            with lock:
+                out.write(f"[launch] timeout after {timeout_s} s; ending all processes\n")
+            return 124
+        time.sleep(0.05)
     return first_error
 
 

@@ -29,6 +29,33 @@ Method (every number traceable to a measurement or to the compiled program):
 Overlapped communication (GPU, async collectives) is hidden by design: bandwidth computed from
 exposed time is then an upper bound, and the fraction is what overlap did not hide.
 
+Driving adaptive compressors (:meth:`CommProfiler.drive`):
+
+1. Compile the step with the share as an extra input (the HLO census of
+   :meth:`attach` is read from it); time the compute-only twin (``compute_time``:
+   the same step with every ``sync_gradients`` passing gradients through).
+2. Windows are the adaptive compressor's ``adjustment_step`` steps (aligned with
+   its ``window_steps``). At a window's end the driver waits for the state (one
+   host synchronisation per window) and measures ``step_time`` = the window's wall
+   time (from its first step's call: pauses between windows do not count) / steps.
+3. ``comm_share = clip(1 - (compute_time + kernel_time[level]) / step_time, 0,
+   1)``, put on this process's devices once per window; the steps of the next
+   window average it over all devices (one scalar ``pmean``, so processes whose
+   clocks differ still decide alike), and the first of them decides.
+   ``kernel_time[level]`` is the time the window's rung spends in its own kernels,
+   which no link speed changes (with ``calibrate``: :func:`_kernel_times`; without,
+   zeros, and a rung whose kernels cost more than the traffic they save looks
+   communication-bound on any link). With ``retime_twin`` the twin runs again
+   after every ``retime_twin``-th window (a count, not a clock: every process runs
+   its collectives at the same step) and the kernel times scale with it, since on
+   a shared machine the load moves both.
+4. It logs one ``{"event": "adapt_window", ...}`` line per window and one
+   ``{"event": "level_change", "reason": "error" | "network", ...}`` per change;
+   TensorBoard ``adapt/level_<i>``, ``adapt/error_<i>``, ``adapt/comm_share``,
+   ``adapt/step_time``, ``adapt/change_<i>`` (+-1 error, +-2 network).
+
+The share counts all the twin does not run (host time included) as communication.
+
 References:
   NVIDIA nccl-tests, doc/PERFORMANCE.md (algbw/busbw).
 """
@@ -37,8 +64,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import struct
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -50,9 +75,12 @@ from jaxcomm import hlo, wire
 from jaxcomm.compression.adaptive import (
     REASONS,
     AdaptiveState,
+    adaptive_states,
     ladder,
+    map_adaptive,
     with_comm_share,
 )
+from jaxcomm.front_end import FrontEnd
 from jaxcomm.validate import check_int
 
 __all__ = ["CommProfiler", "compute_only_step", "median_time"]
@@ -102,67 +130,16 @@ class _Step:
         return outputs
 
 
-class _EventWriter:
-    """Minimal TensorBoard event-file writer (scalars only): TFRecord framing of
-    ``Event{wall_time, step, summary{value{tag, simple_value}}}`` protos, hand-encoded."""
-
-    def __init__(self, logdir: str):
-        os.makedirs(logdir, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time())}.{os.getpid()}.jaxcomm"
-        self.path = os.path.join(logdir, name)
-        self._f = open(self.path, "ab")
-        self._write(_field(1, 1, struct.pack("<d", time.time())) + _field(3, 2, b"brain.Event:2"))
-
-    def scalars(self, step: int, values: dict[str, float]) -> None:
-        summary = b"".join(
-            _field(1, 2, _field(1, 2, tag.encode()) + _field(2, 5, struct.pack("<f", v)))
-            for tag, v in values.items()
-        )
-        event = _field(1, 1, struct.pack("<d", time.time())) + _field(2, 0, step)
-        self._write(event + _field(5, 2, summary))
-
-    def _write(self, data: bytes) -> None:
-        header = struct.pack("<Q", len(data))
-        self._f.write(header + struct.pack("<I", _masked_crc(header)))
-        self._f.write(data + struct.pack("<I", _masked_crc(data)))
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field(num: int, wire: int, payload: Any) -> bytes:
-    key = _varint(num << 3 | wire)
-    if wire == 0:
-        return key + _varint(int(payload))
-    if wire == 2:
-        return key + _varint(len(payload)) + payload
-    return key + payload  # fixed 64 (1) / fixed 32 (5)
-
-
-_CRC_TABLE = []
-for _i in range(256):
-    _c = _i
-    for _ in range(8):
-        _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
-    _CRC_TABLE.append(_c)
-
-
-def _masked_crc(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    crc ^= 0xFFFFFFFF
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+def _tensorboard_writer(logdir: str) -> Any:
+    """A ``tensorboardX.SummaryWriter`` on ``logdir``, or a clear error without tensorboardX."""
+    try:
+        from tensorboardX import SummaryWriter  # optional: only tensorboard_dir needs it
+    except ImportError as err:
+        raise ImportError(
+            "CommProfiler(tensorboard_dir=...) writes with tensorboardX, which is not "
+            "installed; pip install 'jaxcomm[tensorboard]' (or tensorboardX)."
+        ) from err
+    return SummaryWriter(logdir, filename_suffix=".jaxcomm")
 
 
 class CommProfiler:
@@ -177,7 +154,8 @@ class CommProfiler:
         communication per counted collective).
       log_interval: every this many recorded steps, log the stats (JSON lines).
       log_file: path of the JSON-lines log (default: print to stdout).
-      tensorboard_dir: also write the stats as TensorBoard scalars there.
+      tensorboard_dir: also write the stats as TensorBoard scalars there (with
+        tensorboardX: ``pip install 'jaxcomm[tensorboard]'``).
       trace_dir: capture a ``jax.profiler`` trace of steps ``trace_steps`` there.
       trace_steps: ``(first, last)`` recorded step numbers to trace (0-based, inclusive).
 
@@ -211,7 +189,7 @@ class CommProfiler:
         self.log_file = log_file
         self.trace_dir = trace_dir
         self.trace_steps = trace_steps
-        self._tb = _EventWriter(tensorboard_dir) if tensorboard_dir else None
+        self._tb = _tensorboard_writer(tensorboard_dir) if tensorboard_dir else None
         self._tracing = False
         self.step_times: list[float] = []
         self.compute_time: float | None = None
@@ -279,50 +257,23 @@ class CommProfiler:
     ) -> CommProfiler:
         """Puts the measured network in the loop of ``step``'s adaptive compressors.
 
-        ``step`` is a :class:`jaxcomm.DataParallel` (``drive(dp, state, batch)``), a
-        :func:`jaxcomm.nnx_data_parallel` step (``drive(train_step, model, optimizer,
-        metrics, batch)``: its arguments, as it is called) or a
-        :func:`jaxcomm.linen_data_parallel` step (``drive(train_step, state, batch)``).
-        After this one call, every call of ``step`` passes the exposed communication
-        share measured over the last window into the step (an explicit input, written into
-        each :class:`~jaxcomm.compression.AdaptiveState` by
+        After this one call, every call of ``step`` passes the exposed communication share
+        measured over the last window into the step (an explicit input, written into each
+        :class:`~jaxcomm.compression.AdaptiveState` by
         :func:`~jaxcomm.compression.with_comm_share`), and every level change is logged
-        with its reason (JSON lines, TensorBoard).
-
-        1. Compile the step with the share as an extra input (the HLO census of
-           :meth:`attach` is read from it); time the compute-only twin (``compute_time``:
-           the same step with every ``sync_gradients`` passing gradients through).
-        2. Windows are the adaptive compressor's ``adjustment_step`` steps (aligned with
-           its ``window_steps``). At a window's end the driver waits for the state (one
-           host synchronisation per window) and measures ``step_time`` = the window's wall
-           time (from its first step's call: pauses between windows do not count) / steps.
-        3. ``comm_share = clip(1 - (compute_time + kernel_time[level]) / step_time, 0,
-           1)``, put on this process's devices once per window; the steps of the next
-           window average it over all devices (one scalar ``pmean``, so processes whose
-           clocks differ still decide alike), and the first of them decides.
-           ``kernel_time[level]`` is the time the window's rung spends in its own kernels,
-           which no link speed changes (with ``calibrate``: :func:`_kernel_times`; without,
-           zeros, and a rung whose kernels cost more than the traffic they save looks
-           communication-bound on any link). With ``retime_twin`` the twin runs again
-           after every ``retime_twin``-th window (a count, not a clock: every process runs
-           its collectives at the same step) and the kernel times scale with it, since on
-           a shared machine the load moves both.
-        4. It logs one ``{"event": "adapt_window", ...}`` line per window and one
-           ``{"event": "level_change", "reason": "error" | "network", ...}`` per change;
-           TensorBoard ``adapt/level_<i>``, ``adapt/error_<i>``, ``adapt/comm_share``,
-           ``adapt/step_time``, ``adapt/change_<i>`` (+-1 error, +-2 network).
-
-        The share counts all the twin does not run (host time included) as communication.
+        with its reason (JSON lines, TensorBoard). How: the module docstring.
 
         Args:
-          step: a :class:`jaxcomm.DataParallel`, :class:`jaxcomm.nnx.NnxDataParallel` or
-            :class:`jaxcomm.nnx.LinenDataParallel` whose optimizer holds at least one
-            ``sync_gradients(compression=adaptive(...))``.
+          step: any :class:`jaxcomm.front_end.FrontEnd` whose optimizer holds at least one
+            ``sync_gradients(compression=adaptive(...))``: a :class:`jaxcomm.DataParallel`
+            (``drive(dp, state, batch)``), a :func:`jaxcomm.nnx_data_parallel` step
+            (``drive(train_step, model, optimizer, metrics, batch)``) or a
+            :func:`jaxcomm.linen_data_parallel` step (``drive(train_step, state, batch)``).
           *args: its arguments as it is called (the state or the NNX objects, current:
             the windows align with their ``window_steps``; and an example batch).
           twin_reps: timed runs of the compute-only twin (and of each rung).
           calibrate: time each rung once to separate its kernels from communication
-            (one adaptive compressor only; see step 3).
+            (one adaptive compressor only; step 3 of the module docstring).
           retime_twin: windows between timed runs of the twin during training (one run
             after the window, out of the windows' clock; 0: never).
 
@@ -331,7 +282,7 @@ class CommProfiler:
           rung (s; zeros without ``calibrate``, empty with several adaptive compressors).
 
         Raises:
-          TypeError: ``step`` is none of those (:func:`jaxcomm.pmap_data_parallel`
+          TypeError: ``step`` is not a front end (:func:`jaxcomm.pmap_data_parallel`
             included: its state is stored per device).
           ValueError: no adaptive compressor in the optimizer state, several with
             different ``adjustment_step``, ``donate=True`` or ``accumulate='overlap'``
@@ -339,22 +290,17 @@ class CommProfiler:
 
         Example:
           >>> prof = jaxcomm.CommProfiler(log_file="adapt.jsonl")
-          >>> prof.drive(dp, state, batch)
+          >>> prof.drive(dp, state, batch)   # NNX: prof.drive(train_step, model, opt, batch)
           >>> for batch in data:
           ...     state, metrics = dp(state, batch)
           >>> prof.level_changes[0]["reason"]
-
-          With Flax NNX (Linen: ``prof.drive(train_step, state, batch)``):
-
-          >>> prof.drive(train_step, model, optimizer, metrics, batch)
-          >>> for batch in data:
-          ...     train_step(model, optimizer, metrics, batch)
         """
         twin_reps = check_int("twin_reps", twin_reps, minimum=1)
         retime_twin = check_int(
             "retime_twin", retime_twin, minimum=0, fix="windows between twin re-timings; 0: never"
         )
-        inputs = _front_end(step).drive_inputs(*args)
+        step = _front_end(step)
+        inputs = step.drive_inputs(*args)
         found, window = _drivable(step, inputs[0])
         driver = _Driver(self, step, window, int(np.asarray(found[0].window_steps)))
         compiled = step.set_feedback(driver, *args)
@@ -454,7 +400,9 @@ class CommProfiler:
         else:
             print(line, flush=True)
         if self._tb is not None and scalars:
-            self._tb.scalars(step, scalars)
+            for tag, value in scalars.items():
+                self._tb.add_scalar(tag, value, step)
+            self._tb.flush()  # readable while the run goes on
 
     def close(self) -> None:
         """Stops a running trace and closes the TensorBoard file."""
@@ -465,40 +413,28 @@ class CommProfiler:
             self._tb.close()
 
 
-_FRONT_END = ("drive_inputs", "set_feedback", "compile", "adaptive_states", "replace_adaptive")
-
-
-def _front_end(step: Any) -> Any:
-    """``step`` if it is a front end :meth:`CommProfiler.drive` can drive, else a clear error.
-
-    A front end has ``mesh``, ``num_devices``, ``batch_sharding`` (how the share's one
-    value per device is laid out), ``syncs`` (the ``GradientSync`` of each
-    ``sync_gradients`` its step runs) and these methods, each taking the step's arguments
-    as it is called or the program's state (the first of ``drive_inputs``):
-
-    - ``drive_inputs(*args)``: the inputs of the compiled programs below, placed on the
-      mesh (the state first); refuses a step that cannot be driven.
-    - ``set_feedback(feedback, *args)``: compiles the step with the share as its last
-      input, written into the optimizer state by ``feedback.write(opt_state, share)``
-      inside the step; every later call passes ``feedback.before_step()`` and hands the
-      new state to ``feedback.after_step(state)``. Returns the compiled step.
-    - ``compile(*args, communicate=False)``: the compiled compute-only twin.
-    - ``adaptive_states(state)``: the ``AdaptiveState`` of each adaptive compressor.
-    - ``replace_adaptive(state, fn)``: ``state`` with ``fn`` applied to each of them.
-    """
-    if not all(callable(getattr(step, m, None)) for m in _FRONT_END):
+def _front_end(step: Any) -> FrontEnd:
+    """``step`` if it is a :class:`jaxcomm.front_end.FrontEnd`, else a clear error."""
+    if not isinstance(step, FrontEnd):
         raise TypeError(
-            f"CommProfiler.drive drives a jaxcomm.DataParallel (jaxcomm.data_parallel) or a "
-            f"step decorated with jaxcomm.nnx_data_parallel / jaxcomm.linen_data_parallel, "
-            f"got {type(step).__name__}; build the step with one of those."
+            f"CommProfiler.drive drives a jaxcomm.front_end.FrontEnd, got "
+            f"{type(step).__name__} (a jaxcomm.pmap_data_parallel step is none: its state is "
+            f"stored per device); build the step with jaxcomm.data_parallel, "
+            f"jaxcomm.nnx_data_parallel or jaxcomm.linen_data_parallel."
         )
     return step
 
 
-def _drivable(dp: Any, state: Any) -> tuple[list[AdaptiveState], int]:
+def _adaptive_of(front: FrontEnd, state: Any) -> list[AdaptiveState]:
+    """The :class:`AdaptiveState` of each adaptive compressor in ``state`` (the program's
+    state), optimizer by optimizer, in tree order."""
+    return [a for opt in front.optimizer_states(state) for a in adaptive_states(opt)]
+
+
+def _drivable(dp: FrontEnd, state: Any) -> tuple[list[AdaptiveState], int]:
     """The adaptive states of ``state`` (the program's state) and their one window, or a
     clear error for a step :meth:`CommProfiler.drive` cannot drive."""
-    found = dp.adaptive_states(state)
+    found = _adaptive_of(dp, state)
     if not found:
         raise ValueError(
             "CommProfiler.drive: the optimizer state holds no adaptive compressor; use "
@@ -513,7 +449,7 @@ def _drivable(dp: Any, state: Any) -> tuple[list[AdaptiveState], int]:
     return found, windows.pop()
 
 
-def _ladders(dp: Any) -> list:
+def _ladders(dp: FrontEnd) -> list:
     """The ladder (rung names, wire fractions) of each adaptive compressor of ``dp``'s
     syncs, in the order the step runs them."""
     out = []
@@ -542,7 +478,7 @@ def _kernel_times(times: list[float], compute: float, fractions: tuple[float, ..
     ]
 
 
-def _at_level(dp: Any, state: Any, level: int) -> Any:
+def _at_level(dp: FrontEnd, state: Any, level: int) -> Any:
     """``state`` (``dp``'s program state) with every adaptive compressor at rung ``level``
     (new level arrays only; the other leaves are shared, so the copy costs nothing)."""
 
@@ -552,14 +488,15 @@ def _at_level(dp: Any, state: Any, level: int) -> Any:
 
     # A fresh window too: a state at a window's end would let the controller change the
     # rung inside the timed step.
-    return dp.replace_adaptive(
-        state,
-        lambda node: node._replace(
+    def fresh(node: AdaptiveState) -> AdaptiveState:
+        return node._replace(
             level=put(node.level, level),
             window_steps=put(node.window_steps, 0),
             error_sum=put(node.error_sum, 0.0),
-        ),
-    )
+        )
+
+    opts = [map_adaptive(opt, fresh) for opt in dp.optimizer_states(state)]
+    return dp.with_optimizer_states(state, opts)
 
 
 class _Scalars(NamedTuple):
@@ -574,7 +511,7 @@ class _Scalars(NamedTuple):
 class _Driver:
     """The feedback of :meth:`CommProfiler.drive` (the front end's ``set_feedback``)."""
 
-    def __init__(self, prof: CommProfiler, dp: Any, window: int, phase: int):
+    def __init__(self, prof: CommProfiler, dp: FrontEnd, window: int, phase: int):
         self.prof = prof
         self._front = dp
         self.window = window
@@ -638,7 +575,7 @@ class _Driver:
         found = jax.device_get(
             [_Scalars(a.level, a.error_sum, a.window_steps, a.last_error, a.last_reason,
                       a.comm_share)
-             for a in self._front.adaptive_states(state)]
+             for a in _adaptive_of(self._front, state)]
         )  # fmt: skip
         # The rung the window ran (decisions are taken at a window's first step).
         compute = self.prof.compute_time or 0.0

@@ -133,7 +133,8 @@ def codec_table(name: str | None) -> tuple[dict[str, cost.Codec], str]:
     if name in (None, "none"):
         return {}, "none (codec time not counted)"
     if name == "h200":
-        return dict(cost.H200_CODEC), "h200 (gpu_check 2026-11-30 kernel figures)"
+        date = cost.measured("h200_codec.json")["date"]
+        return dict(cost.H200_CODEC), f"h200 (gpu_check {date} kernel figures)"
     c = cal.load(name)
     if not c.codec:
         raise ValueError(
@@ -202,41 +203,59 @@ def simulate(
         "call_s": calls, "nodes": {},
     }  # fmt: skip
     for n in nodes:
-        aware = topology_for(n)
-        rand = aware.with_placement(random_order(aware, seed))
-        ar = {a: cost.predict(a, wl.total_bytes, aware) for a in cost.ALGORITHMS}
-        rows, base = [], None
-        for name, cfg in ROWS:
-            r = step_time(
-                wl,
-                aware if cfg["aware"] else rand,
-                algorithm=cfg["algorithm"],
-                overlap=cfg["overlap"],
-                compression_ratio=(compression_ratio or 1.0) if cfg["compress"] else 1.0,
-                compression=compression if cfg["compress"] else None,
-                compress_stage=compress_stage,
-                bucket_bytes=bucket_bytes if cfg["batch"] else None,
-                call_s=calls,
-                codec=codec,
-            )
-            base = base or r["step_s"]
-            rows.append({"row": name, **r, "speedup": base / r["step_s"],
-                         "efficiency": wl.compute_s / r["step_s"],
-                         "bound_speedup": base / max(wl.compute_s, r["comm_s"])})  # fmt: skip
-        out["nodes"][str(n)] = {
-            "topology": aware.describe(),
-            "devices": aware.num_devices,
-            "ring_hops": {
-                "random": ring_hops(aware, random_order(aware, seed)),
-                "aware": ring_hops(aware, aware_order(aware)),
-            },  # fmt: skip
-            "allreduce_s": ar,
-            "rows": rows,
-            "sharded": _sharded_rows(wl, aware, base, codec, calls),
-            "dp_wire_bytes": cost.sharded_time(wl.total_bytes, aware)["wire_bytes"],
-            "ceiling_speedup": base / wl.compute_s,
-        }
+        out["nodes"][str(n)] = _at_nodes(
+            wl, topology_for(n), seed, compression_ratio, compression, compress_stage,
+            bucket_bytes, calls, codec,
+        )  # fmt: skip
     return out
+
+
+def _at_nodes(
+    wl: Workload,
+    aware: Topology,
+    seed: int,
+    compression_ratio: float | None,
+    compression: cost.Compression | None,
+    compress_stage: str,
+    bucket_bytes: int,
+    calls: dict[str, float],
+    codec: dict[str, cost.Codec] | None,
+) -> dict[str, Any]:
+    """One node count of :func:`simulate`: every row of :data:`ROWS` on ``aware`` (the
+    topology with its aware placement) or on a random placement drawn with ``seed``."""
+    rand = aware.with_placement(random_order(aware, seed))
+    ar = {a: cost.predict(a, wl.total_bytes, aware) for a in cost.ALGORITHMS}
+    rows, base = [], None
+    for name, cfg in ROWS:
+        r = step_time(
+            wl,
+            aware if cfg["aware"] else rand,
+            algorithm=cfg["algorithm"],
+            overlap=cfg["overlap"],
+            compression_ratio=(compression_ratio or 1.0) if cfg["compress"] else 1.0,
+            compression=compression if cfg["compress"] else None,
+            compress_stage=compress_stage,
+            bucket_bytes=bucket_bytes if cfg["batch"] else None,
+            call_s=calls,
+            codec=codec,
+        )
+        base = base or r["step_s"]
+        rows.append({"row": name, **r, "speedup": base / r["step_s"],
+                     "efficiency": wl.compute_s / r["step_s"],
+                     "bound_speedup": base / max(wl.compute_s, r["comm_s"])})  # fmt: skip
+    return {
+        "topology": aware.describe(),
+        "devices": aware.num_devices,
+        "ring_hops": {
+            "random": ring_hops(aware, random_order(aware, seed)),
+            "aware": ring_hops(aware, aware_order(aware)),
+        },  # fmt: skip
+        "allreduce_s": ar,
+        "rows": rows,
+        "sharded": _sharded_rows(wl, aware, base, codec, calls),
+        "dp_wire_bytes": cost.sharded_time(wl.total_bytes, aware)["wire_bytes"],
+        "ceiling_speedup": base / wl.compute_s,
+    }
 
 
 BUSBW_SIZES = tuple(1 << k for k in range(10, 33, 2))  # 1 KiB .. 4 GiB

@@ -30,7 +30,7 @@ Set-up (all names start with ``jc`` plus a per-run tag, so parallel runs do not 
    and otherwise reported as not applied (veth adds tens of microseconds by itself).
 4. ``/etc/netns/NAME/hosts`` maps this machine's host name to the node's veth address:
    ``ip netns exec`` mounts it over ``/etc/hosts``, and gloo binds to the address the host
-   name resolves to (../shared/REFERENCE.md).
+   name resolves to (gloo's default device).
 5. Each node's process runs under ``ip netns exec`` with ``JAXCOMM_COORDINATOR`` (node 0's
    address), ``JAXCOMM_NUM_PROCESSES``, ``JAXCOMM_PROCESS_ID``, ``JAXCOMM_LOCAL_DEVICES`` and
    ``JAXCOMM_TESTBED_*`` (link rate in bit/s, addresses; ``..._LINK_LOG``, the JSON lines of

@@ -113,6 +113,36 @@ def summarize(
     The one place that walks a module's conditionals: :func:`wire_bytes` and
     :class:`jaxcomm.CommProfiler` both count what this returns.
     """
+    root, records = _record_tree(mod)
+    taken = dict(taken or {})
+    all_indices = _check_taken(mod, taken)
+    counted = _counted(root, taken)
+    counted_ids = {id(r) for r in counted}
+    branches = _branch_bytes(root, all_indices, taken)
+    return {
+        "total": sum(r["bytes"] for r in counted),
+        "by_kind": _split(counted, "kind"),
+        "by_axis": _split(counted, "axes_key"),
+        "crossing": {} if mesh is None else _crossing(counted, mesh),
+        "operand_bytes": float(sum(r["operand_bytes"] for r in counted)),
+        "num_collectives": len(counted),
+        "conditionals": CONDITIONALS,
+        "taken": taken,
+        "unconditional": sum(r["bytes"] for r in records if not r["branch"]),
+        "branches": branches,
+        "collectives": [
+            {
+                **{k: v for k, v in r.items() if k not in ("axes_key", "groups", "pairs")},
+                "counted": id(r) in counted_ids,
+            }
+            for r in records
+        ],
+    }
+
+
+def _record_tree(mod: hlo.HloModule) -> tuple[dict, list[dict]]:
+    """Each collective of ``mod`` as a record (its bus bytes priced), hung in a tree of
+    conditionals (``{'direct': [records], 'conds': {cond: {branch: node}}}``)."""
     root = _new_node()
     records = []
     for c in mod.collectives:
@@ -135,7 +165,12 @@ def summarize(
         for cond, idx in chain:
             node = node["conds"][cond][idx]
         node["direct"].append(rec)
-    taken = dict(taken or {})
+    return root, records
+
+
+def _check_taken(mod: hlo.HloModule, taken: Mapping[str, int]) -> dict[str, set[int]]:
+    """The branch indices of each conditional of ``mod``; a clear error when ``taken``
+    names a conditional or a branch the module does not have."""
     all_indices: dict[str, set[int]] = defaultdict(set)
     for cond, idx in mod.branches.values():
         all_indices[cond].add(idx)
@@ -151,8 +186,14 @@ def summarize(
                 f"taken={{{cond!r}: {idx!r}}}: {cond} has branches "
                 f"{sorted(all_indices[cond])}; give one of them."
             )
-    counted = _counted(root, taken)
-    counted_ids = {id(r) for r in counted}
+    return all_indices
+
+
+def _branch_bytes(
+    root: dict, all_indices: Mapping[str, set[int]], taken: Mapping[str, int]
+) -> dict[str, dict[int, float]]:
+    """The bus bytes each branch of each conditional would count (nested ones as
+    ``taken`` or at their largest branch)."""
     branches: dict[str, dict[int, float]] = {}
 
     def walk(node):
@@ -167,25 +208,7 @@ def summarize(
                 walk(b)
 
     walk(root)
-    return {
-        "total": sum(r["bytes"] for r in counted),
-        "by_kind": _split(counted, "kind"),
-        "by_axis": _split(counted, "axes_key"),
-        "crossing": {} if mesh is None else _crossing(counted, mesh),
-        "operand_bytes": float(sum(r["operand_bytes"] for r in counted)),
-        "num_collectives": len(counted),
-        "conditionals": CONDITIONALS,
-        "taken": taken,
-        "unconditional": sum(r["bytes"] for r in records if not r["branch"]),
-        "branches": branches,
-        "collectives": [
-            {
-                **{k: v for k, v in r.items() if k not in ("axes_key", "groups", "pairs")},
-                "counted": id(r) in counted_ids,
-            }
-            for r in records
-        ],
-    }
+    return branches
 
 
 def _find_mesh(args: Any) -> Mesh | None:

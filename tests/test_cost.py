@@ -1,13 +1,16 @@
 """The cost model reduces to the textbook formulas, respects the bandwidth bound, and picks
 latency-optimal algorithms for small buffers and bandwidth-optimal ones for large buffers."""
 
+import json
 import math
+import pathlib
 
 import pytest
 
 from jaxcomm import cost
 from jaxcomm import topology as T
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALPHA, BETA, GAMMA = 7e-6, 1 / 12.5e9, 1 / 200e9
 
 
@@ -271,3 +274,14 @@ def test_h200_codec_figures_are_the_gpu_check_kernels():
     assert set(cost.H200_CODEC) == set(cost.CODEC_KERNELS)
     stand_ins = [k for k, v in cost.H200_CODEC.items() if v.source.startswith("not measured")]
     assert {"int4-nearest", "bf16", "fp16", "random_k", "sketch"} <= set(stand_ins)
+
+
+def test_h200_codec_figures_come_from_the_gpu_check_file():
+    """The shipped figures name their source and are its kernels' best times."""
+    figures = cost.measured("h200_codec.json")
+    assert {"command", "date", "machine", "result_file"} <= set(figures)
+    result = json.loads((ROOT / "docs/results/gpu_check_2026-11-30_run1.json").read_text())
+    kernels = result["parts"]["kernels"]["data"]["kernels"]
+    for name, seconds in figures["kernels_s"].items():
+        assert seconds == kernels[name]["best_s"], name
+    assert cost.kernel_codecs(figures) == cost.H200_CODEC
