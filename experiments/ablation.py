@@ -19,8 +19,8 @@ other processes' interference) gives the figures below; the medians are in the J
 * ``speedup``: baseline step time over the row's, ``images_per_s``: global batch over
   step time.
 
-On a network (``link_bps`` given, e.g. on ``jaxcomm.testbed``), three columns put each row
-beside its link bound:
+On a network (``link_bps`` given, e.g. on ``jaxcomm.tools.testbed``), the row beside its
+link bound:
 
 * ``link_bytes``: bytes per step that cross a node's link in each direction, read from the
   row's compiled HLO (``jaxcomm.wire_bytes(...)['crossing']['inter']``: every collective
@@ -65,7 +65,7 @@ from experiments.bench.digits import digits_accuracy
 from experiments.data import SyntheticImages
 from experiments.presets import Preset
 from experiments.rows import Resolved
-from jaxcomm.testbed import spine_bytes
+from jaxcomm.tools.testbed import spine_bytes
 
 __all__ = ["ProcessesBroken", "run_accuracy", "run_speed", "sync_period"]
 
@@ -173,7 +173,9 @@ class _Step:
                 f"expected one conditional with {rungs} branches (the ladder's lax.switch) in "
                 f"the driven step, found {len(switch)}: {prof.wire['branches']}"
             )
-        self.wire = jaxcomm.wire.summarize(prof.module, self.mesh, taken={switch[0]: round_level})
+        self.wire = jaxcomm.tools.wire.summarize(
+            prof.module, self.mesh, taken={switch[0]: round_level}
+        )
         names = [w["levels"][0] for w in prof.windows]
         return {
             "level": names[-1] if names else None,
@@ -218,14 +220,16 @@ def _local_link_bytes(compiled: Any, mesh: Any, period: int) -> float:
     spread over the period (read from the compiled HLO, priced at each branch of
     local_sgd's ``lax.switch``: the last branch syncs nothing)."""
     mod = jaxcomm.hlo.parse_collectives(compiled.as_text(), mesh=mesh)
-    tops = {c["branch"][0][0] for c in jaxcomm.wire.summarize(mod)["collectives"] if c["branch"]}
+    tops = {
+        c["branch"][0][0] for c in jaxcomm.tools.wire.summarize(mod)["collectives"] if c["branch"]
+    }
     if len(tops) != 1:
         raise RuntimeError(f"expected local_sgd's one lax.switch in the step, found {sorted(tops)}")
     (switch,) = tops
     last = max(i for c, i in mod.branches.values() if c == switch)
 
     def crossing(branch: int) -> float:
-        summary = jaxcomm.wire.summarize(mod, mesh, taken={switch: branch})
+        summary = jaxcomm.tools.wire.summarize(mod, mesh, taken={switch: branch})
         return summary["crossing"].get("inter", 0.0)
 
     local, synced = crossing(last), crossing(0)

@@ -2,7 +2,7 @@
 
 The default preset follows the platform: on CPU ``testbed`` when this machine can build the
 emulated network (root, iproute2: ResNet-18 on 2 nodes x 2 devices joined by a 250 Mbit/s
-link, ``jaxcomm.testbed``), else ``cpu-smoke`` (a small ResNet on small images that runs on a
+link, ``jaxcomm.tools.testbed``), else ``cpu-smoke`` (a small ResNet on small images that runs on a
 small CPU with 8 fake devices); ``gpu-node`` on one GPU node (ResNet-152, 224 x
 224, bf16 compute), ``cluster`` when several processes run (ResNet-152 over all nodes, longer
 runs, periodic checkpoints). Every field can be overridden on the command line. This module
@@ -162,7 +162,7 @@ def default_preset_name(backend: str, process_count: int, *, testbed: bool = Fal
       backend: ``jax.default_backend()``.
       process_count: ``jax.process_count()``.
       testbed: whether this machine can build the emulated network
-        (``jaxcomm.testbed.available()``).
+        (``jaxcomm.tools.testbed.available()``).
 
     Returns:
       ``'testbed'`` on one CPU process that can build the network, ``'cpu-smoke'`` on CPU

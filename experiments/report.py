@@ -22,14 +22,15 @@ def fake_devices_note(devices: int, testbed: str) -> str:
     Args:
       devices: the number of fake devices.
       testbed: whether this machine can build the emulated network, in words (the reason
-        from ``jaxcomm.testbed.available()`` when it cannot).
+        from ``jaxcomm.tools.testbed.available()`` when it cannot).
     """
     cores = os.cpu_count()
     return (
         f"note: {devices} fake CPU devices share {cores} cores with no slow link between them: "
         "each technique can only add work here (the table shows that it runs, and its cost).\n"
         "      to see them win: as root, python -m experiments.resnet152 --preset testbed "
-        f"(emulated network; {testbed}); python -m jaxcomm.simulate; --preset gpu-node on GPUs"
+        f"(emulated network; {testbed}); python -m jaxcomm.tools.simulate; "
+        "--preset gpu-node on GPUs"
     )
 
 

@@ -9,12 +9,12 @@ accuracy of every row. Results go to ``--out`` (``results.json``, ``ablation.png
 
 On CPU, when this machine can build the emulated network (root and iproute2), the default
 is the ``testbed`` preset: the command re-runs itself as one process per emulated node under
-``jaxcomm.testbed`` (2 nodes x 2 devices, ``--link`` between them) and the table gains the
+``jaxcomm.tools.testbed`` (2 nodes x 2 devices, ``--link`` between them) and the table gains the
 link columns (bytes per step across the link from the compiled HLO, their line-rate time,
 efficiency). Otherwise it runs on fake CPU devices and says, before the table, what those
 can and cannot show.
 
-Multi-process: start one process per node with ``jaxcomm.launch``, the testbed, SLURM or
+Multi-process: start one process per node with ``jaxcomm.tools.launch``, the testbed, SLURM or
 Open MPI; ``jax.distributed`` is initialised from the environment, each process feeds its
 own part of every batch, and process 0 prints and writes the results.
 """
@@ -157,11 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _launch_testbed(args, argv: list[str], preset, testbed: tuple[bool, str]) -> int:
-    """Runs this command once per emulated node under ``jaxcomm.testbed``; its exit code.
+    """Runs this command once per emulated node under ``jaxcomm.tools.testbed``; its exit code.
 
     ``testbed`` is :func:`_testbed_status`'s ``(ok, why)``.
     """
-    from jaxcomm.testbed import Testbed
+    from jaxcomm.tools.testbed import Testbed
 
     ok, why = testbed
     if not ok:
@@ -346,13 +346,13 @@ def _resume(ckpt, state, meta: dict):
 
 
 def _testbed_status(jax) -> tuple[bool, str]:
-    """``jaxcomm.testbed.available()`` for one CPU process (it probes with a namespace, so
+    """``jaxcomm.tools.testbed.available()`` for one CPU process (it probes with a namespace, so
     it is asked once per run); elsewhere ``(False, reason)``."""
     if runtime.distributed_requested():
         return False, "already one process of a distributed job"
     if jax.default_backend() != "cpu":
         return False, f"the default backend is {jax.default_backend()}, not the CPU"
-    from jaxcomm.testbed import available
+    from jaxcomm.tools.testbed import available
 
     return available()
 

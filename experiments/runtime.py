@@ -4,7 +4,7 @@
   ``('inter', 'intra')`` mesh has two levels), by adding
   ``--xla_force_host_platform_device_count`` to ``XLA_FLAGS`` *before* JAX is imported.
   The flag only shapes the host platform: on a GPU node JAX still picks the GPUs.
-* :func:`init_distributed` joins a multi-process job (``jaxcomm.launch``, the testbed,
+* :func:`init_distributed` joins a multi-process job (``jaxcomm.tools.launch``, the testbed,
   SLURM, Open MPI) through ``jax.distributed`` when the environment asks for one.
 """
 
@@ -20,7 +20,7 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 def ensure_cpu_devices(count: int = 8) -> int | None:
     """Adds ``--xla_force_host_platform_device_count`` to ``XLA_FLAGS`` if it is not set.
 
-    Under ``jaxcomm.launch`` or the testbed (``JAXCOMM_LOCAL_DEVICES`` set) it does nothing:
+    Under ``jaxcomm.tools.launch`` or the testbed (``JAXCOMM_LOCAL_DEVICES`` set) it does nothing:
     :func:`init_distributed` gives the process its devices. Must run before JAX is
     imported; afterwards it changes nothing.
 
@@ -47,7 +47,7 @@ def distributed_requested() -> bool:
 
 def init_distributed() -> bool:
     """Starts ``jax.distributed`` (``jaxcomm.init_distributed()``) when the environment asks
-    for it (``jaxcomm.launch``, the testbed, SLURM, Open MPI).
+    for it (``jaxcomm.tools.launch``, the testbed, SLURM, Open MPI).
 
     Returns:
       ``True`` when a distributed runtime was started.
@@ -61,6 +61,6 @@ def init_distributed() -> bool:
 
 
 def testbed_link_bps() -> float | None:
-    """The emulated link rate in bit/s when running under ``jaxcomm.testbed``, else ``None``."""
+    """The emulated link rate in bit/s under ``jaxcomm.tools.testbed``, else ``None``."""
     rate = os.environ.get("JAXCOMM_TESTBED_LINK_BPS")
     return float(rate) if rate else None

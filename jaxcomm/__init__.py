@@ -13,8 +13,8 @@ from jaxcomm import (
     host_memory,
     ordering,
     outputs,
-    schedule,
     sharded,
+    tools,
     topology,
     xla,
 )
@@ -30,7 +30,6 @@ from jaxcomm.nnx import (
     replicated_params,
 )
 from jaxcomm.pmap import PmapDataParallel, pmap_data_parallel
-from jaxcomm.profiler import CommProfiler
 from jaxcomm.replicas import ReplicaDivergenceError, check_replicas
 from jaxcomm.sharded import ShardedState
 from jaxcomm.state import PerDevice
@@ -41,8 +40,9 @@ from jaxcomm.sync import (
     gradient_sync,
     sync_gradients,
 )
+from jaxcomm.tools.profiler import CommProfiler
+from jaxcomm.tools.wire import wire_bytes
 from jaxcomm.train import DataParallel, TrainState, data_parallel
-from jaxcomm.wire import wire_bytes
 
 __version__ = "0.1.0"
 
@@ -86,9 +86,9 @@ __all__ = [
     "outputs",
     "pmap_data_parallel",
     "replicated_params",
-    "schedule",
     "sharded",
     "sync_gradients",
+    "tools",
     "topology",
     "wire_bytes",
     "xla",

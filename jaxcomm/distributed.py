@@ -1,6 +1,6 @@
 """``init_distributed``: start ``jax.distributed`` from the jaxcomm launcher's environment.
 
-``python -m jaxcomm.launch`` and ``python -m jaxcomm.testbed`` give every process four
+``python -m jaxcomm.tools.launch`` and ``python -m jaxcomm.tools.testbed`` give every process four
 variables; :func:`init_distributed` reads them. Without them (a SLURM or Open MPI job),
 it calls ``jax.distributed.initialize()`` and lets JAX detect the cluster.
 
@@ -85,7 +85,8 @@ def launcher_env() -> dict[str, str] | None:
     if missing:
         raise ValueError(
             f"jaxcomm.init_distributed: {missing} are not set but {sorted(present)} are. "
-            "Set all four (python -m jaxcomm.launch does) or none (SLURM / Open MPI auto-detect)."
+            "Set all four (python -m jaxcomm.tools.launch does) or none "
+            "(SLURM / Open MPI auto-detect)."
         )
     for k in (ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DEVICES):
         if not present[k].isdigit():
@@ -104,8 +105,8 @@ def init_distributed(
 
     1. Sets XLA:CPU's collective timeout low (``collective_timeout_s``).
     2. With ``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES``, ``JAXCOMM_PROCESS_ID`` and
-       ``JAXCOMM_LOCAL_DEVICES`` set (by ``python -m jaxcomm.launch`` or
-       ``python -m jaxcomm.testbed``): gives this process that many CPU devices
+       ``JAXCOMM_LOCAL_DEVICES`` set (by ``python -m jaxcomm.tools.launch`` or
+       ``python -m jaxcomm.tools.testbed``): gives this process that many CPU devices
        (``jax_num_cpu_devices``) and initialises with those values.
     3. Otherwise calls ``jax.distributed.initialize()`` with no address, so JAX detects SLURM,
        Open MPI (``mpirun``) or a TPU pod by itself.

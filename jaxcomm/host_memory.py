@@ -9,7 +9,7 @@ are new pages, which the kernel zero-fills and faults in on first touch: an elem
 kernel over such buffers then spends most of its time in page faults (system time), and
 with freed memory kept it faults no page (docs/benchmarks.md has the figures). A GPU never
 pays this (XLA takes device buffers from its BFC pool), so on a CPU emulation of a GPU
-cluster (``jaxcomm.testbed``, fake devices) it is overhead that the modelled cluster does
+cluster (``jaxcomm.tools.testbed``, fake devices) it is overhead that the modelled cluster does
 not have, and on real CPU training it is overhead nobody wants.
 
 The policy is three glibc tunables (``mallopt(3)``, or the ``MALLOC_*_`` environment

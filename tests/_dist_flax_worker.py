@@ -1,5 +1,5 @@
 """Worker for tests/test_flax_silent.py and tests/test_flax_sharded.py: run under
-``python -m jaxcomm.launch`` (not a test module).
+``python -m jaxcomm.tools.launch`` (not a test module).
 
 Without arguments:
 

@@ -1,4 +1,4 @@
-"""Worker for tests/test_sharded_distributed.py: run under ``python -m jaxcomm.launch``
+"""Worker for tests/test_sharded_distributed.py: run under ``python -m jaxcomm.tools.launch``
 (not a test module).
 
 Each process feeds its half of every global batch to a sharded step (f32, and int8

@@ -1,4 +1,4 @@
-"""Worker for tests/test_launch.py: run under ``python -m jaxcomm.launch`` (not a test module).
+"""Worker for tests/test_launch.py, run under ``python -m jaxcomm.tools.launch`` (not a test).
 
 Each process builds its devices' rows from a seed, all-reduces them with 'flat' and
 'hierarchical', and checks both against the numpy sum of every process's rows.

@@ -1,4 +1,4 @@
-"""Worker for tests/test_golden.py: run under ``python -m jaxcomm.launch`` (not a test module).
+"""Worker for tests/test_golden.py, run under ``python -m jaxcomm.tools.launch`` (not a test).
 
 Runs the two-process golden cases that can run here (``golden.cases_to_run``) on the 2 x 2
 mesh of two processes and writes this process's digests to ``$JC_GOLDEN_OUT/p<process>.json``

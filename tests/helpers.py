@@ -160,7 +160,7 @@ def assert_trees_bitwise_equal(a: Any, b: Any) -> None:
 
 
 def launch_two_processes(*command: str, timeout: float, env: dict | None = None) -> str:
-    """Runs ``command`` as 2 processes x 2 CPU devices under ``python -m jaxcomm.launch``
+    """Runs ``command`` as 2 processes x 2 CPU devices under ``python -m jaxcomm.tools.launch``
     (``jax.distributed`` over gloo on loopback), the repository and ``tests/`` importable.
 
     Returns:
@@ -174,7 +174,7 @@ def launch_two_processes(*command: str, timeout: float, env: dict | None = None)
     path = [str(ROOT), str(ROOT / "tests"), full.get("PYTHONPATH", "")]
     full["PYTHONPATH"] = os.pathsep.join(path)
     full |= env or {}
-    cmd = [sys.executable, "-m", "jaxcomm.launch", "--nprocs", "2", "--local-devices", "2"]
+    cmd = [sys.executable, "-m", "jaxcomm.tools.launch", "--nprocs", "2", "--local-devices", "2"]
     p = subprocess.run(
         [*cmd, "--", *command], env=full, capture_output=True, text=True, timeout=timeout
     )

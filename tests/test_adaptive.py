@@ -372,7 +372,7 @@ def test_calibrated_kernels_are_not_communication_so_the_ladder_comes_down(mesh,
     # Known timings for the calibration: the twin 1.0 s, the step at f32 1.5 s (0.5 s of
     # f32 traffic), at int8 2.0 s. int8's kernels: 2.0 - 1.0 - wire_int8 / wire_f32 * 0.5.
     fake = iter([1.0, 1.5, 2.0])
-    monkeypatch.setattr(jaxcomm.profiler, "median_time", lambda fn, args, reps: next(fake))
+    monkeypatch.setattr(jaxcomm.tools.profiler, "median_time", lambda fn, args, reps: next(fake))
     prof.drive(dp, state, batch, twin_reps=1)  # calibrates: one timed step per rung
     monkeypatch.undo()
     assert prof.compute_time == 1.0

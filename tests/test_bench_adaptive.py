@@ -3,7 +3,7 @@
 import pytest
 
 from experiments.bench import adaptive as B
-from jaxcomm.testbed import parse_rate
+from jaxcomm.tools.testbed import parse_rate
 
 DROP = {"t": 10.0, "link": "100mbit", "bps": 100e6, "from_bps": 1e9}
 RISE = {"t": 30.0, "link": "1gbit", "bps": 1e9, "from_bps": 100e6}

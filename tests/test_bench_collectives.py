@@ -68,7 +68,7 @@ def test_sweep_across_processes():
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOMM_")}
     env.update(XLA_FLAGS="", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "jaxcomm.launch", "--nprocs", "2", "--local-devices", "2"]
+    cmd = [sys.executable, "-m", "jaxcomm.tools.launch", "--nprocs", "2", "--local-devices", "2"]
     cmd += ["--", sys.executable, "-m", "experiments.bench", "collectives", "--max-bytes", "4K"]
     cmd += ["--reps", "1", "--mpi"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from experiments.bench import compression as bc
-from jaxcomm import calibration as cal
 from jaxcomm import cost
+from jaxcomm.tools import calibration as cal
 
 
 def test_codec_calibration_writes_a_loadable_codec_section():

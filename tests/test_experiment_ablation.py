@@ -96,9 +96,11 @@ def test_quality_guard_averages_its_seeds(monkeypatch):
 
 
 def test_without_a_testbed_the_default_falls_back_and_says_why(monkeypatch, capsys):
-    import jaxcomm.testbed
+    import jaxcomm.tools.testbed
 
-    monkeypatch.setattr(jaxcomm.testbed, "available", lambda: (False, "the testbed needs root"))
+    monkeypatch.setattr(
+        jaxcomm.tools.testbed, "available", lambda: (False, "the testbed needs root")
+    )
     args = resnet152.build_parser().parse_args([])
     testbed = resnet152._testbed_status(jax)
     assert testbed == (False, "the testbed needs root")

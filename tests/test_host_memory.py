@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxcomm import host_memory, launch
+from jaxcomm import host_memory
+from jaxcomm.tools import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 

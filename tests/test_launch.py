@@ -1,4 +1,4 @@
-"""jaxcomm.launch and init_distributed: 2 processes x 2 CPU devices over gloo on loopback."""
+"""jaxcomm.tools.launch and init_distributed: 2 processes x 2 CPU devices over gloo on loopback."""
 
 import io
 import os
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxcomm import distributed, launch
+from jaxcomm import distributed
+from jaxcomm.tools import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(Path(__file__).with_name("_dist_worker.py"))
@@ -27,7 +28,7 @@ def _env(**extra):
 
 
 def _launch(timeout, **extra):
-    cmd = [sys.executable, "-m", "jaxcomm.launch", "--nprocs", "2", "--local-devices", "2"]
+    cmd = [sys.executable, "-m", "jaxcomm.tools.launch", "--nprocs", "2", "--local-devices", "2"]
     cmd += ["--", sys.executable, WORKER]
     t0 = time.monotonic()
     p = subprocess.run(cmd, env=_env(**extra), capture_output=True, text=True, timeout=timeout)

@@ -12,7 +12,7 @@ from helpers import assert_replicas_equal
 from mlp import mlp_init, mlp_logits, mlp_loss
 
 import jaxcomm
-from jaxcomm.wire import bus_bytes
+from jaxcomm.tools.wire import bus_bytes
 
 
 def _init(key):
@@ -71,7 +71,7 @@ def test_reductions_sit_in_the_scan(mesh, batches):
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     assert sum(c.operand_elements for c in in_loop) == n_params
     assert sum(c.operand_elements for c in after) >= n_params
-    body = jaxcomm.schedule.parse_schedule(mod.text, mesh=mesh)
+    body = jaxcomm.tools.schedule.parse_schedule(mod.text, mesh=mesh)
     assert body.collectives  # the report reads the loop body as well
 
 
@@ -194,12 +194,12 @@ def test_local_accumulation_reduces_once(mesh, batches, metrics_bytes, algorithm
     (c1, mod1), (cl, modl) = _compile(one, s1, batch), _compile(local, sl, batch)
     co, modo = _compile(overlap, so, batch)
 
-    # (a) bytes from the compiled HLO (jaxcomm.wire.summarize, what wire_bytes returns):
+    # (a) bytes from the compiled HLO (jaxcomm.tools.wire.summarize, what wire_bytes returns):
     # local == microbatches=1 == 1/N of overlap in the gradient part (the metrics' pmean
     # is the same in all three).
     m = metrics_bytes
-    b1 = jaxcomm.wire.summarize(mod1)["total"]
-    bl = jaxcomm.wire.summarize(modl)["total"]
+    b1 = jaxcomm.tools.wire.summarize(mod1)["total"]
+    bl = jaxcomm.tools.wire.summarize(modl)["total"]
     bo = _step_bytes(modo, N - 1)
     assert bl == b1 and bl > m
     assert (bl - m) * N == pytest.approx(bo - m, rel=1e-9)
@@ -280,8 +280,8 @@ def test_compute_only_twin_has_no_gradient_collectives(mesh, batches, metrics_by
     both modes: 'overlap' reduces through sync_gradients' own update, which passes through."""
     dp = _dp(mesh, "flat", "int8", N, accumulate)
     state = dp.init(_init(jax.random.key(4)))
-    twin = jaxcomm.profiler.compute_only_step(dp, state, batches[0])
-    wire = jaxcomm.wire.summarize(jaxcomm.hlo.parse_collectives(twin.as_text(), mesh))
+    twin = jaxcomm.tools.profiler.compute_only_step(dp, state, batches[0])
+    wire = jaxcomm.tools.wire.summarize(jaxcomm.hlo.parse_collectives(twin.as_text(), mesh))
     assert wire["total"] == metrics_bytes
 
 

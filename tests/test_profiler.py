@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from tensorboard.backend.event_processing import event_accumulator
 
 import jaxcomm
-from jaxcomm import profiler as prof_mod
+from jaxcomm.tools import profiler as prof_mod
 
 N = 4096
 AXES = ("inter", "intra")
@@ -202,7 +202,7 @@ def test_warmup_bytes_match_wire_bytes(mesh):
     p.attach(dp.step_fn(state), state, batch, mesh=mesh)
     wb = jaxcomm.wire_bytes(dp.step_fn(state), state, batch)
     assert wb["branches"], "the warm-up conditional is in the program"
-    every = sum(jaxcomm.wire.bus_bytes(c) for c in p.module.collectives)
+    every = sum(jaxcomm.tools.wire.bus_bytes(c) for c in p.module.collectives)
     with p.record_step() as s:
         state, _ = s.outputs_are(dp(state, batch))
     st = p.get_stats()

@@ -5,7 +5,7 @@ import jax
 from helpers import abstract_per_device, sharded
 
 import jaxcomm
-from jaxcomm.schedule import parse_schedule
+from jaxcomm.tools.schedule import parse_schedule
 
 AXES = ("inter", "intra")
 
@@ -114,7 +114,7 @@ def test_report_on_compiled_cpu_step(mesh):
 
     f = sharded(local, mesh)
     args = (abstract_per_device(mesh, (4096,)), abstract_per_device(mesh, (100,)))
-    rep = jaxcomm.schedule.schedule_report(
+    rep = jaxcomm.tools.schedule.schedule_report(
         f, *args, mesh=mesh, compiler_options=jaxcomm.xla.disable_passes("cpu-all-reduce-combiner")
     )
     summary = rep.by_kind_axes()

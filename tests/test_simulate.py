@@ -7,9 +7,10 @@ import pathlib
 import numpy as np
 import pytest
 
-from jaxcomm import calibration as cal
-from jaxcomm import cost, simulate
+from jaxcomm import cost
 from jaxcomm import topology as T
+from jaxcomm.tools import calibration as cal
+from jaxcomm.tools import simulate
 
 
 @pytest.fixture(scope="module")

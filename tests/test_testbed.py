@@ -1,4 +1,4 @@
-"""jaxcomm.testbed: namespaces + shaped veth links; runs where root and iproute2 exist (CI)."""
+"""jaxcomm.tools.testbed: namespaces and shaped veth links; runs as root with iproute2 (CI)."""
 
 import json
 import os
@@ -15,8 +15,8 @@ import pytest
 
 import jaxcomm
 from experiments.rows import ROWS
-from jaxcomm import testbed
 from jaxcomm.models import gradient_shapes
+from jaxcomm.tools import testbed
 
 ROOT = Path(__file__).resolve().parents[1]
 OK, WHY = testbed.available()
@@ -82,7 +82,7 @@ def test_bad_fabric_flags_are_usage_errors(argv, message, capsys):
 
 @needs_testbed
 def test_two_nodes_allreduce_across_the_link():
-    cmd = [sys.executable, "-m", "jaxcomm.testbed", "--nodes", "2", "--devices-per-node", "2"]
+    cmd = [sys.executable, "-m", "jaxcomm.tools.testbed", "--nodes", "2", "--devices-per-node", "2"]
     cmd += ["--link", "1gbit", "--", sys.executable, str(ROOT / "tests" / "_dist_worker.py")]
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -191,7 +191,15 @@ def test_a_sync_after_an_idle_gap_takes_its_line_rate_time():
 
 @needs_testbed
 def test_failure_and_ctrl_c_clean_up():
-    base = [sys.executable, "-m", "jaxcomm.testbed", "--nodes", "2", "--devices-per-node", "1"]
+    base = [
+        sys.executable,
+        "-m",
+        "jaxcomm.tools.testbed",
+        "--nodes",
+        "2",
+        "--devices-per-node",
+        "1",
+    ]
     cmd = [*base, "--", "sh", "-c", "exit 7"]
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
     assert p.returncode == 7
@@ -283,7 +291,7 @@ def test_link_schedule_changes_the_rate_while_the_job_runs(tmp_path):
 
 @needs_testbed
 def test_link_schedule_from_the_command_line():
-    cmd = [sys.executable, "-m", "jaxcomm.testbed", "--nodes", "2", "--devices-per-node", "1",
+    cmd = [sys.executable, "-m", "jaxcomm.tools.testbed", "--nodes", "2", "--devices-per-node", "1",
            "--link", "40mbit", "--link-schedule", "0.3s:8mbit", "--",
            "sh", "-c", "sleep 1.5; cat $JAXCOMM_TESTBED_LINK_LOG"]  # fmt: skip
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)

@@ -9,8 +9,9 @@ import pytest
 
 import jaxcomm
 from jaxcomm import compression as C
-from jaxcomm import testbed, xla
 from jaxcomm import topology as T
+from jaxcomm import xla
+from jaxcomm.tools import testbed
 from jaxcomm.validate import check_int
 
 

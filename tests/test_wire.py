@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.hlo import parse_collectives
-from jaxcomm.wire import summarize
+from jaxcomm.tools.wire import summarize
 
 AX = ("inter", "intra")
 

@@ -1,7 +1,7 @@
 """``python -m experiments.bench adaptive``: adaptive compression across a live link schedule.
 
 Trains a wide MLP on digits (:mod:`experiments.bench.digits` data, ``--hidden`` layers, a few MB
-of gradient) on an emulated cluster (:class:`jaxcomm.testbed.Testbed`, 2 nodes x 2 devices by
+of gradient) on an emulated cluster (:class:`jaxcomm.tools.testbed.Testbed`, 2 nodes x 2 devices by
 default) whose link rate changes while it trains (``--link 10gbit --schedule
 15s:25mbit,75s:10gbit``, the testbed's ``--link-schedule``). Once with
 ``compression.adaptive(...)`` driven by :meth:`jaxcomm.CommProfiler.drive` (the measured
@@ -425,8 +425,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m experiments.bench adaptive",
         description="Adaptive compression (driven by CommProfiler.drive) against every fixed "
-        "level, training a wide digits MLP on the emulated cluster (python -m jaxcomm.testbed, "
-        "needs root) while its link rate changes on a schedule; one testbed per run.",
+        "level, training a wide digits MLP on the emulated cluster "
+        "(python -m jaxcomm.tools.testbed, needs root) while its link rate changes on a "
+        "schedule; one testbed per run.",
     )
     p.add_argument("--runs", default="adaptive," + ",".join(FIXED),
                    help="'adaptive' and fixed levels (any of f32, bf16, int8, int4)")  # fmt: skip
@@ -458,7 +459,7 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line, checked (a clear error for a bad value)."""
     from jaxcomm.compression import adaptive
-    from jaxcomm.testbed import parse_link_schedule, parse_rate
+    from jaxcomm.tools.testbed import parse_link_schedule, parse_rate
 
     p = _parser()
     args = p.parse_args(argv)
@@ -505,7 +506,7 @@ def _forward(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxcomm import testbed
+    from jaxcomm.tools import testbed
 
     args = parse_args(argv)
     if args.worker:

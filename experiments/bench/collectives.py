@@ -3,7 +3,7 @@
 For each buffer size (per device, default 1 KiB to 256 MiB, x4 steps) and each algorithm
 (every name in ``jaxcomm.collectives.ALGORITHMS``) and compressor (``--compressors``, the
 factories of ``jaxcomm.compression``), on the devices present (fake CPU devices, GPUs, or the
-processes of ``python -m jaxcomm.launch``/``mpirun``), it prints size, median time, algbw
+processes of ``python -m jaxcomm.tools.launch``/``mpirun``), it prints size, median time, algbw
 ``= S / t``, busbw ``= algbw * 2(p-1)/p`` and a correctness check against numpy. With
 ``--mpi`` under ``mpirun`` (one device per process) it adds mpi4jax rows beside gloo.
 
@@ -110,7 +110,7 @@ def _compressor_time(comp, x, n: int, dtype, mesh, reps: int):
     import numpy as np
 
     import jaxcomm
-    from jaxcomm.profiler import median_time
+    from jaxcomm.tools.profiler import median_time
 
     tx = jaxcomm.sync_gradients(algorithm="flat", compression=comp)
     dp = jaxcomm.data_parallel(
@@ -130,7 +130,7 @@ def _psum_points(x, mesh, nbytes: int, reps: int) -> list[dict[str, Any]]:
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
-    from jaxcomm.profiler import median_time
+    from jaxcomm.tools.profiler import median_time
 
     axes = tuple(mesh.axis_names)
     points = []
@@ -177,7 +177,7 @@ def run_sweep(args) -> dict[str, Any]:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm
-    from jaxcomm.profiler import median_time
+    from jaxcomm.tools.profiler import median_time
 
     mesh = jaxcomm.make_mesh(args.intra)
     axes = tuple(mesh.axis_names)

@@ -20,7 +20,7 @@ With ``--calibration FILE`` it instead measures the codec of every compressor fo
 model (:func:`codec_calibration`): encode and decode seconds per f32 byte of each kernel
 in ``jaxcomm.cost.CODEC_KERNELS``, with ``--codec-devices`` devices running it at once (the
 devices of a node share its cores, as on the testbed), written as the ``codec`` section of
-a ``jaxcomm.calibration`` file that ``python -m jaxcomm.simulate --codec FILE`` reads::
+a ``jaxcomm.tools.calibration`` file that ``python -m jaxcomm.tools.simulate --codec FILE`` reads::
 
     python -m experiments.bench compression --calibration codec_cpu.json --codec-devices 4
 """
@@ -107,7 +107,7 @@ def wire_ratio(mesh, tree, kwargs, baseline: dict | None = None) -> dict:
 
 
 def _time(fn, *args, repeats: int = 5) -> float:
-    from jaxcomm.profiler import median_time
+    from jaxcomm.tools.profiler import median_time
 
     return median_time(fn, args, repeats)
 
@@ -376,7 +376,7 @@ def codec_calibration(
 
     Returns:
       ``{'codec': {kernel: {encode_s_per_byte, decode_s_per_byte, source}}, 'meta': {...}}``,
-      a ``jaxcomm.calibration`` file.
+      a ``jaxcomm.tools.calibration`` file.
 
     Raises:
       ValueError: a device count or size that does not fit.

@@ -1,6 +1,6 @@
 """``python -m experiments.bench fabric``: rank order on a leaf-spine fabric, on the wire and timed.
 
-Builds a leaf-spine :class:`jaxcomm.testbed.Testbed` (4 nodes under 2 leaf switches joined by
+Builds a leaf-spine :class:`jaxcomm.tools.testbed.Testbed` (4 nodes under 2 leaf switches joined by
 a slower spine by default; node ``i`` hangs under leaf ``i % leaves``, the order a
 network-blind scheduler hands out) and runs this module with ``--worker`` on every node. The
 worker all-reduces an f32 buffer with a flat ``psum`` over two meshes of the same devices:
@@ -47,8 +47,8 @@ def _worker(sizes_mib: list[int], reps: int, out_path: str) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxcomm.profiler import median_time
-    from jaxcomm.testbed import spine_bytes
+    from jaxcomm.tools.profiler import median_time
+    from jaxcomm.tools.testbed import spine_bytes
 
     # every device holds its process index + 1
     want = jax.local_device_count() * sum(range(1, jax.process_count() + 1))
@@ -92,7 +92,7 @@ def _worker(sizes_mib: list[int], reps: int, out_path: str) -> None:
 
 
 def _table(run: dict[str, Any]) -> list[str]:
-    from jaxcomm.testbed import parse_rate
+    from jaxcomm.tools.testbed import parse_rate
 
     spine_rate = parse_rate(run["spine"]) / 8  # bytes/s per direction
     p = run["nodes"] * run["devices_per_node"]
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         _worker(sizes, args.reps, args.worker_out)
         return 0
 
-    from jaxcomm import testbed
+    from jaxcomm.tools import testbed
 
     ok, why = testbed.available()
     if not ok:

@@ -15,7 +15,7 @@ stage only (``compress_stage='inter'``).
   writes). Recorded per option: compile time, kernels (compute instructions outside fused
   and async-wrapped computations: each one a launch on GPU) and fusions, collectives, how
   many are async start/done pairs and the compute ops between each pair
-  (:func:`jaxcomm.schedule.parse_schedule`, as the schedule part reads them), collectives
+  (:func:`jaxcomm.tools.schedule.parse_schedule`, as the schedule part reads them), collectives
   inside conditional branches, and the host round trips per step (:func:`host_round_trips`).
   Runs in its own process (the mocked GPU client must be configured before any backend
   exists); with ``--allow-cpu`` it compiles for 8 fake CPU devices instead (synchronous
@@ -256,7 +256,7 @@ def count_kernels(text: str) -> dict[str, int]:
     """Kernels and fusions of optimized HLO text.
 
     A kernel is a compute instruction (not bookkeeping, not communication, not control
-    flow: :data:`jaxcomm.schedule.NON_COMPUTE`) in a computation that is not the body of a
+    flow: :data:`jaxcomm.tools.schedule.NON_COMPUTE`) in a computation that is not the body of a
     fusion, an async wrapper or a reducer (``to_apply``); on GPU each one is a launch.
 
     Args:
@@ -266,7 +266,7 @@ def count_kernels(text: str) -> dict[str, int]:
       ``{'kernels': n, 'fusions': n}``, counted statically (a loop body once).
     """
     from jaxcomm.hlo import instructions
-    from jaxcomm.schedule import NON_COMPUTE
+    from jaxcomm.tools.schedule import NON_COMPUTE
 
     comps = instructions(text)
     inner: set[str] = set()
@@ -386,7 +386,7 @@ def _branch_computations(text: str) -> set[str]:
 def analyze(text: str, mesh: Any = None) -> dict[str, Any]:
     """Kernels, collectives, async pairs, compute between them and host round trips of
     one compiled step's HLO text (what the compile half records per option)."""
-    from jaxcomm.schedule import parse_schedule
+    from jaxcomm.tools.schedule import parse_schedule
 
     rep = parse_schedule(text, mesh)
     branched = _branch_computations(text)

@@ -81,7 +81,7 @@ def run(
         }
 
     # One process: the 8 fake devices as 2 x 4. Several processes (e.g. under
-    # python -m jaxcomm.testbed): the processes on 'inter', their devices on 'intra'.
+    # python -m jaxcomm.tools.testbed): the processes on 'inter', their devices on 'intra'.
     mesh = jaxcomm.make_mesh() if jax.process_count() > 1 else None
     common = {"steps": steps, "seed": seed, "wire": True, "mesh": mesh, "hidden": hidden}
     common["batch_size"] = batch
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "devices: test accuracy at the same step count, bytes per step from the compiled HLO "
         "and wall time per step. For short runs with few syncs, --outer-lr 1.0 "
         "--outer-momentum 0.5 did better (docs/benchmarks.md). Under python -m "
-        "jaxcomm.testbed (one process per node) it runs on the emulated network.",
+        "jaxcomm.tools.testbed (one process per node) it runs on the emulated network.",
     )
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of every run")
     p.add_argument("--sync-every", default="1,10,50", help="comma-separated H values")
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--dtypes: unknown {bad}; choose from f32, int8, int4")
     import jaxcomm
 
-    if os.environ.get("JAXCOMM_COORDINATOR"):  # under jaxcomm.launch or the testbed
+    if os.environ.get("JAXCOMM_COORDINATOR"):  # under jaxcomm.tools.launch or the testbed
         jaxcomm.init_distributed()
     elif jax.device_count() < 8:
         from experiments.bench.digits import reexec_with_fake_devices

@@ -1,7 +1,7 @@
 """``python -m experiments.bench schedule``: a train step's compiled schedule per XLA option set.
 
 Compiles (never runs) one data-parallel train step for 8 devices and prints the schedule
-report (:mod:`jaxcomm.schedule`) for each option set: XLA defaults, the overlap options
+report (:mod:`jaxcomm.tools.schedule`) for each option set: XLA defaults, the overlap options
 (latency-hiding scheduler), and all-reduce combine thresholds of 0, 1 MiB and 30 MiB.
 
 * GPU variant (a GPU is present, or ``--variant gpu``): the GPU client mocks an 8-GPU
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     step = dp.step_fn(state)
     for label, compiler_options in runs:
         t0 = time.perf_counter()
-        rep = jaxcomm.schedule.schedule_report(
+        rep = jaxcomm.tools.schedule.schedule_report(
             step, state, batch, mesh=mesh, compiler_options=compiler_options or None
         )
         secs = time.perf_counter() - t0

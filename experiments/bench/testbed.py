@@ -1,6 +1,6 @@
 """``python -m experiments.bench testbed``: gradient all-reduce across an emulated slow link.
 
-Builds a :class:`jaxcomm.testbed.Testbed` (2 nodes x 2 devices by default) per link rate and
+Builds a :class:`jaxcomm.tools.testbed.Testbed` (2 nodes x 2 devices by default) per link rate and
 runs this module with ``--worker`` on every node. The worker times, side by side in one run:
 
 * jaxcomm methods on a data-parallel step whose gradient is a ``size``-byte f32 buffer
@@ -59,7 +59,7 @@ def _worker_jax(sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm
-    from jaxcomm.profiler import median_time
+    from jaxcomm.tools.profiler import median_time
 
     mesh = jaxcomm.make_mesh()
     axes = ("inter", "intra")
@@ -169,7 +169,7 @@ def _overlap_probe(mesh, x, reps: int) -> dict[str, dict[str, float]]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxcomm.profiler import median_time
+    from jaxcomm.tools.profiler import median_time
 
     axes = ("inter", "intra")
     ldev = jax.local_device_count()
@@ -345,13 +345,13 @@ def run_worker(
     bench: str, worker_args: list[str], **testbed_kwargs: Any
 ) -> tuple[int, dict[str, Any] | None]:
     """Runs ``python -m experiments.bench BENCH --worker --worker-out OUT *worker_args`` on every
-    node of a :class:`jaxcomm.testbed.Testbed` (``testbed_kwargs``) and reads the JSON that
+    node of a :class:`jaxcomm.tools.testbed.Testbed` (``testbed_kwargs``) and reads the JSON that
     node 0 wrote to ``OUT``.
 
     Returns:
       ``(returncode, results)``; ``results`` is None when the run failed.
     """
-    from jaxcomm import testbed
+    from jaxcomm.tools import testbed
 
     with tempfile.TemporaryDirectory(prefix=f"jc-{bench}-") as tmp:
         out = os.path.join(tmp, "node0.json")
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
 
-    from jaxcomm import testbed
+    from jaxcomm.tools import testbed
 
     ok, why = testbed.available()
     if not ok:

@@ -14,7 +14,7 @@ from abstract shapes (nothing allocated), replicated and sharded; with ``--digit
 row's test accuracy on the digits MLP (300 steps, seed 0; the quality guard). Table and
 JSON.
 
-Under ``python -m jaxcomm.testbed`` (one process per node, ``JAXCOMM_COORDINATOR`` set) it
+Under ``python -m jaxcomm.tools.testbed`` (one process per node, ``JAXCOMM_COORDINATOR`` set) it
 runs on the emulated network instead: the processes on ``'inter'``, their devices on
 ``'intra'``, the same synthetic loss over ``--model``'s gradient shapes, and per row the
 step time (median of ``--steps`` timed steps after ``--warmup``, one host sync per step),
@@ -26,7 +26,7 @@ compiles and runs every row in the same order; after the timed steps the replica
 params are compared across all devices (``jaxcomm.check_replicas``).
 
 Example:
-  python -m jaxcomm.testbed --nodes 2 --devices-per-node 2 --link 250mbit -- \
+  python -m jaxcomm.tools.testbed --nodes 2 --devices-per-node 2 --link 250mbit -- \
     python -m experiments.bench zero --rows dp-f32,zero-f32 --json out.json
 """
 
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Sharded optimizer state (data_parallel(shard_optimizer=True)) beside "
         "data parallelism on 8 (fake) devices: bytes per step from the compiled HLO, Adam "
         "state per device from the arrays' shardings, step time; Adam state of "
-        "--memory-model from its shapes. Under python -m jaxcomm.testbed (one process per "
+        "--memory-model from its shapes. Under python -m jaxcomm.tools.testbed (one process per "
         "node) it runs the rows on the emulated network instead: step time, the bytes "
         "crossing a node's link, their line-rate time (link bound) and bound / exposed.",
     )
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", default="runs/zero_bench.json", help="output JSON path")
     args = p.parse_args(argv)
-    testbed = bool(os.environ.get("JAXCOMM_COORDINATOR"))  # under jaxcomm.testbed / launch
+    testbed = bool(os.environ.get("JAXCOMM_COORDINATOR"))  # under jaxcomm.tools.testbed / launch
     rows = args.rows or ",".join(TESTBED_ROWS if testbed else ROWS)
     rows = [r.strip() for r in rows.split(",") if r.strip()]
     bad = sorted(set(rows) - set(ROWS))

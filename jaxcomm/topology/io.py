@@ -186,7 +186,7 @@ def save(topology: Topology, path: str | os.PathLike) -> None:
 
 
 # Per-platform link figures for detection (no network probing: measured values belong in a
-# file or in a calibration, see jaxcomm.simulate --calibration).
+# file or in a calibration, see jaxcomm.tools.simulate --calibration).
 _PLATFORM = {
     # gpu: DGX-H100 + NDR 400G figures.
     "cpu": ((5e9, 20e-6), (1.25e9, 50e-6), 1.0 / 5e9),

@@ -1,6 +1,6 @@
 """Scale simulator: step time of data-parallel training on clusters we do not have.
 
-``python -m jaxcomm.simulate --model resnet152 --topology fat_tree --nodes 16,64,256,1024``
+``python -m jaxcomm.tools.simulate --model resnet152 --topology fat_tree --nodes 16,64,256,1024``
 prints the all-reduce time per algorithm and the step time, speedup and communication
 fraction with the optimisations stacked as rows:
 
@@ -43,9 +43,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxcomm import calibration as cal
 from jaxcomm import cost
-from jaxcomm.step_model import DEFAULT_COMPUTE_S, Workload, step_time, workload
+from jaxcomm.tools import calibration as cal
+from jaxcomm.tools.step_model import DEFAULT_COMPUTE_S, Workload, step_time, workload
 from jaxcomm.topology import Level, Topology, aware_order, dgx_h100, fat_tree, load, ring_hops
 from jaxcomm.topology.placement import random_order
 
@@ -381,11 +381,11 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 # --- the testbed check ----------------------------------------------------------------------
 def testbed_topology(inter: int, intra: int, link_bps: float) -> Topology:
-    """The emulated cluster of ``python -m jaxcomm.testbed`` before calibration: ``inter``
+    """The emulated cluster of ``python -m jaxcomm.tools.testbed`` before calibration: ``inter``
     nodes of ``intra`` devices, each node's one link of ``link_bps`` bit/s shared by its
     devices (level-1 oversubscription ``intra``, as ``fat_tree`` writes a NIC shared by
     ``devices_per_node / nics_per_node``). Latencies and the intra-node bandwidth are
-    placeholders for :func:`jaxcomm.calibration.apply`.
+    placeholders for :func:`jaxcomm.tools.calibration.apply`.
 
     Args:
       inter: nodes.
@@ -591,7 +591,7 @@ def _topology_for(args) -> Callable[[int], Topology]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jaxcomm.simulate", description=__doc__.split("\n")[0]
+        prog="python -m jaxcomm.tools.simulate", description=__doc__.split("\n")[0]
     )
     p.add_argument("--model", default=None,
                    help="resnet18 ... resnet152, or a gradient size in bytes (default resnet152; "
@@ -680,7 +680,7 @@ def _check_main(args, argv) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result.update(results=args.check, calibration=args.calibration, codec=what,
-                  command="python -m jaxcomm.simulate " + " ".join(argv))  # fmt: skip
+                  command="python -m jaxcomm.tools.simulate " + " ".join(argv))  # fmt: skip
     print(f"measured: {args.check}\ncalibration: {args.calibration}\ncodec: {what}")
     print(format_check(result))
     if args.json:
@@ -730,7 +730,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result["command"] = "python -m jaxcomm.simulate " + " ".join(argv)
+    result["command"] = "python -m jaxcomm.tools.simulate " + " ".join(argv)
     print(format_tables(result))
     if args.busbw:
         make = _topology_for(args)

@@ -1,7 +1,7 @@
 """Measured alpha and beta per mesh axis, cost per collective call, codec cost: fit, apply
 to a topology, report the error.
 
-File format (what ``python -m jaxcomm.calibration`` and ``python -m experiments.bench
+File format (what ``python -m jaxcomm.tools.calibration`` and ``python -m experiments.bench
 compression --calibration`` write; every part optional but one)::
 
     {
@@ -487,14 +487,16 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m jaxcomm.calibration --intra 4 --out cal.json``: measure and fit.
+    """``python -m jaxcomm.tools.calibration --intra 4 --out cal.json``: measure and fit.
 
-    Under ``python -m jaxcomm.launch`` or ``python -m jaxcomm.testbed`` every process takes
-    part (``jaxcomm.init_distributed``) and process 0 writes the file.
+    Under ``python -m jaxcomm.tools.launch`` or ``python -m jaxcomm.tools.testbed`` every
+    process takes part (``jaxcomm.init_distributed``) and process 0 writes the file.
     """
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m jaxcomm.calibration", description=main.__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxcomm.tools.calibration", description=main.__doc__
+    )
     ap.add_argument("--intra", type=int, default=None, help="devices per node (make_mesh)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-calls", action="store_true", help="skip the per-call cost points")
@@ -529,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"call {kind}: {t * 1e3:.3f} ms beyond the axis model")
     doc["call_s"] = dict(fitted.call_s)
     doc["meta"] = {
-        "command": "python -m jaxcomm.calibration "
+        "command": "python -m jaxcomm.tools.calibration "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "cpus": os.cpu_count(),

@@ -1,4 +1,4 @@
-"""``python -m jaxcomm.launch --nprocs N --local-devices D -- cmd ...``: processes on one host.
+"""Processes on one host: ``python -m jaxcomm.tools.launch --nprocs N --local-devices D -- cmd``.
 
 Starts ``N`` copies of ``cmd`` with ``JAXCOMM_COORDINATOR`` (loopback, a free port),
 ``JAXCOMM_NUM_PROCESSES``, ``JAXCOMM_PROCESS_ID`` and ``JAXCOMM_LOCAL_DEVICES`` set; the
@@ -7,7 +7,8 @@ command calls :func:`jaxcomm.init_distributed`. Output is forwarded line by line
 process groups), and the launcher returns the first failing exit code.
 
 Example:
-  python -m jaxcomm.launch --nprocs 2 --local-devices 2 -- python -m experiments.bench collectives
+  python -m jaxcomm.tools.launch --nprocs 2 --local-devices 2 -- \
+      python -m experiments.bench collectives
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def _watch(
 def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     argv = list(argv)
     parser = argparse.ArgumentParser(
-        prog="python -m jaxcomm.launch",
+        prog="python -m jaxcomm.tools.launch",
         usage="%(prog)s --nprocs N [--local-devices D] [options] -- command [args...]",
         description="Start N jax.distributed processes on this machine (coordinator on "
         "loopback); the command calls jaxcomm.init_distributed().",

@@ -1,7 +1,7 @@
 """Step-time schedule of one data-parallel configuration: when gradients are ready in the
 backward pass, how they are packed or bucketed, and when each collective runs.
 
-Used by :mod:`jaxcomm.simulate`. Uncompressed collectives cost
+Used by :mod:`jaxcomm.tools.simulate`. Uncompressed collectives cost
 :func:`jaxcomm.cost.reduction_time`, compressed ones :func:`jaxcomm.cost.compressed_time`
 (wire bytes, codec, packing, calls), each plus a fixed cost per collective call.
 

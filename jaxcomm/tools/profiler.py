@@ -3,7 +3,7 @@
 Method (every number traceable to a measurement or to the compiled program):
 
 1. ``attach(step, *args)`` compiles the step and reads its collectives from the optimized HLO
-   and prices them with :func:`jaxcomm.wire.summarize`, the same count as
+   and prices them with :func:`jaxcomm.tools.wire.summarize`, the same count as
    :func:`jaxcomm.wire_bytes`: ``bus_bytes`` are the bytes each rank moves by the nccl-tests
    convention (all-reduce ``2(g-1)/g * S``, reduce-scatter / all-gather / all-to-all
    ``(g-1)/g * S`` with ``S`` the full buffer, collective-permute ``S``), ``comm_bytes`` the
@@ -71,7 +71,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxcomm import hlo, wire
+from jaxcomm import hlo
 from jaxcomm.compression.adaptive import (
     REASONS,
     AdaptiveState,
@@ -81,6 +81,7 @@ from jaxcomm.compression.adaptive import (
     with_comm_share,
 )
 from jaxcomm.front_end import FrontEnd
+from jaxcomm.tools import wire
 from jaxcomm.validate import check_int
 
 __all__ = ["CommProfiler", "compute_only_step", "median_time"]
@@ -194,7 +195,7 @@ class CommProfiler:
         self.step_times: list[float] = []
         self.compute_time: float | None = None
         self.module: hlo.HloModule | None = None
-        self.wire: dict | None = None  # jaxcomm.wire.summarize(self.module)
+        self.wire: dict | None = None  # jaxcomm.tools.wire.summarize(self.module)
         self.level_changes: list[dict[str, Any]] = []  # drive(): one record per change
         self.windows: list[dict[str, Any]] = []  # drive(): one record per window
         self.kernel_times: list[float] = []  # drive(): each rung's own kernels (s)

@@ -1,6 +1,7 @@
 """An emulated cluster on one machine: network namespaces joined by rate-limited links.
 
-``python -m jaxcomm.testbed --nodes 2 --devices-per-node 2 --link 1gbit --latency 100us -- cmd``
+``python -m jaxcomm.tools.testbed --nodes 2 --devices-per-node 2 --link 1gbit --latency 100us
+-- cmd``
 
 Each node is a network namespace running one ``jax.distributed`` process with
 ``--devices-per-node`` CPU devices. Traffic between devices of one node stays inside its
@@ -59,7 +60,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jaxcomm.launch import rank_env, run_group
+from jaxcomm.tools.launch import rank_env, run_group
 from jaxcomm.validate import check_int
 
 __all__ = [
@@ -494,7 +495,7 @@ def _on_sigterm(signum, frame):
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
-        prog="python -m jaxcomm.testbed",
+        prog="python -m jaxcomm.tools.testbed",
         description="Run a command as one jax.distributed process per emulated node "
         "(network namespaces joined by tc-tbf-shaped veth links). Needs root and iproute2.",
         usage="%(prog)s [options] -- command [args...]",
@@ -547,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     ok, why = available()
     if not ok:
-        print(f"jaxcomm.testbed: cannot run here: {why}", file=sys.stderr)
+        print(f"jaxcomm.tools.testbed: cannot run here: {why}", file=sys.stderr)
         return 2
     old = signal.signal(signal.SIGTERM, _on_sigterm)
     # A shell starts background jobs with SIGINT ignored, and Python then keeps ignoring it;

@@ -12,7 +12,7 @@ The report lists every collective with its kind, mesh axes, dtype and bytes (fro
 scheduled between start and done.
 
 Example:
-  >>> rep = jaxcomm.schedule.schedule_report(dp.step_fn(state), state, batch, mesh=mesh)
+  >>> rep = jaxcomm.tools.schedule.schedule_report(dp.step_fn(state), state, batch, mesh=mesh)
   >>> print(rep.format())
 """
 
