@@ -4,20 +4,22 @@ Speed (``run_speed``). For each available row the ResNet step is built with the 
 ``sync_gradients`` arguments, compiler options and mesh, together with its *compute-only
 twin*: the same step, same mesh and options, with no gradient synchronisation (each device
 applies its own gradient; the small batch-statistics and metrics ``pmean`` stay in both).
-Rows that differ only in ``sync_gradients`` arguments share one twin.
-After ``warmup`` untimed steps (compilation included), all rows and their twins are timed
-round-robin, ``repeats`` rounds of ``steps`` steps each, on one fixed synthetic batch. Each
-round gives a mean step time; the best round (as ``timeit`` reports: slower rounds measure
-other processes' interference) gives the figures below; the medians are in the JSON too.
+Rows that differ only in ``sync_gradients`` arguments share one twin. On a network the
+row also gets its *sync alone*: the row's optimizer, its sync included, on gradients of
+the model's shapes with no model (``experiments.step.sync_only_loss_fn``; a driven
+adaptive row's at the rung it settled on, ``rows.pin_adaptive``).
+After ``warmup`` untimed steps (compilation included), all rows are timed round-robin,
+``repeats`` rounds of ``steps`` steps each, on one fixed synthetic batch; in each round a
+row, its twin and its sync alone run back to back. Every figure is the median over the
+rounds, with the range beside it (``*_range_s``; every round in ``*_times_s``):
 
 * ``step_time_s``: the row's step time,
-* ``comm_fraction = (step - twin) / step``: the share of the step that gradient
-  synchronisation adds and does not hide behind compute (collectives plus any compression
-  work), i.e. the exposed communication. Step and twin run back to back, so slow drift
-  in machine load cancels; on a busy CPU it is still noisy and can come out slightly
-  negative, which is reported as measured.
-* ``speedup``: baseline step time over the row's, ``images_per_s``: global batch over
-  step time.
+* ``exposed_comm_s``: the median over rounds of (row - twin) of the same round: what
+  gradient synchronisation adds to the step and does not hide behind compute (collectives
+  plus compression work); ``comm_fraction = exposed_comm_s / step_time_s``. On a busy
+  CPU it is noisy and can come out slightly negative, which is reported as measured.
+* ``speedup``: the median over rounds of the baseline's time over the row's in the same
+  round (``speedup_range``: their range); ``images_per_s``: global batch over step time.
 
 On a network (``link_bps`` given, e.g. on ``jaxcomm.tools.testbed``), the row beside its
 link bound:
@@ -27,9 +29,15 @@ link bound:
   whose replica groups span the ``inter`` mesh axis counts its per-device bus bytes, because
   a ring ordered by node crosses each node's link once in each direction, carrying what one
   device sends).
+* ``link_bytes_measured``: what this node sent into its link per step while the row ran,
+  from the ``tc`` counters of its link end (``jaxcomm.tools.testbed.node_link_sent``), as
+  TCP payload (headers taken off per packet; ``link_bytes_measured_with_headers`` keeps
+  them).
 * ``link_bound_s = link_bytes / (link_bps / 8)``: the time those bytes need at line rate.
-* ``link_efficiency = link_bound_s / (step - twin)``: how close the exposed communication
-  comes to the wire (1.0: exactly the line-rate time; above 1: part of it is hidden).
+* ``sync_alone_s``: the sync alone's time per step; ``link_efficiency`` = its own bytes'
+  line-rate time over it (at most 1 on a link that shapes every byte: nothing is hidden
+  in a program with nothing else to run), and ``hidden_share = 1 - exposed / sync alone``:
+  the share of the sync that the step hides behind compute.
 * ``spine_bytes_measured`` (on a leaf-spine testbed only): bytes per step and direction that
   the spine carried while the row ran, from the ``tc`` counters of its link ends: where the
   ranks sit on the fabric, which the HLO cannot show.
@@ -59,13 +67,14 @@ import optax
 from jax.experimental import multihost_utils
 
 import jaxcomm
+from experiments import rows
 from experiments import step as steplib
 from experiments.bench.digits import LEARNING_RATE as DIGITS_LEARNING_RATE
 from experiments.bench.digits import digits_accuracy
 from experiments.data import SyntheticImages
 from experiments.presets import Preset
 from experiments.rows import Resolved
-from jaxcomm.tools.testbed import spine_bytes
+from jaxcomm.tools.testbed import node_link_sent, payload_bytes, spine_bytes
 
 __all__ = ["ProcessesBroken", "run_accuracy", "run_speed", "sync_period"]
 
@@ -149,6 +158,7 @@ class _Step:
         if self.period is not None:  # whole periods of local steps: one sync per period
             steps = -(-steps // self.period) * self.period
         before = len(self.profiler.windows) if self.profiler is not None else 0
+        self.last_steps = steps
         self.state, t, self.metrics = _timed(self.fn, self.state, self.batch, steps)
         if self.profiler is not None:
             # drive's calibration: one adaptive compressor
@@ -157,14 +167,14 @@ class _Step:
             self.rounds.append((names, int(adaptive.level)))
         return t
 
-    def adaptive_wire(self, best_round: int) -> dict:
-        """The driven program's bytes at the rung of timed round ``best_round`` (the rung of
+    def adaptive_wire(self, median_round: int) -> dict:
+        """The driven program's bytes at the rung of timed round ``median_round`` (the rung of
         its last window; a round is one window at the presets' settings), and the ladder's
         log: ``level`` (the final rung), ``timed_levels`` (the rung of every window that
-        ended during the timed rounds), ``best_round_levels`` (those of ``best_round``)
+        ended during the timed rounds), ``median_round_levels`` (those of ``median_round``)
         and ``changes`` (every level change, settling included)."""
         prof = self.profiler
-        round_names, round_level = self.rounds[best_round]
+        round_names, round_level = self.rounds[median_round]
         rungs = len(prof.kernel_times)
         # drive() summarized the driven program already (prof.wire): its conditionals
         switch = [c for c, b in prof.wire["branches"].items() if len(b) == rungs]
@@ -180,7 +190,7 @@ class _Step:
         return {
             "level": names[-1] if names else None,
             "timed_levels": names[self.settled :],
-            "best_round_levels": round_names,
+            "median_round_levels": round_names,
             "changes": [
                 {k: c[k] for k in ("step", "from", "to", "reason", "comm_share", "error")}
                 for c in prof.level_changes
@@ -236,6 +246,14 @@ def _local_link_bytes(compiled: Any, mesh: Any, period: int) -> float:
     return local + (synced - local) / period
 
 
+def _row_optimizer(
+    sync: dict, schedule: Any, local: dict | None, period: int | None
+) -> optax.GradientTransformation:
+    """The row's optimizer; local steps sync every ``period`` steps."""
+    local = None if local is None else {**local, "sync_every": period}
+    return steplib.make_optimizer(sync, schedule, local=local)
+
+
 class _Bench:
     """One row's step and its compute-only twin. Rows with the same mesh and compiler
     options share one twin (the twin has no sync, so the sync settings do not change it)."""
@@ -289,9 +307,8 @@ class _Bench:
         self.twin = None if twins is None else twins[key]
 
         def build(period: int | None):
-            local = None if r.local is None else {**r.local, "sync_every": period}
             return steplib.build_step(
-                parts, steplib.make_optimizer(sync, schedule, local=local), mesh,
+                parts, _row_optimizer(sync, schedule, r.local, period), mesh,
                 compiler_options=options, donate=not driven,
             )  # fmt: skip
 
@@ -323,39 +340,77 @@ class _Bench:
         if not driven:  # a driven step compiled and ran its windows already
             self.full.run(warmup)
         self.twin = None if twins is None else twins[key]
+        self.sync_only = None
+        if link_bps:  # the row's sync as its own program, timed beside the row
+            only = sync if not driven else rows.pin_adaptive(sync, self._settled_rung(sync))
+            dp, state = steplib.build_step(
+                parts, _row_optimizer(only, schedule, r.local, self.period), mesh,
+                compiler_options=options, sync_only=True,
+            )  # fmt: skip
+            self.sync_only = _Step(dp, state, batch, period=self.period)
+            self.sync_only.run(warmup)
         self.compile_s = time.perf_counter() - t0
         self.t_full: list[float] = []
         self.t_twin: list[float] = []
+        self.t_sync: list[float] = []
         self.spine: list[float] = []
+        self.sent: list[tuple[float, float]] = []  # per round: payload, bytes per step
+
+    def _settled_rung(self, sync: dict) -> str:
+        """The rung a driven adaptive row settled on before its timing."""
+        (adaptive,) = jaxcomm.compression.adaptive_states(self.full.state.opt_state)
+        return jaxcomm.compression.ladder(sync["compression"], self.devices)[int(adaptive.level)]
 
     def run(self, steps: int) -> None:
+        """One round: the row, its compute-only twin and its sync alone, back to back, so the
+        per-round differences pair measurements taken under the same load."""
         spine = os.environ.get("JAXCOMM_TESTBED_SPINE")
         before = spine_bytes(spine) if spine else None
+        sent = node_link_sent()
         self.t_full.append(self.full.run(steps))
+        if sent is not None:
+            # tc's counters of this node's end of its link: what it sent, per step
+            after = node_link_sent()
+            n = self.full.last_steps
+            raw = (after[0] - sent[0], after[1] - sent[1])
+            self.sent.append((payload_bytes(raw) / n, raw[0] / n))
         if spine:
             # tc's counters of both spine ends, both directions: per step and direction
-            self.spine.append((spine_bytes(spine) - before) / steps / 2)
+            self.spine.append((spine_bytes(spine) - before) / self.full.last_steps / 2)
         if self.twin is not None:
             self.t_twin.append(self.twin.run(steps))
+        if self.sync_only is not None:
+            self.t_sync.append(self.sync_only.run(steps))
 
     def result(self, link_bps: float | None) -> dict:
-        # Best round, as timeit does: slower rounds are other processes' interference.
-        step_time = min(self.t_full)
-        twin_time = min(self.t_twin) if self.t_twin else None
-        best = self.t_full.index(step_time)
-        adaptive = self.full.adaptive_wire(best) if self.full.profiler else None
+        # Medians over the rounds, with their range; the exposed communication from the
+        # per-round differences of row and twin (timed back to back, under the same load).
+        step_time = statistics.median(self.t_full)
+        twin_time = statistics.median(self.t_twin) if self.t_twin else None
+        exposed = [f - t for f, t in zip(self.t_full, self.t_twin, strict=False)]
+        median_round = min(range(len(self.t_full)), key=lambda k: abs(self.t_full[k] - step_time))
+        adaptive = self.full.adaptive_wire(median_round) if self.full.profiler else None
         crossing = self.full.wire["crossing"].get("inter", 0.0)
         bound = crossing / (link_bps / 8) if link_bps else None
-        comm = twin_time and step_time - twin_time
+        comm = _median_or_none(exposed)
+        sync = self._sync_alone(link_bps)
         return {
             "step_time_s": step_time,
-            "step_time_median_s": statistics.median(self.t_full),
+            "step_time_range_s": [min(self.t_full), max(self.t_full)],
+            "step_times_s": list(self.t_full),
+            # the simulator's --check reads these four names
+            "step_time_median_s": step_time,
+            "compute_only_step_time_median_s": twin_time,
+            "step_time_best_s": min(self.t_full),
+            "compute_only_step_time_best_s": min(self.t_twin) if self.t_twin else None,
             "compute_only_step_time_s": twin_time,
-            "compute_only_step_time_median_s": twin_time and statistics.median(self.t_twin),
+            "compute_only_step_times_s": list(self.t_twin),
+            "exposed_comm_s": comm,
+            "exposed_comm_range_s": [min(exposed), max(exposed)] if exposed else None,
             "rounds": len(self.t_full),
-            "comm_fraction": twin_time and (step_time - twin_time) / step_time,
+            "comm_fraction": comm / step_time if comm is not None else None,
             "comm_fraction_source": twin_time
-            and "compute-only twin (same step without sync_gradients)",
+            and "median over rounds of (step - compute-only twin), timed back to back",
             "images_per_s": self.global_batch / step_time,
             "warmup_s": self.compile_s,
             "global_batch": self.global_batch,
@@ -366,14 +421,40 @@ class _Bench:
             "link_bytes": crossing,
             "link_bps": link_bps,
             "link_bound_s": bound,
-            "link_efficiency": bound / comm if bound is not None and comm and comm > 0 else None,
+            **sync,
+            # this node's link end, tc's counters: TCP payload and bytes with headers, per
+            # step, the median over the rounds (the HLO's figure is link_bytes)
+            "link_bytes_measured": _median_or_none([p for p, _ in self.sent]),
+            "link_bytes_measured_with_headers": _median_or_none([b for _, b in self.sent]),
             # measured on a leaf-spine testbed (tc counters): what each step sent over the spine
-            "spine_bytes_measured": statistics.median(self.spine) if self.spine else None,
-            # driven adaptive rows: the rungs of the best round (the bytes above), and the log
+            "spine_bytes_measured": _median_or_none(self.spine),
+            # driven adaptive rows: the rungs of the median round (the bytes above), and the log
             "adaptive": adaptive,
             # local steps: H (link_bytes above are per step, the sync's spread over H)
             "sync_every": self.period,
         }
+
+    def _sync_alone(self, link_bps: float | None) -> dict:
+        """The row's sync timed as its own program (no model to hide it behind): its line-rate
+        bound over its time is the link efficiency, at most 1 where every byte is shaped;
+        the share of it that the row's step hides is ``1 - exposed / sync``."""
+        if self.sync_only is None or not self.t_sync:
+            return {"sync_alone_s": None, "link_efficiency": None, "hidden_share": None}
+        t = statistics.median(self.t_sync)
+        crossing = self.sync_only.wire["crossing"].get("inter", 0.0)
+        bound = crossing / (link_bps / 8)
+        exposed = [f - w for f, w in zip(self.t_full, self.t_twin, strict=False)]
+        return {
+            "sync_alone_s": t,
+            "sync_alone_range_s": [min(self.t_sync), max(self.t_sync)],
+            "sync_alone_link_bytes": crossing,
+            "link_efficiency": bound / t,
+            "hidden_share": 1 - statistics.median(exposed) / t if exposed else None,
+        }
+
+
+def _median_or_none(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
 
 
 def _error(res: dict, e: Exception) -> None:
@@ -472,7 +553,10 @@ def run_speed(
     base = next((x for x in results if x["config"] == "baseline" and x["step_time_s"]), None)
     for x in results:
         if base and x["step_time_s"]:
-            x["speedup"] = base["step_time_s"] / x["step_time_s"]
+            # paired: round k of the baseline over round k of the row, timed in one pass
+            ratios = [b / t for b, t in zip(base["step_times_s"], x["step_times_s"], strict=False)]
+            x["speedup"] = statistics.median(ratios)
+            x["speedup_range"] = [min(ratios), max(ratios)]
     return results
 
 

@@ -32,7 +32,7 @@ class Preset:
       steps: training steps of the ``train`` mode.
       warmup_steps: untimed steps per ablation row (the first one compiles).
       timing_steps: timed steps per ablation row and per repeat.
-      repeats: timing rounds per ablation row; the best round is reported.
+      repeats: timing rounds per ablation row; medians and ranges are reported.
       dtype: compute dtype, ``'float32'`` or ``'bfloat16'`` (params stay float32).
       intra: devices per ``intra`` mesh group; ``None`` = devices of one process.
       lr: peak learning rate per 256 images (scaled linearly with the global batch).
@@ -140,7 +140,7 @@ PRESETS: dict[str, Preset] = {
 # MB of f32 gradient, whose time on the link is several times its compute), so that the
 # table with its quality guard stays short on a small CPU.
 PRESETS["testbed"] = dataclasses.replace(
-    PRESETS["cpu-smoke"], name="testbed", timing_steps=3, repeats=3, intra=None,
+    PRESETS["cpu-smoke"], name="testbed", timing_steps=3, repeats=5, intra=None,
     modes=("ablation", "accuracy"), link="50mbit", adapt_windows=4,
 )  # fmt: skip
 # The networked ablation: ResNet-18 (46.8 MB of f32 gradient) on 32 px images over 250

@@ -52,21 +52,25 @@ def summary_line(rows: Sequence[dict]) -> str | None:
     Returns ``None`` when the baseline or the last row has no step time.
 
     Example:
-      ``stacked 2.61x (+batching vs baseline); exposed communication 77% -> 12% of the step
-      (link bound 0.32 s -> 0.08 s); quality unchanged (digits within 0.3 points)``
+      ``stacked 2.61x (2.50-2.70x over 5 paired rounds) (+batching vs baseline); exposed
+      communication 77% -> 12% of the step, 0.32 s -> 0.08 s; quality unchanged (digits
+      within 0.3 points)``
     """
     timed = [r for r in rows if r.get("step_time_s")]
     base = next((r for r in timed if r["config"] == "baseline"), None)
     if base is None or len(timed) < 2:
         return None
     last = timed[-1]
-    parts = [f"stacked {base['step_time_s'] / last['step_time_s']:.2f}x "
-             f"({last['config']} vs baseline)"]  # fmt: skip
+    speedup = last.get("speedup") or base["step_time_s"] / last["step_time_s"]
+    stacked = f"stacked {speedup:.2f}x"
+    if last.get("speedup_range"):
+        lo, hi = last["speedup_range"]
+        stacked += f" ({lo:.2f}-{hi:.2f}x over {last.get('rounds')} paired rounds)"
+    parts = [f"{stacked} ({last['config']} vs baseline)"]
     fb, fl = base.get("comm_fraction"), last.get("comm_fraction")
     if fb is not None and fl is not None:
         comm = f"exposed communication {fb:.0%} -> {fl:.0%} of the step"
-        cb, cl = (r["step_time_s"] - r["compute_only_step_time_s"] for r in (base, last))
-        comm += f", {cb:.3g} s -> {cl:.3g} s"
+        comm += f", {base['exposed_comm_s']:.3g} s -> {last['exposed_comm_s']:.3g} s"
         parts.append(comm)
     slower = [
         r["config"] for r in timed if r is not base and r["step_time_s"] > base["step_time_s"]
@@ -91,19 +95,34 @@ def _fmt(v, spec: str, scale: float = 1.0) -> str:
     return "-" if v is None else format(v * scale, spec)
 
 
+def _with_range(r: dict, key: str, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    """``median [low-high]`` of ``r[key]`` and ``r[key + '_range']`` (or ``..._range_s``)."""
+    v = r.get(key)
+    if v is None:
+        return "-"
+    rng = r.get(f"{key}_range") or r.get(key.removesuffix("_s") + "_range_s")
+    text = format(v * scale, spec) + unit
+    if rng:
+        text += f" [{format(rng[0] * scale, spec)}-{format(rng[1] * scale, spec)}]"
+    return text
+
+
 def format_table(rows: Sequence[dict]) -> str:
-    """A fixed-width table: config, status, step ms, compute-only ms, speedup, comm %,
-    images/s, on a network the link columns (MB per step across a node's link, their
-    line-rate time, efficiency = that time / exposed communication), on a leaf-spine
-    fabric the MB per step the spine carried (measured), and (when measured) digits
-    accuracy; errors, the rungs a driven adaptive row ran and the period of local steps
-    are listed under the table."""
+    """A fixed-width table of medians over the rounds, each with its range: config,
+    status, step ms, compute-only ms, exposed communication ms, speedup, comm %, images/s;
+    on a network the link columns (MB per step across a node's link from the HLO and as
+    the kernel counted it, their line-rate time, the sync alone's time, efficiency = bound
+    / sync alone, the share of the sync the step hides), on a leaf-spine fabric the MB per
+    step the spine carried (measured), and (when measured) digits accuracy. Under the
+    table: neighbours whose step-time ranges overlap (not ranked), errors, the rungs a
+    driven adaptive row ran and the period of local steps."""
     with_acc = any("accuracy_status" in r for r in rows)
     with_link = any(r.get("link_bound_s") is not None for r in rows)
-    head = ["config", "status", "step ms", "compute ms", "speedup", "comm %", "img/s"]
+    head = ["config", "status", "step ms", "compute ms", "exposed ms", "speedup", "comm %"]
+    head.append("img/s")
     with_spine = any(r.get("spine_bytes_measured") is not None for r in rows)
     if with_link:
-        head += ["link MB", "bound ms", "effic."]
+        head += ["link MB", "kernel MB", "bound ms", "sync ms", "effic.", "hidden %"]
     if with_spine:
         head.append("spine MB")
     if with_acc:
@@ -114,17 +133,21 @@ def format_table(rows: Sequence[dict]) -> str:
         cells = [
             r["config"],
             r.get("status", "-"),
-            _fmt(r.get("step_time_s"), ".1f", 1e3),
+            _with_range(r, "step_time_s", ".1f", 1e3),
             _fmt(r.get("compute_only_step_time_s"), ".1f", 1e3),
-            _fmt(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""),
+            _with_range(r, "exposed_comm_s", ".1f", 1e3),
+            _with_range(r, "speedup", ".2f", unit="x"),
             _fmt(r.get("comm_fraction"), ".1f", 100),
             _fmt(r.get("images_per_s"), ".0f"),
         ]
         if with_link:
             cells += [
-                _fmt(r.get("link_bytes"), ".1f", 1e-6),
+                _fmt(r.get("link_bytes"), ".3f", 1e-6),
+                _fmt(r.get("link_bytes_measured"), ".3f", 1e-6),
                 _fmt(r.get("link_bound_s"), ".0f", 1e3),
+                _fmt(r.get("sync_alone_s"), ".0f", 1e3),
                 _fmt(r.get("link_efficiency"), ".2f"),
+                _fmt(r.get("hidden_share"), ".0f", 100),
             ]
         if with_spine:
             cells.append(_fmt(r.get("spine_bytes_measured"), ".1f", 1e-6))
@@ -142,7 +165,7 @@ def format_table(rows: Sequence[dict]) -> str:
             )
             notes.append(
                 f"  {r['config']}: adaptive timed at {'/'.join(dict.fromkeys(ad['timed_levels']))}"
-                f", best round at {'/'.join(dict.fromkeys(ad['best_round_levels']))}"
+                f", median round at {'/'.join(dict.fromkeys(ad['median_round_levels']))}"
                 f" (changes: {moves or 'none'})"
             )
         if r.get("sync_every"):  # local steps: the period, and what link MB means there
@@ -150,6 +173,7 @@ def format_table(rows: Sequence[dict]) -> str:
                 f"  {r['config']}: a sync every {r['sync_every']} steps (H, chosen for the "
                 "link); link MB is per step, the sync's bytes spread over H"
             )
+    notes[:0] = _overlapping_neighbours(rows)
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
     fmt_row = lambda cells: "  ".join(  # noqa: E731
         c.ljust(w) if i < 2 else c.rjust(w)
@@ -159,6 +183,22 @@ def format_table(rows: Sequence[dict]) -> str:
     if notes:
         out += ["", "notes:", *notes]
     return "\n".join(out)
+
+
+def _overlapping_neighbours(rows: Sequence[dict]) -> list[str]:
+    """A note for each pair of neighbouring rows whose step-time ranges over the rounds
+    overlap: the rounds cannot rank them."""
+    timed = [r for r in rows if r.get("step_time_range_s")]
+    notes = []
+    for a, b in zip(timed, timed[1:], strict=False):
+        (a0, a1), (b0, b1) = a["step_time_range_s"], b["step_time_range_s"]
+        if a0 <= b1 and b0 <= a1:
+            notes.append(
+                f"  {a['config']} and {b['config']}: step times overlap over the rounds "
+                f"({a0 * 1e3:.1f}-{a1 * 1e3:.1f} vs {b0 * 1e3:.1f}-{b1 * 1e3:.1f} ms): "
+                "not ranked"
+            )
+    return notes
 
 
 def write_json(rows: Sequence[dict], path: str) -> None:

@@ -41,7 +41,7 @@ _OVERRIDES = {
     "steps": (int, "training steps (also the length of the learning-rate schedule)"),
     "warmup_steps": (int, "untimed steps per ablation row (the first compiles)"),
     "timing_steps": (int, "timed steps per ablation row and repeat"),
-    "repeats": (int, "timing rounds per ablation row (best round reported)"),
+    "repeats": (int, "timing rounds per ablation row (medians and ranges reported)"),
     "dtype": (str, "compute dtype: float32 or bfloat16 (params stay float32)"),
     "intra": (int, "devices per 'intra' mesh group (default: preset; none = per process)"),
     "lr": (float, "peak learning rate per 256 images"),

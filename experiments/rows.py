@@ -24,7 +24,7 @@ import optax
 
 import jaxcomm
 
-__all__ = ["ROWS", "Resolved", "Row", "resolve_rows"]
+__all__ = ["ADAPTIVE", "ROWS", "Resolved", "Row", "pin_adaptive", "resolve_rows"]
 
 Options = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
 
@@ -64,10 +64,27 @@ class Row:
 # error into the next step), which keeps int4's error of the mean on ResNet-18 inside the
 # default band (0.05-0.25); stochastic rounding in blocks of 256 errs above it and sends
 # the ladder back to int8 (docs/benchmarks.md).
-ADAPTIVE = jaxcomm.compression.adaptive(
-    0.75, min_compression=0.0, max_compression=1.0, ladder=("f32", "bf16", "int8", "int4"),
+ADAPTIVE_ARGS: dict[str, Any] = dict(
+    min_compression=0.0, max_compression=1.0, ladder=("f32", "bf16", "int8", "int4"),
     adjustment_step=2, block=64, stochastic=False,
 )  # fmt: skip
+ADAPTIVE = jaxcomm.compression.adaptive(0.75, **ADAPTIVE_ARGS)
+
+
+def pin_adaptive(sync: Mapping[str, Any], rung: str) -> dict[str, Any]:
+    """``sync`` with :data:`ADAPTIVE` held on one rung: the same compressor with a ladder of
+    that rung alone (its codec, error feedback and error sketch), so a program that is not
+    driven sends what a driven row sent at ``rung``.
+
+    Raises:
+      ValueError: ``sync`` does not compress with :data:`ADAPTIVE`.
+    """
+    if sync.get("compression") is not ADAPTIVE:
+        raise ValueError(f"pin_adaptive: {sync!r} does not compress with rows.ADAPTIVE.")
+    pinned = jaxcomm.compression.adaptive(0.75, **{**ADAPTIVE_ARGS, "ladder": (rung,)})
+    return {**sync, "compression": pinned}
+
+
 ROWS: tuple[Row, ...] = (
     Row("baseline", "flat psum, f32, no overlap options", sync={"algorithm": "flat"}),
     Row("+hierarchical", "hierarchical all-reduce", sync={"algorithm": "hierarchical"}),
@@ -87,7 +104,16 @@ ROWS: tuple[Row, ...] = (
         sync={"algorithm": "auto"},
         topology=True,
     ),
-    Row("+batching", "gradient buckets 1-10 MiB", sync={"bucket_bytes": (1 << 20, 10 << 20)}),
+    # Buckets sized by the cost model: cut for overlap where collectives can overlap the
+    # backward pass; where they cannot (XLA:CPU runs them synchronously), the fewest. Fixed
+    # 1-10 MiB buckets cut this model's 1.7 MB gradient in two (one more set of inter-node
+    # collectives, each paying the link's latency, nothing hidden): slower than +topology
+    # on the testbed (docs/benchmarks.md).
+    Row(
+        "+batching",
+        "gradient buckets chosen by the cost model",
+        sync={"bucket_bytes": "auto"},
+    ),
     # Beyond the seed: local SGD (DiLoCo), the rare outer syncs int8-compressed. H is chosen
     # for the link (ablation.sync_period), the outer optimizer is the one that kept the
     # digits guard within a point of per-step sync on short runs (docs/benchmarks.md).

@@ -94,6 +94,18 @@ def make_loss_fn(graphdef: Any) -> Callable:
     return loss_fn
 
 
+def sync_only_loss_fn(params, batch_stats, batch):
+    """A loss whose gradient costs one elementwise pass: the row's sync without the model.
+
+    ``s * sum(|p|^2)``, ``s`` from the device's labels, so the gradient ``2 s p`` has each
+    parameter's shape and differs between devices, as a model's does; the batch statistics
+    pass through unchanged. The ablation times the row's optimizer (its sync) on it.
+    """
+    s = 1.0 + jnp.mean(batch["label"].astype(jnp.float32))
+    loss = s * sum(jnp.vdot(p, p) for p in jax.tree.leaves(params))
+    return loss, (batch_stats, {})
+
+
 def learning_rate(*, lr: float, global_batch: int, warmup: int, total_steps: int) -> optax.Schedule:
     """Linear warm-up to ``lr x global_batch / 256``, then cosine decay to 0."""
     peak = lr * global_batch / 256
@@ -155,6 +167,7 @@ def build_step(
     *,
     compiler_options: Mapping[str, Any] | None = None,
     compute_only: bool = False,
+    sync_only: bool = False,
     donate: bool = True,
 ) -> tuple[jaxcomm.DataParallel, jaxcomm.TrainState]:
     """Builds the data-parallel step and its initial state on ``mesh``.
@@ -166,13 +179,15 @@ def build_step(
       compiler_options: XLA options for the step.
       compute_only: the optimizer has no ``sync_gradients`` (a timing twin); each device
         then applies its own gradient.
+      sync_only: the model's loss is replaced by :func:`sync_only_loss_fn`: the step is the
+        optimizer and its sync on gradients of the params' shapes, no model.
       donate: donate the input state's buffers (the state is never reused).
 
     Returns:
       ``(dp, state)``.
     """
     dp = jaxcomm.data_parallel(
-        make_loss_fn(parts.graphdef),
+        sync_only_loss_fn if sync_only else make_loss_fn(parts.graphdef),
         optimizer,
         mesh,
         with_model_state=True,

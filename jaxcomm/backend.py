@@ -100,9 +100,15 @@ constant offsets, a plain all-to-all, a bf16 all-reduce, asynchronous dispatch):
    executions of a program with collectives can deadlock XLA:CPU's in-process
    rendezvous of fake devices, so the step builders wait for each CPU step before
    dispatching the next; other platforms keep asynchronous dispatch.
+8. *Synchronous collectives* (``synchronous_collectives``). XLA:CPU runs each
+   collective synchronously on the thread that reaches it (docs/overlap.md), so nothing
+   the backward pass computes hides a bucket's communication: ``bucket_bytes='auto'``
+   then chooses the fewest buckets (``jaxcomm.buckets.AutoBuckets.choose``,
+   ``overlap=False``), where buckets sized for overlap would only add collectives, each
+   paying the link's latency.
 
 Only 1 to 3 are about compile time; 4 to 6 are about what reaches the wire; 7 about
-dispatch.
+dispatch; 8 about how the gradient is cut.
 """
 
 from __future__ import annotations
@@ -166,6 +172,8 @@ class Backend:
       check_collective_order: on several processes, refuse a compiled step whose
         collectives' order is not fixed (``jaxcomm.hlo.ordering_hazards``).
       one_step_in_flight: the host waits for each step before dispatching the next.
+      synchronous_collectives: a collective blocks the step's compute until it ends, so
+        nothing hides it (``bucket_bytes='auto'`` then chooses the fewest buckets).
     """
 
     platform: str
@@ -178,6 +186,7 @@ class Backend:
     tie_collective_order: bool = False
     check_collective_order: bool = False
     one_step_in_flight: bool = False
+    synchronous_collectives: bool = False
 
     def __post_init__(self):
         if self.bf16_route not in ("allreduce", "all_to_all"):
@@ -200,6 +209,7 @@ CPU = Backend(
     tie_collective_order=True,
     check_collective_order=True,
     one_step_in_flight=True,
+    synchronous_collectives=True,
 )
 #: GPU (NCCL sums bf16 natively; a GPU conditional reads its predicate on the host, and
 #: its kernels index cheaply): the plain program.

@@ -144,7 +144,11 @@ class AutoBuckets(NamedTuple):
     candidates: tuple[int, ...] = tuple(1 << k for k in range(18, 29))  # 256 KiB .. 256 MiB
 
     def choose(
-        self, leaves: Sequence[Any], default_comm: Callable[[int], float] | None = None
+        self,
+        leaves: Sequence[Any],
+        default_comm: Callable[[int], float] | None = None,
+        *,
+        overlap: bool = True,
     ) -> tuple[int, int]:
         """Returns the ``(min_bytes, max_bytes)`` with the least predicted exposed time
         (ties go to larger buckets: fewer collectives).
@@ -153,7 +157,14 @@ class AutoBuckets(NamedTuple):
           leaves: gradient leaves (arrays or ShapeDtypeStructs) in parameter order.
           default_comm: ``nbytes -> seconds`` used when ``comm_seconds`` is None
             (``sync_gradients`` passes ``jaxcomm.cost.predict`` for its algorithm).
+          overlap: whether a collective can run while the backward pass computes
+            (not ``jaxcomm.backend``'s ``synchronous_collectives``). Without overlap all
+            of the communication is exposed, and the fewest collectives expose least:
+            buckets of the largest candidate, the first one included.
         """
+        if not overlap:
+            largest = max(self.candidates)
+            return largest, largest
         comm = self.comm_seconds or default_comm
         if comm is None:
             raise ValueError("AutoBuckets needs comm_seconds (nbytes -> seconds) to choose.")

@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm import cost, ordering
+from jaxcomm import backend, cost, ordering
 from jaxcomm.buckets import AutoBuckets, check_bucket_bytes, plan_buckets
 from jaxcomm.collectives import (
     allreduce,
@@ -430,7 +430,8 @@ def _bucket_bounds(sync: GradientSync, leaves: list) -> tuple[int, int]:
     ``bucket_bytes='auto'``)."""
     if isinstance(sync.bucket_bytes, AutoBuckets):
         seconds = _predicted_seconds(sync.algorithm, sync.axes, sync.topology)
-        return sync.bucket_bytes.choose(leaves, seconds)
+        overlap = not backend.current().synchronous_collectives
+        return sync.bucket_bytes.choose(leaves, seconds, overlap=overlap)
     return sync.bucket_bytes
 
 

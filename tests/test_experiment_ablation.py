@@ -115,7 +115,8 @@ def test_without_a_testbed_the_default_falls_back_and_says_why(monkeypatch, caps
 
 def _row(config, step, twin, acc=None):
     return {"config": config, "step_time_s": step, "compute_only_step_time_s": twin,
-            "comm_fraction": (step - twin) / step, "accuracy": acc}  # fmt: skip
+            "exposed_comm_s": step - twin, "comm_fraction": (step - twin) / step,
+            "accuracy": acc}  # fmt: skip
 
 
 def test_summary_line_reads_the_table():
@@ -131,6 +132,19 @@ def test_summary_line_reads_the_table():
     assert "stacked 0.80x (+c vs baseline)" in line and "slower than the baseline: +c" in line
     assert "quality changed: +a digits 0.900 vs baseline 0.950" in line
     assert report.summary_line(rows[:1]) is None
+
+
+def test_table_gives_ranges_and_does_not_rank_overlapping_rows():
+    rows = [_row("baseline", 4.0, 1.0), _row("+a", 2.0, 1.0), _row("+b", 1.9, 1.0)]
+    for r, rng in zip(rows, ([3.9, 4.2], [1.8, 2.1], [1.85, 2.0]), strict=True):
+        r.update(status="ok", step_time_range_s=rng, rounds=5)
+    rows[2].update(speedup=2.1, speedup_range=[1.95, 2.2])
+    table = report.format_table(rows)
+    assert "4000.0 [3900.0-4200.0]" in table and "2.10x [1.95-2.20]" in table
+    assert "+a and +b: step times overlap over the rounds" in table
+    assert "baseline and +a" not in table
+    line = report.summary_line(rows)
+    assert line.startswith("stacked 2.10x (1.95-2.20x over 5 paired rounds) (+b vs baseline)")
 
 
 def test_cpu_devices_are_set_only_when_absent(monkeypatch):

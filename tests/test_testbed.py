@@ -342,8 +342,9 @@ def test_make_run_path_runs_every_row_on_two_processes(tmp_path):
     # the small leaves in f32, and only part of the step's wire bytes.
     grads = gradient_shapes(meta["preset"]["model"], meta["preset"]["num_classes"])
     f32_bytes = 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(grads))
-    assert ad["best_round_levels"] and set(ad["best_round_levels"]) <= set(ad["timed_levels"])
-    fraction = {"f32": 1.0, "bf16": 0.5, "int8": 0.254, "int4": 0.129}[ad["best_round_levels"][-1]]
+    levels = ad["median_round_levels"]
+    assert levels and set(levels) <= set(ad["timed_levels"])
+    fraction = {"f32": 1.0, "bf16": 0.5, "int8": 0.254, "int4": 0.129}[levels[-1]]
     assert 0.8 * fraction * f32_bytes < row["link_bytes"] < 1.5 * fraction * f32_bytes
     assert row["link_bytes"] < row["wire_bytes"]
     assert 0.9 * f32_bytes < by["+hierarchical"]["link_bytes"] < 1.2 * f32_bytes
@@ -354,26 +355,24 @@ def test_make_run_path_runs_every_row_on_two_processes(tmp_path):
     wire_s = f32_bytes * 8 / 50e6
     for name, crossings in (("baseline", 1.5), ("+hierarchical", 1.0)):
         assert by[name]["link_bound_s"] == pytest.approx(crossings * wire_s, rel=0.2), name
-        # with the link the bottleneck, the exposed time is not far above it (link bytes
-        # counted twice would read about 2 times the time they took)
-        assert by[name]["link_efficiency"] > 0.2, (name, by[name]["link_efficiency"])
-    # No row overlaps its sync with compute (XLA:CPU runs collectives synchronously, the
-    # +overlap row's options included: docs/overlap.md), so every row's exposed
-    # communication (step - compute) takes at least its link bytes' line-rate time: link
-    # efficiency <= 1, the compressed rows' 0.2 MB included. The tbf bucket passes at most
-    # 8 KiB of a transfer after an idle gap unshaped (testbed.tbf_burst), less than the
-    # TCP/IP headers (about 4.5 %) that the line-rate time leaves out. The compute is the
-    # fastest of the twins (each the same model step without the sync, timed once): a
-    # row's own twin can be slowed by the other test worker, which would put that row far
-    # above 1. The margin is that estimate's jitter: a few ms against the compressed rows'
-    # 33 ms on the wire.
-    margin = 0.15
-    compute = min(r["compute_only_step_time_s"] for r in rows)
-    table = {r["config"]: (r["step_time_s"], r["link_bound_s"]) for r in rows}
+    # Each row's sync alone (its own program: nothing to hide it behind) takes at least its
+    # bytes' line-rate time, so link efficiency <= 1 on a link that shapes every byte (the
+    # tbf bucket passes at most 8 KiB unshaped, less than the TCP/IP headers the bound
+    # leaves out); a bypassed link reads above 1. The bandwidth-bound rows (f32, 1.2 MB and
+    # more per step) come within 2x of the bound: a link half as fast, or bytes counted
+    # twice, reads below 0.5. The compressed rows' syncs also run codecs and more, smaller
+    # collectives, each paying the link's latency: only the upper bound there.
+    table = {r["config"]: (r["link_bound_s"], r["sync_alone_s"]) for r in rows}
     for r in rows:
-        exposed = r["step_time_s"] - compute
-        # exposed >= 1 / 1.15 = 0.87 of the wire time, i.e. efficiency <= 1.15
-        assert exposed >= r["link_bound_s"] / (1 + margin), (r["config"], compute, table)
+        assert 0 < r["link_efficiency"] <= 1.0, (r["config"], table)
+        assert r["sync_alone_link_bytes"] == pytest.approx(r["link_bytes"], rel=0.02), r
+        if r["link_bytes"] > 0.9 * f32_bytes:
+            assert r["link_efficiency"] >= 0.5, (r["config"], table)
+        # What this node sent into its link (tc's counters, TCP payload) against the HLO:
+        # the same bytes, plus a few KB per step of transport framing.
+        measured, hlo = r["link_bytes_measured"], r["link_bytes"]
+        assert 0.99 * hlo <= measured <= 1.05 * hlo + 8192, (r["config"], measured, hlo)
+        assert r["hidden_share"] is not None and len(r["step_times_s"]) == r["rounds"]
     # Local steps: H chosen for the link, the int8 sync's bytes spread over H steps.
     local = by["+local steps"]
     h = local["sync_every"]

@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxcomm import cost
+from jaxcomm.buckets import AutoBuckets
 from jaxcomm.tools import calibration as cal
 from jaxcomm.tools.step_model import DEFAULT_COMPUTE_S, Workload, step_time, workload
 from jaxcomm.topology import Level, Topology, aware_order, dgx_h100, fat_tree, load, ring_hops
@@ -455,6 +456,9 @@ def testbed_row_config(row: Mapping[str, Any], technique: str | None = None) -> 
         else:
             comp = name
     bucket = sync.get("bucket_bytes")
+    if bucket == "auto":  # synchronous collectives: AutoBuckets takes the fewest buckets
+        largest = max(AutoBuckets().candidates)
+        bucket = (largest, largest)
     return {
         "algorithm": sync.get("algorithm", "hierarchical"),
         "compression": comp,
@@ -485,9 +489,10 @@ def check_testbed(
       calibration: a calibration measured on that testbed.
       wl: the model's workload (its compute is replaced per row).
       codec: kernel -> :class:`jaxcomm.cost.Codec` (this machine's).
-      statistic: 'best' or 'median' (the JSON's ``step_time_s`` / ``step_time_median_s``
-        and their twins). 'best' matches the calibrations, which keep the best of their
-        runs, and the ablation table, which reports the best round.
+      statistic: 'best' or 'median' (the JSON's ``step_time_best_s`` /
+        ``step_time_median_s`` and their twins; a JSON written before the medians has the
+        best round in ``step_time_s``). 'best' matches the calibrations, which keep the
+        best of their runs; the ablation table reports the medians.
       tolerance: the largest ``|predicted / measured - 1|`` that passes.
 
     Returns:
@@ -501,7 +506,7 @@ def check_testbed(
     """
     if statistic not in ("median", "best"):
         raise ValueError(f"statistic={statistic!r}: choose 'median' or 'best'.")
-    sfx = "_median_s" if statistic == "median" else "_s"
+    sfx = "_median_s" if statistic == "median" else "_best_s"
     calls = _call_costs(0.0, calibration)
     out = []
     described: dict[str, str] = {}  # compressor text -> technique of the row that added it
@@ -515,8 +520,10 @@ def check_testbed(
             raise ValueError(f"row {row.get('config')!r}: needs 'mesh' and 'link_bps'.")
         topo = cal.apply(testbed_topology(mesh["inter"], mesh["intra"], float(link)), calibration)
         cfg = testbed_row_config(row, described[text])
-        compute = float(row[f"compute_only_step_time{sfx}"])
-        measured = float(row[f"step_time{sfx}"])
+        # The compute is the row's own twin's, taken from the table; the communication,
+        # codec and call costs come from the calibrations.
+        compute = float(row.get(f"compute_only_step_time{sfx}", row["compute_only_step_time_s"]))
+        measured = float(row.get(f"step_time{sfx}", row["step_time_s"]))
         r = step_time(
             dataclasses.replace(wl, compute_s=compute),
             topo,

@@ -15,7 +15,9 @@ hands them out. A ring in process order then crosses the spine at every hop; one
 leaf crosses it ``L`` times. The fabric is written as a ``jaxcomm.topology`` file (levels node
 / leaf / spine, the placement, the link rates) named by ``JAXCOMM_TOPO_FILE`` in every node's
 environment, so ``jaxcomm.topology.detect()`` inside the job sees it, and the bytes the spine
-carried are read from its ``tc`` counters (:func:`spine_bytes`, ``JAXCOMM_TESTBED_SPINE``).
+carried are read from its ``tc`` counters (:func:`spine_bytes`, ``JAXCOMM_TESTBED_SPINE``), as
+are the bytes each node sends into its own link (:func:`node_link_sent`,
+``JAXCOMM_TESTBED_NODE_LINK``).
 
 Set-up (all names start with ``jc`` plus a per-run tag, so parallel runs do not collide):
 
@@ -66,10 +68,14 @@ from jaxcomm.validate import check_int
 __all__ = [
     "Testbed",
     "available",
+    "PACKET_HEADER_BYTES",
     "main",
+    "node_link_sent",
     "parse_link_schedule",
     "parse_rate",
     "parse_time",
+    "payload_bytes",
+    "qdisc_sent",
     "spine_bytes",
     "tbf_burst",
 ]
@@ -155,6 +161,42 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+# What each packet carries besides the payload of a TCP segment, as tc counts it: the
+# Ethernet header (14 bytes), IPv4 (20) and TCP with the timestamp option Linux sends by
+# default (32). gloo and the coordination service speak TCP; a pure ACK is all header.
+PACKET_HEADER_BYTES = 14 + 20 + 32
+
+
+def qdisc_sent(ends: str) -> tuple[int, int]:
+    """Bytes and packets the ``tc`` qdiscs of link ends have sent so far.
+
+    Args:
+      ends: ``'ns/dev,ns/dev'``, e.g. ``JAXCOMM_TESTBED_SPINE`` or
+        ``JAXCOMM_TESTBED_NODE_LINK``.
+
+    Returns:
+      ``(bytes, packets)``, each summed over the ends: the ``Sent N bytes M pkt`` counters,
+      headers included (tc counts a segmentation-offloaded packet as its segments).
+
+    Raises:
+      RuntimeError: ``tc`` failed.
+    """
+    total_bytes = total_packets = 0
+    for end in ends.split(","):
+        ns, dev = end.split("/")
+        out = _sh("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev).stdout
+        m = re.search(r"Sent (\d+) bytes (\d+) pkt", out)
+        total_bytes += int(m.group(1))
+        total_packets += int(m.group(2))
+    return total_bytes, total_packets
+
+
+def payload_bytes(sent: tuple[int, int]) -> int:
+    """TCP payload of ``(bytes, packets)`` from :func:`qdisc_sent`: the bytes less
+    :data:`PACKET_HEADER_BYTES` per packet, what a collective's byte count describes."""
+    return sent[0] - PACKET_HEADER_BYTES * sent[1]
+
+
 def spine_bytes(ends: str | None = None) -> int:
     """Bytes sent so far through the spine's link ends (both directions summed).
 
@@ -171,12 +213,15 @@ def spine_bytes(ends: str | None = None) -> int:
     ends = os.environ.get("JAXCOMM_TESTBED_SPINE") if ends is None else ends
     if not ends:
         raise RuntimeError("spine_bytes: no spine; run under a testbed with --leaves >= 2.")
-    total = 0
-    for end in ends.split(","):
-        ns, dev = end.split("/")
-        out = _sh("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev).stdout
-        total += int(re.search(r"Sent (\d+) bytes", out).group(1))
-    return total
+    return qdisc_sent(ends)[0]
+
+
+def node_link_sent() -> tuple[int, int] | None:
+    """``(bytes, packets)`` this node has sent into its link so far (:func:`qdisc_sent` of
+    ``JAXCOMM_TESTBED_NODE_LINK``, the node's own shaped end); ``None`` outside a
+    testbed."""
+    end = os.environ.get("JAXCOMM_TESTBED_NODE_LINK")
+    return qdisc_sent(end) if end else None
 
 
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -244,6 +289,8 @@ class Testbed:
         self.leaf_hubs = [f"{self.tag}l{j}" for j in range(leaves)] if leaves > 1 else []
         self.spine_hub = f"{self.tag}sp" if leaves > 2 else None
         self.spine_ends: list[tuple[str, str]] = []
+        # per node, its end of its link ('ns/dev'): the tc counters of what it sends
+        self.node_ends: dict[int, str] = {}
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(nodes)]
         self.latency_applied = self.latency_s == 0
         self.topology_file: str | None = None
@@ -296,6 +343,8 @@ class Testbed:
         _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *where, *tbf)
         if rate is None:  # a node link (not the spine): what set_link changes
             self._link_ends.append((ns, dev, where))
+            if ns in self.namespaces:  # the node's own end: what it sends
+                self.node_ends[self.namespaces.index(ns)] = f"{ns}/{dev}"
 
     def _up(self, ns: str, dev: str, addr: str | None = None) -> None:
         if addr:
@@ -427,6 +476,7 @@ class Testbed:
             JAXCOMM_TESTBED_ADDRESSES=",".join(self.addresses),
             JAXCOMM_TOPO_FILE=self.topology_file or "",
             JAXCOMM_TESTBED_LINK_LOG=self.link_log or "",
+            JAXCOMM_TESTBED_NODE_LINK=self.node_ends.get(node, ""),
         )
         if self.started is not None:  # the link schedule's zero (unix seconds)
             env["JAXCOMM_TESTBED_START"] = repr(self.started)
