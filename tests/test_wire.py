@@ -193,6 +193,13 @@ def test_async_ops_and_branches_from_text():
         # pairs 0->1 and 4->5 leave the intra slice {0, 4}; none leaves a node
         ("permute", lambda x: lax.ppermute(x, "intra", [(i, (i + 1) % 4) for i in range(4)]),
          0.0, 2 * S),
+        # an all-to-all sends 1/8 of S from each device to each other one: the 4 devices
+        # of a node send 4 x 4 / 8 S across its link (a ring would carry 7/8 S); the intra
+        # slice {0, 4} sends 2 x 6 / 8 S
+        ("all-to-all", lambda x: lax.all_to_all(x, AX, 0, 0, tiled=True), 2 * S, 1.5 * S),
+        # 4 groups over 'inter' side by side, each sending half of S across
+        ("all-to-all inter", lambda x: lax.all_to_all(x, "inter", 0, 0, tiled=True),
+         4 * S / 2, 0.0),
     ],
 )  # fmt: skip
 def test_crossing_bytes_per_slice(mesh, name, body, inter, intra):

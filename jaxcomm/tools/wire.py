@@ -82,9 +82,12 @@ def _crossing(counted: list[dict], mesh: Mesh) -> dict[str, float]:
     The slice is the devices at coordinate 0 of the axis. A collective's replica group that
     has members both inside and outside the slice is taken as a ring ordered by position,
     which crosses the slice boundary once per direction carrying what one device sends (its
-    bus bytes); a collective-permute pair crosses when its source is inside and its target
-    outside. Groups of the same collective that run side by side (e.g. one per intra-node
-    device, each over ``'inter'``) share the link, so each counts.
+    bus bytes); an all-to-all is no ring: each member sends its ``1/p`` of the operand to
+    every other member directly, so ``k`` members inside send ``k (p - k) / p`` operands
+    across (more than one device's bus bytes where ``k > 1``). A collective-permute pair
+    crosses when its source is inside and its target outside. Groups of the same
+    collective that run side by side (e.g. one per intra-node device, each over
+    ``'inter'``) share the link, so each counts.
     """
     coords = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape), -1)
     out = {}
@@ -95,6 +98,10 @@ def _crossing(counted: list[dict], mesh: Mesh) -> dict[str, float]:
             if r["kind"] == "collective-permute":
                 n = sum(bool(inside[s] and not inside[t]) for s, t in r["pairs"])
                 total += n * float(r["operand_bytes"])  # each pair sends its whole operand
+            elif r["kind"] == "all-to-all":
+                for g in r["groups"]:
+                    k = sum(bool(inside[d]) for d in g)
+                    total += k * (len(g) - k) / len(g) * float(r["operand_bytes"])
             else:
                 n = sum(1 for g in r["groups"] if 0 < sum(bool(inside[d]) for d in g) < len(g))
                 total += n * r["bytes"]
