@@ -202,27 +202,6 @@ class LinenDataParallel(FlaxFrontEnd):
     """A data-parallel Linen step on ``flax.training.train_state.TrainState``; build it with
     :func:`linen_data_parallel`."""
 
-    def __init__(
-        self,
-        fn: Callable,
-        mesh: Mesh,
-        *,
-        axes: tuple[str, ...],
-        check_replicas: int,
-        axis_name: str | None = None,
-        shard: dict | None = None,
-    ):
-        engine = FlaxStep(
-            fn,
-            mesh,
-            LinenAdapter(),
-            axes=axes,
-            check_replicas=check_replicas,
-            axis_name=axis_name,
-            shard=shard,
-        )
-        super().__init__(engine)
-
 
 def linen_data_parallel(
     mesh: Mesh,
@@ -277,6 +256,5 @@ def linen_data_parallel(
     n, axes = check_decorator_args("linen_data_parallel", mesh, axes, check_replicas)
     name = check_axis_name(axis_name, axes, "linen_data_parallel")
     shard = shard_options("linen_data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
-    return lambda fn: LinenDataParallel(
-        fn, mesh, axes=axes, check_replicas=n, axis_name=name, shard=shard
-    )
+    options = dict(axes=axes, check_replicas=n, axis_name=name, shard=shard)
+    return lambda fn: LinenDataParallel(FlaxStep(fn, mesh, LinenAdapter(), **options))

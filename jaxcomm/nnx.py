@@ -270,27 +270,6 @@ class NnxDataParallel(FlaxFrontEnd):
         first call).
     """
 
-    def __init__(
-        self,
-        fn: Callable,
-        mesh: Mesh,
-        *,
-        axes: tuple[str, ...],
-        check_replicas: int,
-        axis_name: str | None = None,
-        shard: dict | None = None,
-    ):
-        engine = FlaxStep(
-            fn,
-            mesh,
-            NnxAdapter(),
-            axes=axes,
-            check_replicas=check_replicas,
-            axis_name=axis_name,
-            shard=shard,
-        )
-        super().__init__(engine)
-
 
 def nnx_data_parallel(
     mesh: Mesh,
@@ -350,6 +329,5 @@ def nnx_data_parallel(
     n, axes = check_decorator_args("nnx_data_parallel", mesh, axes, check_replicas)
     name = check_axis_name(axis_name, axes, "nnx_data_parallel")
     shard = shard_options("nnx_data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
-    return lambda fn: NnxDataParallel(
-        fn, mesh, axes=axes, check_replicas=n, axis_name=name, shard=shard
-    )
+    options = dict(axes=axes, check_replicas=n, axis_name=name, shard=shard)
+    return lambda fn: NnxDataParallel(FlaxStep(fn, mesh, NnxAdapter(), **options))
