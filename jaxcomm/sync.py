@@ -249,7 +249,9 @@ def gradient_sync(
         first of ``min_bytes``, the others of ``max_bytes`` (``jaxcomm.buckets``), one
         collective per bucket. ``'auto'`` or a ``jaxcomm.buckets.AutoBuckets``: bucket
         sizes chosen at trace time to minimise predicted exposed communication
-        (``jaxcomm.cost.predict`` of ``algorithm`` on ``topology``). With an elementwise
+        (``jaxcomm.cost.predict`` of ``algorithm`` on ``topology``); on a platform whose
+        collectives run synchronously (XLA:CPU, ``jaxcomm.backend``) nothing is hidden,
+        and the fewest buckets are chosen. With an elementwise
         compressor the compressed leaves are bucketed the same way, one compressed
         collective per bucket.
       compression: a compressor from ``jaxcomm.compression`` (``None``: no compression).
