@@ -257,3 +257,9 @@ def test_bad_arguments():
         jaxcomm.CommProfiler(log_interval=0)
     with pytest.raises(ValueError, match="trace_steps"):
         jaxcomm.CommProfiler(trace_steps=(3, 1))
+
+
+def test_the_log_folder_is_made_at_construction(tmp_path):
+    log = tmp_path / "runs" / "a" / "adapt.jsonl"
+    jaxcomm.CommProfiler(log_file=str(log))
+    assert log.parent.is_dir() and not log.exists()

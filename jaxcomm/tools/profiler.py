@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -154,7 +155,8 @@ class CommProfiler:
       track_per_collective: report ``exposed_ms_per_collective`` (ms of exposed
         communication per counted collective).
       log_interval: every this many recorded steps, log the stats (JSON lines).
-      log_file: path of the JSON-lines log (default: print to stdout).
+      log_file: path of the JSON-lines log (default: print to stdout); its folder is
+        created if missing.
       tensorboard_dir: also write the stats as TensorBoard scalars there (with
         tensorboardX: ``pip install 'jaxcomm[tensorboard]'``).
       trace_dir: capture a ``jax.profiler`` trace of steps ``trace_steps`` there.
@@ -188,6 +190,8 @@ class CommProfiler:
         self.track_per_collective = track_per_collective
         self.log_interval = log_interval
         self.log_file = log_file
+        if log_file:  # the log's folder, made now rather than at the first window's write
+            os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
         self.trace_dir = trace_dir
         self.trace_steps = trace_steps
         self._tb = _tensorboard_writer(tensorboard_dir) if tensorboard_dir else None
