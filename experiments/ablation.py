@@ -393,7 +393,7 @@ class _Bench:
         crossing = self.full.wire["crossing"].get("inter", 0.0)
         bound = crossing / (link_bps / 8) if link_bps else None
         comm = _median_or_none(exposed)
-        sync = self._sync_alone(link_bps)
+        sync = self._sync_alone(link_bps, exposed)
         return {
             "step_time_s": step_time,
             "step_time_range_s": [min(self.t_full), max(self.t_full)],
@@ -434,7 +434,7 @@ class _Bench:
             "sync_every": self.period,
         }
 
-    def _sync_alone(self, link_bps: float | None) -> dict:
+    def _sync_alone(self, link_bps: float | None, exposed: list[float]) -> dict:
         """The row's sync timed as its own program (no model to hide it behind): its line-rate
         bound over its time is the link efficiency, at most 1 where every byte is shaped;
         the share of it that the row's step hides is ``1 - exposed / sync``."""
@@ -443,7 +443,6 @@ class _Bench:
         t = statistics.median(self.t_sync)
         crossing = self.sync_only.wire["crossing"].get("inter", 0.0)
         bound = crossing / (link_bps / 8)
-        exposed = [f - w for f, w in zip(self.t_full, self.t_twin, strict=False)]
         return {
             "sync_alone_s": t,
             "sync_alone_range_s": [min(self.t_sync), max(self.t_sync)],

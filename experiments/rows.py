@@ -105,10 +105,8 @@ ROWS: tuple[Row, ...] = (
         topology=True,
     ),
     # Buckets sized by the cost model: cut for overlap where collectives can overlap the
-    # backward pass; where they cannot (XLA:CPU runs them synchronously), the fewest. Fixed
-    # 1-10 MiB buckets cut this model's 1.7 MB gradient in two (one more set of inter-node
-    # collectives, each paying the link's latency, nothing hidden): slower than +topology
-    # on the testbed (docs/benchmarks.md).
+    # backward pass; where they cannot (XLA:CPU runs them synchronously), the fewest, since
+    # each extra bucket adds inter-node collectives that pay the link's latency.
     Row(
         "+batching",
         "gradient buckets chosen by the cost model",
