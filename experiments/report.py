@@ -147,7 +147,7 @@ def format_table(rows: Sequence[dict]) -> str:
                 _fmt(r.get("link_bound_s"), ".0f", 1e3),
                 _fmt(r.get("sync_alone_s"), ".0f", 1e3),
                 _fmt(r.get("link_efficiency"), ".2f"),
-                _fmt(r.get("hidden_share"), ".0f", 100),
+                _fmt(_share_or_none(r.get("hidden_share")), ".0f", 100),
             ]
         if with_spine:
             cells.append(_fmt(r.get("spine_bytes_measured"), ".1f", 1e-6))
@@ -173,7 +173,7 @@ def format_table(rows: Sequence[dict]) -> str:
                 f"  {r['config']}: a sync every {r['sync_every']} steps (H, chosen for the "
                 "link); link MB is per step, the sync's bytes spread over H"
             )
-    notes[:0] = _overlapping_neighbours(rows)
+    notes[:0] = _overlapping_neighbours(rows) + _shares_out_of_bounds(rows)
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
     fmt_row = lambda cells: "  ".join(  # noqa: E731
         c.ljust(w) if i < 2 else c.rjust(w)
@@ -183,6 +183,23 @@ def format_table(rows: Sequence[dict]) -> str:
     if notes:
         out += ["", "notes:", *notes]
     return "\n".join(out)
+
+
+def _share_or_none(share: float | None) -> float | None:
+    """A share as printed: ``None`` (``-``) outside [0, 1], which no share can be."""
+    return share if share is not None and 0.0 <= share <= 1.0 else None
+
+
+def _shares_out_of_bounds(rows: Sequence[dict]) -> list[str]:
+    """A note for each row whose measured hidden share lies outside [0, 1] (the JSON keeps
+    it): its exposed communication and its sync alone differ by more than their noise."""
+    return [
+        f"  {r['config']}: hidden share not printed: exposed "
+        f"{r['exposed_comm_s'] * 1e3:.1f} ms against the sync alone's "
+        f"{r['sync_alone_s'] * 1e3:.1f} ms (rounds' noise)"
+        for r in rows
+        if r.get("hidden_share") is not None and _share_or_none(r["hidden_share"]) is None
+    ]
 
 
 def _overlapping_neighbours(rows: Sequence[dict]) -> list[str]:

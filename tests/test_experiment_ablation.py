@@ -309,3 +309,22 @@ def test_a_broken_collective_ends_the_run_with_one_line(monkeypatch, capsys):
     assert len(lines) == 1, lines
     assert "row '+compression' failed while timing round 2 on process 0" in lines[0]
     assert "Gloo all-reduce failed" in lines[0]
+
+
+def test_a_hidden_share_outside_zero_to_one_is_not_printed():
+    rows = [_row("baseline", 4.0, 1.0), _row("+a", 2.0, 1.0)]
+    for r, hidden in zip(rows, (0.25, -0.21), strict=True):
+        r.update(status="ok", link_bound_s=0.5, sync_alone_s=0.8, hidden_share=hidden)
+    table = report.format_table(rows)
+    assert "-21" not in table
+    assert "+a: hidden share not printed: exposed 1000.0 ms against the sync alone's 800.0" in table
+    assert "baseline: hidden share" not in table
+
+
+def test_pin_adaptive_refuses_another_compressor():
+    from experiments import rows
+
+    with pytest.raises(ValueError, match="does not compress with rows.ADAPTIVE"):
+        rows.pin_adaptive({"compression": jaxcomm.compression.int8()}, "int4")
+    pinned = rows.pin_adaptive({"compression": rows.ADAPTIVE, "algorithm": "auto"}, "int4")
+    assert pinned["compression"].name == "adaptive[int4]" and pinned["algorithm"] == "auto"
