@@ -51,9 +51,11 @@ from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes, exchange, fingerprint
 from jaxcomm.mesh import check_mesh_axes
 from jaxcomm.replicas import check_replicas as compare_replicas
+from jaxcomm.same_value import same_on_every_device
 from jaxcomm.sharded import ShardedOptimizer, ShardedState
 from jaxcomm.state import (
     PerDevice,
+    global_abstract,
     infer_per_device,
     leaf_specs,
     stack_leaves,
@@ -64,7 +66,7 @@ from jaxcomm.state import (
 )
 from jaxcomm.sync import SyncRequest, accepting_requests, other_input_message
 from jaxcomm.train import check_sync_inputs, compile_on_every_process, refuse_nnx_object
-from jaxcomm.validate import check_int
+from jaxcomm.validate import check_int, refuse_pmap_layout
 
 __all__ = [
     "KEY",
@@ -317,10 +319,17 @@ class Adapter(Protocol):
     Attributes:
       name: the decorator's name, in every message.
       fix: the optimizer the messages suggest (with the sync first).
+      global_batch: whether the batch arguments are the global batch (a pmap-shaped one
+        is refused) or pmap's rows.
+      rows_out: whether the step's outputs come back as each device's row of a
+        ``(devices, ...)`` array, as the step made them (pmap's layout), rather than
+        combined over the devices (:func:`jaxcomm.outputs.combine`).
     """
 
     name: str
     fix: str
+    global_batch: bool  # the batch is the global batch (else pmap's rows)
+    rows_out: bool  # the step's outputs are each device's row (else combined)
 
     def is_node(self, a: Any) -> bool:
         """Whether a step argument is state (else it is the batch)."""
@@ -380,6 +389,9 @@ class Plan(NamedTuple):
     per: Any  # per leaf: stored per device (None while the layout is inferred)
     nodes: tuple  # per argument: state (True) or batch
     opts: list  # per optimizer: (treedef of its opt_state, indices among the leaves)
+    # Params typed varying that the step's dataflow proves the same on every device
+    # (jaxcomm.same_value): returned replicated by an unchecked per-device read.
+    lifted: tuple = ()
 
 
 def _opt_layout(adapter: Adapter, objs: tuple, state: Any) -> tuple[list, list[bool]]:
@@ -453,6 +465,7 @@ class FlaxStep:
         )
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.batch_sharding = NamedSharding(self.mesh, P(self.axes))
+        self.replicated = NamedSharding(self.mesh, P())
         self.check_replicas = check_replicas
         self._plans: dict = {}
         # The first call's probe found that what reaches each sync commutes with the mean
@@ -472,6 +485,9 @@ class FlaxStep:
         # (by its position among the step's optimizers), built at the first call.
         self._shard_args = shard
         self._engines: dict[int, ShardedOptimizer] = {}
+        # (state leaves, batch): donated to the step, as jax.jit's donate_argnums (set by
+        # pmap_data_parallel's donate_argnums before the first call).
+        self.donate = (False, False)
 
     # -- inside shard_map -------------------------------------------------------------
     def _stacked_step(self, plan, leaves, args, share=None, *, write=None, communicate=True):
@@ -487,7 +503,10 @@ class FlaxStep:
             opt_states = [write(o, mean) for o in _gather(leaves, plan.opts)]
             leaves = _scatter(leaves, plan.opts, opt_states)
         result, out = self._local(plan, leaves, args, communicate=communicate)
-        return stack_leaves(result, plan.per), out
+        new = stack_leaves(result, plan.per)
+        for i in plan.lifted if communicate else ():
+            new[i] = new[i][None]  # each device's copy; read back as replicated in _jit
+        return new, out
 
     def _local(self, plan, leaves, args, rec=None, *, communicate=True):
         """One device's step on its local leaves; returns the new leaves and outputs."""
@@ -627,8 +646,10 @@ class FlaxStep:
         are unmarked and the same on every device (typed invariant): those are returned as
         they are, not combined (a gather would repeat them once per device)."""
         marked = lambda x: isinstance(x, outputs.Reduced)  # noqa: E731
-        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out, is_leaf=marked)[0]]
         flat, treedef = jax.tree.flatten(out, is_leaf=marked)
+        if self.adapter.rows_out:
+            return flat, treedef, [True] * len(flat)  # each device's own row, as they are
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out, is_leaf=marked)[0]]
         keep = []
         for path, x in zip(paths, flat, strict=True):
             keep.append(not marked(x) and not varying_axes(x) & set(self.axes))
@@ -664,11 +685,14 @@ class FlaxStep:
                 shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
                 indirect.append((sync, tx, shapes))
 
+        last: dict = {}
+
         def probe(lv, a):
             rec: dict = {"varying_update": [], "other_input": other_input}
             self._local(base, lv, a, rec)
             self._refuse_varying(rec, base.kinds, marked, paths)
             self.syncs = list({id(x): x for x in rec["syncs"]}.values())
+            last.update(rec)
             return rec["vary"]
 
         per = infer_per_device(
@@ -687,6 +711,13 @@ class FlaxStep:
         self._inputs_checked = self._inputs_checked or bool(indirect)
         self._check_processes([x for x, f in zip(leaves, per, strict=True) if not f])
         plan = base._replace(per=tuple(per))
+        varying = [
+            i
+            for i, (v, k) in enumerate(zip(last["vary"], base.kinds, strict=True))
+            if v and k == PARAM
+        ]
+        if varying:
+            plan = plan._replace(lifted=self._prove_params(plan, leaves, glob_args, varying, paths))
         step = self._jit(plan, leaf_specs(leaves, per, self.axes))
         self._plans[key] = (plan, step)
         return plan, step
@@ -710,15 +741,38 @@ class FlaxStep:
         measured share as a third input; ``communicate=False``: the compute-only twin, its
         params drifting apart, so unchecked by shard_map's replication check."""
         body = functools.partial(self._stacked_step, plan, write=write, communicate=communicate)
-        return jax.jit(
-            jax.shard_map(
-                body,
-                mesh=self.mesh,
-                in_specs=(specs, P(self.axes), *((P(self.axes),) if write else ())),
-                out_specs=(specs, P()),
-                check_vma=communicate,
-            )
+        lifted = plan.lifted if communicate else ()
+        out_specs = list(specs)
+        for i in lifted:
+            out_specs[i] = P(self.axes)
+        mapped = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(specs, P(self.axes), *((P(self.axes),) if write else ())),
+            out_specs=(out_specs, P(self.axes) if self.adapter.rows_out else P()),
+            check_vma=communicate,
         )
+        donate = tuple(i for i, d in enumerate(self.donate) if d)
+        if not lifted:
+            return jax.jit(mapped, donate_argnums=donate)
+        # Params proven the same on every device (Plan.lifted): each device keeps its own
+        # copy as the replicated value. No data moves; unchecked, as the proof covers it.
+        own = jax.shard_map(
+            lambda xs: [x[0] for x in xs],
+            mesh=self.mesh,
+            in_specs=P(self.axes),
+            out_specs=P(),
+            check_vma=False,
+        )
+
+        def step(*inputs):
+            new, out = mapped(*inputs)
+            new = list(new)
+            for i, x in zip(lifted, own([new[i] for i in lifted]), strict=True):
+                new[i] = x
+            return new, out
+
+        return jax.jit(step, donate_argnums=donate)
 
     def _refuse_varying(self, rec: dict, kinds, marked, paths: list[str]) -> None:
         """Refuses what a traced step left varying across devices that must agree: an
@@ -742,25 +796,56 @@ class FlaxStep:
                     "jaxcomm.PerDevice.)"
                 )
             if v and k == PARAM:
-                raise ValueError(
-                    f"{self.name}: param {paths[i]} comes out of the step different on "
-                    "each device: it was computed from values each device holds for "
-                    "itself (its part of the batch, or the params as read before the "
-                    "optimizer's update: each device differentiates its own copy). "
-                    "Change params only through the optimizer's update "
-                    "(optimizer.update / state.apply_gradients, which call "
-                    "optax.apply_updates), and compute any change after it (a mask, a "
-                    "max-norm) from the updated params and values every device shares. "
-                    "Code that calls optax.apply_updates itself (an override of "
-                    "apply_gradients or update) passes it "
-                    "jaxcomm.replicated_params(params)."
-                )
+                continue  # proven the same on every device, or refused: _prove_params
             if v and k != OPT:
                 raise ValueError(
                     f"{self.name}: state {paths[i]} ({k}) comes out different on "
                     "each device and is not optimizer state, batch statistics, a metric "
                     "or an rng key; change it only from values every device shares."
                 )
+
+    def _prove_params(self, plan, local, args, varying: list[int], paths: list[str]) -> tuple:
+        """The params typed varying that the step's dataflow proves the same on every
+        device (:func:`jaxcomm.same_value.same_on_every_device`); refuses the first that
+        it does not."""
+        per = list(plan.per)
+
+        def body(lv, a):
+            new, _ = self._stacked_step(plan, lv, a)
+            return [x if f else x[None] for x, f in zip(new, per, strict=True)]
+
+        mapped = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(leaf_specs(local, per, self.axes), P(self.axes)),
+            out_specs=P(self.axes),
+            check_vma=True,
+        )
+        closed = jax.make_jaxpr(mapped)(global_abstract(local, per, self.mesh, self.axes), args)
+        inner = next(e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map")
+        # The body's inputs: the step's leaves (replicated ones the same everywhere), the
+        # batch, and constants hoisted from the trace (typed by their in_spec).
+        flags = [not f for f in per] + [False] * len(jax.tree.leaves(args))
+        given = dict(zip(closed.jaxpr.invars, flags, strict=True))
+        same = same_on_every_device(
+            inner.params["jaxpr"], [given.get(v, False) for v in inner.invars], self.axes
+        )
+        for i in varying:
+            if not same[i]:
+                self._refuse_param(paths[i])
+        return tuple(varying)
+
+    def _refuse_param(self, path: str) -> None:
+        """Refuses a param that comes out of the step different on each device."""
+        raise ValueError(
+            f"{self.name}: param {path} comes out of the step different on each device: it "
+            "was computed from values each device holds for itself (its part of the batch, "
+            "its device index, its own gradients). Change params only through the "
+            "optimizer's update (optimizer.update / state.apply_gradients, which call "
+            "optax.apply_updates), and compute any change after it (a mask, a max-norm, a "
+            "skipped step's jnp.where) from the updated params, the old params and values "
+            "every device shares (a lax.pmean-ed value, a flag reduced with lax.pmin)."
+        )
 
     def per_device_flags(self, treedef: Any) -> list[bool] | None:
         """Which leaves of state with structure ``treedef`` the compiled step stores per
@@ -804,7 +889,9 @@ class FlaxStep:
     def _put(self, x: Any, per_device: bool) -> jax.Array:
         """A state leaf on the mesh: replicated, or one entry per device."""
         if not per_device:
-            return jax.device_put(x, NamedSharding(self.mesh, P()))
+            if isinstance(x, jax.Array) and x.sharding == self.replicated:
+                return x  # a leaf the step returned: no call into the runtime
+            return jax.device_put(x, self.replicated)
         if isinstance(x, jax.Array) and x.sharding == self.batch_sharding:
             return x  # stacked by an earlier call
         stacked = jnp.broadcast_to(x, (self.num_devices, *np.shape(x)))
@@ -920,6 +1007,8 @@ class FlaxStep:
     # -- the batch ---------------------------------------------------------------------
     def _shard(self, data):
         self.adapter.check_batch(data, self.num_devices)
+        if self.adapter.global_batch:
+            refuse_pmap_layout(data, self.num_devices, self.name, self.batch_sharding)
         many = jax.process_count() > 1
         if many and not self._batch_checked:
             self._check_global_batch(data)

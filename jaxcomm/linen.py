@@ -30,10 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.training import dynamic_scale as flax_dynamic_scale
 from flax.training.train_state import TrainState
 from jax.sharding import Mesh
 
 from jaxcomm.axis_names import check_axis_name
+from jaxcomm.dynamic_scale import DynamicScale
 from jaxcomm.flax_step import (
     KEY,
     OPT,
@@ -118,8 +120,19 @@ def _recording_state(state: TrainState, hooks: TraceHooks, index: int) -> TrainS
     if cls not in _RECORDING_CLASSES:
         attrs = {"apply_gradients": _apply_gradients, "__module__": cls.__module__}
         _RECORDING_CLASSES[cls] = struct.dataclass(type(cls.__name__, (cls,), attrs))
-    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.init}
+    fields = {f.name: _in_step(getattr(state, f.name)) for f in dataclasses.fields(state) if f.init}
     return _RECORDING_CLASSES[cls](**fields)
+
+
+def _in_step(value: Any) -> Any:
+    """A field's value as the step sees it: Flax's ``DynamicScale`` as
+    :class:`jaxcomm.dynamic_scale.DynamicScale` (the same fields; its ``value_and_grad``
+    leaves the gradient mean to the sync and takes one finiteness decision on every
+    device), anything else as it is."""
+    if type(value) is flax_dynamic_scale.DynamicScale:
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+        return DynamicScale(**fields)
+    return value
 
 
 class LinenAdapter:
@@ -129,7 +142,8 @@ class LinenAdapter:
     Args:
       name: the decorator's name in messages.
       check_batch: refuses a batch its front end's layout cannot take (the pmap
-        layout's); default: any.
+        layout's: the batch in rows, the outputs each device's row); default: the global
+        batch (a pmap-shaped one is refused), the outputs combined.
     """
 
     fix = "TrainState.create(..., tx=optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-3)))"
@@ -137,15 +151,22 @@ class LinenAdapter:
     def __init__(self, name: str = "linen_data_parallel", check_batch: Callable | None = None):
         self.name = name
         self._check_batch = check_batch
+        self.global_batch = check_batch is None
+        self.rows_out = not self.global_batch  # pmap's layout: outputs one row per device
+        self._kinds: dict = {}
 
     @staticmethod
     def is_node(a: Any) -> bool:
         return isinstance(a, TrainState)
 
-    @staticmethod
-    def split(objs: tuple) -> tuple[Any, Any, tuple[str, ...]]:
-        flat = jax.tree_util.tree_flatten_with_path(objs)[0]
-        return None, objs, tuple(_linen_kind(p, x) for p, x in flat)
+    def split(self, objs: tuple) -> tuple[Any, Any, tuple[str, ...]]:
+        leaves, treedef = jax.tree.flatten(objs)
+        # A leaf's kind follows from its path, dtype and shape: found once per structure.
+        key = (treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
+        if key not in self._kinds:
+            flat = jax.tree_util.tree_flatten_with_path(objs)[0]
+            self._kinds[key] = tuple(_linen_kind(p, x) for p, x in flat)
+        return None, objs, self._kinds[key]
 
     @staticmethod
     def enter(graphdef: Any, states: Any, hooks: TraceHooks) -> tuple:

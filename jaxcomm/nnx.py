@@ -166,6 +166,8 @@ class NnxAdapter:
     ``Variable`` type, updated in place."""
 
     name = "nnx_data_parallel"
+    global_batch = True
+    rows_out = False
     fix = (
         "nnx.Optimizer(model, optax.chain(jaxcomm.sync_gradients(), optax.adamw(1e-3)), "
         "wrt=nnx.Param)"

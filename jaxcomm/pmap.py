@@ -1,54 +1,73 @@
-"""A ``jax.pmap`` Linen train step, data-parallel over the mesh: ``pmap_data_parallel``.
+"""``jax.pmap`` for a Linen train step, data-parallel over the mesh: ``pmap_data_parallel``.
 
 Flax's data-parallel examples are written for ``jax.pmap``: the step names its data axis
 (``axis_name='batch'``) in ``nn.BatchNorm``, in ``lax.pmean`` of metrics and batch
-statistics; the state is ``jax_utils.replicate``-d (a leading axis of one row per device),
-batches come as ``(devices, per_device, ...)`` (``common_utils.shard``) and metrics come back
-one row per device (``common_utils.get_metrics`` reads row 0). ``pmap_data_parallel(mesh,
-axis_name='batch')`` stands in for ``jax.pmap(train_step, axis_name='batch')`` and keeps all
-of that:
+statistics; batches come as ``(devices, per_device, ...)`` and metrics go back one row per
+device (``common_utils.get_metrics`` reads row 0). The state comes either replicated (one
+row per device, ``jax_utils.replicate``, the older form) or unreplicated with
+``in_axes=(None, 0), out_axes=(None, 0)`` (Flax's current ImageNet example).
+``pmap_data_parallel(mesh)`` returns a function with ``jax.pmap``'s signature that stands in
+for it and means the same by its arguments:
 
 - the step runs as under its sibling :func:`jaxcomm.linen_data_parallel`, on the same
   engine (:class:`jaxcomm.flax_step.FlaxStep`: ``jax.shard_map`` over the mesh's data axes,
-  ``check_vma=True``), with ``axis_name`` bound to those axes
-  (``jaxcomm.axis_names``): the model's SyncBatchNorm and the step's ``lax.pmean`` /
-  ``lax.psum`` over ``'batch'`` are the same reductions over every device;
-- arguments that are a ``TrainState`` come in pmap's layout and go back in it: each
-  replicated leaf is read from the rows the devices hold (no copy between devices; the rows
-  are the same, as ``jax_utils.replicate`` makes them and the step proves them) and
-  returned as one row per device; per-device optimizer state (error feedback) is stored in
-  that layout already;
-- the other arguments are the batch in pmap's layout: each device gets its row;
-- every other output comes back one row per device, as pmap returns it (a value the step
-  ``lax.pmean``-ed, the same on every device, repeated; a per-device value gathered).
+  ``check_vma=True``), with ``axis_name`` bound to those axes (``jaxcomm.axis_names``): the
+  model's SyncBatchNorm and the step's ``lax.pmean`` / ``lax.psum`` over ``'batch'`` are
+  the same reductions over every device;
+- ``in_axes``: ``0`` for an argument in pmap's layout, ``None`` for one every device takes
+  whole. A ``TrainState`` with ``0`` is read from the rows the devices hold (no copy between
+  devices; the rows are the same, as ``jax_utils.replicate`` makes them, compared by their
+  bits at the first call); with ``None`` it is the state itself. Any other argument with
+  ``0`` is split by rows (each device its row), with ``None`` given whole to every device;
+- ``out_axes``: ``0`` returns an output one row per device (a ``TrainState`` as rows, a
+  value the step ``lax.pmean``-ed repeated, a per-device value gathered), ``None`` returns
+  it once (a ``TrainState`` unreplicated; another output must be the same on every device);
+- ``donate_argnums`` donates the state's or the batch's buffers, ``static_broadcasted_argnums``
+  makes arguments static (one program per value), as for ``jax.pmap``.
+
+What the sync keeps per device (error-feedback residuals, a sharded optimizer's chunks) is
+not in the ``TrainState`` the script sees, so that its eval step (``jax.pmap(eval_step,
+in_axes=(None, 0))``) and its checkpoint code (a row taken with ``unreplicate``, or orbax's
+``fully_replicated_host_local_array_to_global_array``) see only replicated values and lose
+nothing. Each such leaf is a small token in the state (``uint32[2]``: a mark and the version
+of the values the step object holds); the step object keeps the values
+(:meth:`PmapDataParallel.per_device_state`, :meth:`PmapDataParallel.load_per_device_state`),
+and a state whose tokens the step object cannot match (a checkpoint restored in a new
+process without them, an older state) is refused with that fix, never trained on with the
+per-device state reset.
 
 The gradient mean is ``jaxcomm.sync_gradients``'s, first in the ``TrainState``'s ``tx``: a
 step that still averages the gradients itself (``lax.pmean(grads, 'batch')``) is refused
-with that line to delete; Flax's ``DynamicScale`` becomes ``jaxcomm.dynamic_scale``'s.
+with that line to delete. Flax's ``DynamicScale`` is kept: inside the step it runs as
+:class:`jaxcomm.dynamic_scale.DynamicScale` (the mean left to the sync, one finiteness
+decision on every device), and a skipped step's ``jnp.where(is_fin, new_state.params,
+state.params)`` is proven the same on every device (:mod:`jaxcomm.same_value`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.training.train_state import TrainState
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm import outputs
 from jaxcomm.axis_names import check_axis_name
 from jaxcomm.flax_step import FlaxFrontEnd, FlaxStep, check_decorator_args, key_data
 from jaxcomm.linen import LinenAdapter
 from jaxcomm.mesh import DATA_AXES
 from jaxcomm.replicas import check_replicas as compare_replicas
+from jaxcomm.sharded import shard_options
 from jaxcomm.state import varying_axes
 
 __all__ = ["PmapDataParallel", "pmap_data_parallel"]
+
+# The first word of a token that stands for per-device state the step object holds.
+TOKEN_MARK = 0x6A78434D  # "jxCM"
 
 
 def _is_state(x: Any) -> bool:
@@ -74,10 +93,47 @@ def _check_rows(data: Any, num_devices: int) -> None:
         if not shape or shape[0] != num_devices:
             raise ValueError(
                 f"pmap_data_parallel: batch argument {jax.tree_util.keystr(path)} has shape "
-                f"{shape}; in pmap's layout its leading axis is the {num_devices} "
-                f"devices: (devices, per_device, ...), as common_utils.shard(batch) or "
-                f"x.reshape({num_devices}, -1, *x.shape[1:]) makes it.{_rows_hint()}"
+                f"{shape}; in pmap's layout (in_axes=0) its leading axis is the "
+                f"{num_devices} devices: (devices, per_device, ...), as "
+                f"common_utils.shard(batch) or x.reshape({num_devices}, -1, *x.shape[1:]) "
+                f"makes it; an argument every device takes whole has in_axes=None."
+                f"{_rows_hint()}"
             )
+
+
+def _check_axes(value: Any, what: str) -> None:
+    """Refuses an ``in_axes`` / ``out_axes`` entry other than 0 and None."""
+    entries = value if isinstance(value, (tuple, list)) else (value,)
+    for a in entries:
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int)):
+            raise NotImplementedError(
+                f"pmap_data_parallel: {what}={value!r}: each entry is 0 (pmap's rows) or "
+                "None (whole on every device), one per argument (a tuple) or one for all; "
+                "axes per leaf (a dict) and other mapped axes are not implemented."
+            )
+        if a not in (0, None):
+            raise NotImplementedError(
+                f"pmap_data_parallel: {what} entry {a!r}: only axis 0 (pmap's rows) and "
+                "None are implemented; move the mapped axis first (jnp.moveaxis)."
+            )
+
+
+def _argnums(value: Any, what: str) -> tuple[int, ...]:
+    nums = (value,) if isinstance(value, int) else tuple(value)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
+        raise TypeError(
+            f"pmap_data_parallel: {what}={value!r}: pass argument positions, ints >= 0."
+        )
+    return nums
+
+
+class _Held(NamedTuple):
+    """The per-device leaves of one ``TrainState`` argument, held by the step object."""
+
+    version: int
+    leaves: list  # the stacked leaves (one entry per device), in the state's leaf order
+    token: jax.Array  # uint32[2] (mark, version), replicated
+    rows: jax.Array | None  # the token in pmap's rows (devices, 2), once returned so
 
 
 class PmapDataParallel(FlaxFrontEnd):
@@ -85,8 +141,9 @@ class PmapDataParallel(FlaxFrontEnd):
     :func:`pmap_data_parallel`.
 
     A sibling of :class:`jaxcomm.LinenDataParallel` over the same engine and the same
-    Linen adapter: it adds pmap's layouts around the engine's call (the state's rows in
-    and out, the outputs one row per device, the user's step on each device's row)."""
+    Linen adapter: it adds pmap's layouts around the engine's call (``in_axes`` and
+    ``out_axes``, the user's step on each device's row) and keeps the per-device state out
+    of the ``TrainState`` the script sees (see the module docstring)."""
 
     _name = "pmap_data_parallel"
 
@@ -98,8 +155,16 @@ class PmapDataParallel(FlaxFrontEnd):
         axes: tuple[str, ...],
         axis_name: str,
         check_replicas: int,
+        in_axes: Any = 0,
+        out_axes: Any = 0,
+        donate_argnums: tuple[int, ...] = (),
+        shard: dict | None = None,
     ):
+        _check_axes(in_axes, "in_axes")
+        _check_axes(out_axes, "out_axes")
         self._user_fn = fn
+        self._in_axes, self._out_axes = in_axes, out_axes
+        self._donate = donate_argnums
         engine = FlaxStep(
             self._body,
             mesh,
@@ -107,9 +172,15 @@ class PmapDataParallel(FlaxFrontEnd):
             axes=axes,
             check_replicas=check_replicas,
             axis_name=axis_name,
+            shard=shard,
         )
         super().__init__(engine, fn)
         self.axis_name = axis_name
+        self._held: dict[int, _Held] = {}  # per TrainState argument (by its position)
+        # The rows returned by the last call, by id: (rows, the replica they came from).
+        self._replica_of: dict[int, tuple] = {}
+        self._version = 0
+        self._restore_checked = False
         stacked, rep = P(self.axes), P()
         # Row i of a stacked leaf <-> device i's replica. No data moves between devices:
         # each device reads (or writes) its own row. Unchecked on purpose (check_vma=False):
@@ -117,10 +188,7 @@ class PmapDataParallel(FlaxFrontEnd):
         # a step's output proven invariant).
         self._rows_to_replicas = self._per_device(lambda xs: [x[0] for x in xs], stacked, rep)
         self._replicas_to_rows = self._per_device(lambda xs: [x[None] for x in xs], rep, stacked)
-        # Outputs, one row per device on every device: each device keeps its own row.
-        self._own_rows = self._per_device(
-            lambda xs: [x[lax.axis_index(self.axes)][None] for x in xs], rep, stacked
-        )
+        self._row0 = jax.jit(lambda xs: [x[0] for x in xs], out_shardings=NamedSharding(mesh, rep))
 
     def _per_device(self, fn: Callable, in_spec: P, out_spec: P) -> Callable:
         """``fn`` on each device's own part of a list of arrays, jitted (no data moves)."""
@@ -129,44 +197,75 @@ class PmapDataParallel(FlaxFrontEnd):
         )
         return jax.jit(mapped)
 
+    def _arg_axes(self, n: int) -> list:
+        if not isinstance(self._in_axes, (tuple, list)):
+            return [self._in_axes] * n
+        if len(self._in_axes) != n:
+            raise ValueError(
+                f"pmap_data_parallel: in_axes={self._in_axes!r} names {len(self._in_axes)} "
+                f"arguments but the step was called with {n}; give one entry per argument, "
+                "as for jax.pmap."
+            )
+        return list(self._in_axes)
+
+    def _flat_out_axes(self, out: Any) -> list:
+        """One ``out_axes`` entry per output leaf (a ``TrainState`` counts as one)."""
+        axes_def = jax.tree.structure(self._out_axes, is_leaf=lambda x: x is None)
+        try:
+            subtrees = axes_def.flatten_up_to(out)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"pmap_data_parallel: out_axes={self._out_axes!r} does not match the step's "
+                f"outputs ({e}); give one entry per output, e.g. out_axes=(None, 0) for "
+                "(state, metrics)."
+            ) from None
+        flat_axes = jax.tree.leaves(self._out_axes, is_leaf=lambda x: x is None)
+        return [
+            a
+            for a, sub in zip(flat_axes, subtrees, strict=True)
+            for _ in jax.tree.leaves(sub, is_leaf=_is_state)
+        ]
+
     # -- inside shard_map ---------------------------------------------------------------
     def _body(self, *args):
-        """The user's step on this device's row of each batch argument; its outputs one row
-        per device (pmap's layout)."""
+        """The user's step on this device's row of each batch argument; its outputs as
+        ``out_axes`` says (one row per device, or once)."""
         local = [a if _is_state(a) else jax.tree.map(lambda x: x[0], a) for a in args]
         out = self._user_fn(*local)
+        flat, treedef = jax.tree.flatten(out, is_leaf=_is_state)
 
-        def row(x):
+        def row(x, axis):
             if _is_state(x):
                 return x
             x = jnp.asarray(x)
-            if varying_axes(x) & set(self.axes):
-                return outputs.gather(x[None])  # each device's own value, in device order
-            # The same on every device (a pmean-ed metric): pmap returns it once per device.
-            return jnp.broadcast_to(x[None], (self.num_devices, *x.shape))
+            if axis is None and varying_axes(x) & set(self.axes):
+                raise ValueError(
+                    "pmap_data_parallel: an output with out_axes=None differs across "
+                    "devices; jax.pmap would return device 0's value only. Reduce it in the "
+                    "step (lax.pmean(x, axis_name)) or give it out_axes=0."
+                )
+            # Each device's row of a (devices, ...) output (the engine's rows_out): a value
+            # the step pmean-ed is the same in every row, as pmap returns it.
+            return x[None]
 
-        return jax.tree.map(row, out, is_leaf=_is_state)
+        axes = self._flat_out_axes(out)
+        return jax.tree.unflatten(treedef, [row(x, a) for x, a in zip(flat, axes, strict=True)])
 
-    # -- the pmap layout of TrainState arguments ------------------------------------------
-    def _per_device_flags(self, states: tuple) -> list[bool] | None:
-        """Which leaves of ``states`` the compiled step stores per device (None before the
-        step for this structure is built)."""
-        return self.engine.per_device_flags(jax.tree.structure(states))
-
-    def _from_rows(self, states: tuple) -> tuple:
-        leaves, treedef = jax.tree.flatten(states)
-        paths = [
-            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(states)[0]
-        ]
-        for path, x in zip(paths, leaves, strict=True):
+    # -- the TrainState arguments ---------------------------------------------------------
+    def _from_rows(self, state: TrainState, per: list[bool]) -> TrainState:
+        """A state in pmap's rows as the state itself (per-device leaves kept). Rows this
+        object returned last are read from the replicas they were made from (no launch)."""
+        leaves, treedef = jax.tree.flatten(state)
+        for j, (x, f) in enumerate(zip(leaves, per, strict=True)):
             shape = np.shape(x)
-            if not shape or shape[0] != self.num_devices:
+            if not f and (not shape or shape[0] != self.num_devices):
+                path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(state)[0][j][0])
                 raise ValueError(
                     f"{self._name}: TrainState leaf {path} has shape {shape}; in pmap's "
-                    f"layout every leaf has a leading axis of the {self.num_devices} devices. "
-                    f"Pass jax_utils.replicate(state), as for jax.pmap.{_rows_hint()}"
+                    f"layout (in_axes=0) every leaf has a leading axis of the "
+                    f"{self.num_devices} devices. Pass jax_utils.replicate(state), as for "
+                    f"jax.pmap, or the state itself with in_axes=None.{_rows_hint()}"
                 )
-        per = self._per_device_flags(states) or [False] * len(leaves)
         sharding = NamedSharding(self.mesh, P(self.axes))
 
         def put(x):
@@ -174,93 +273,424 @@ class PmapDataParallel(FlaxFrontEnd):
                 return x
             return jax.device_put(x, sharding)
 
-        idx = [i for i, f in enumerate(per) if not f]
-        reps = self._rows_to_replicas([put(leaves[i]) for i in idx])
-        for i, r in zip(idx, reps, strict=True):
-            leaves[i] = r
+        idx = []
+        for i, f in enumerate(per):
+            made = self._replica_of.get(id(leaves[i]))
+            if f:
+                continue
+            if made is not None and made[0] is leaves[i]:
+                leaves[i] = made[1]
+            else:
+                idx.append(i)
+        if idx:
+            reps = self._rows_to_replicas([put(leaves[i]) for i in idx])
+            for i, r in zip(idx, reps, strict=True):
+                leaves[i] = r
         return jax.tree.unflatten(treedef, leaves)
 
-    def _to_rows(self, states: tuple) -> tuple:
-        leaves, treedef = jax.tree.flatten(states)
-        per = self._per_device_flags(states)
+    def _to_rows(self, leaves: list, per: list[bool]) -> list:
+        """The replicated leaves as pmap's rows; remembers each row's replica."""
         idx = [i for i, f in enumerate(per) if not f]
         rows = self._replicas_to_rows([leaves[i] for i in idx])
+        leaves = list(leaves)
         for i, r in zip(idx, rows, strict=True):
+            self._replica_of[id(r)] = (r, leaves[i])
             leaves[i] = r
+        return leaves
+
+    def _token_version(self, x: Any) -> int | None:
+        """The version a token stands for; None if ``x`` is not a token. A restore may have
+        cast the token to the dtype of the leaf it replaced (Flax's ``restore_checkpoint``
+        casts to its target's): the mark is matched to within bfloat16's precision."""
+        if np.shape(x) not in ((2,), (self.num_devices, 2)):
+            return None
+        value = np.asarray(x).astype(np.float64).reshape(-1, 2)[0]
+        if not abs(value[0] - TOKEN_MARK) <= TOKEN_MARK * 2.0**-7:
+            return None
+        return int(round(value[1]))
+
+    def _with_held(self, k: int, state: TrainState, per: list[bool] | None) -> tuple:
+        """``(state, per)``: the state with its tokens replaced by the held per-device
+        leaves, and which leaves are per device (the step's layout once it is built, else
+        the tokens' places)."""
+        leaves, treedef = jax.tree.flatten(state)
+        held = self._held.get(k)
+
+        def version(x: Any, may: bool) -> int | None:
+            if not may:
+                return None
+            if held is not None and (x is held.token or x is held.rows):
+                return held.version  # the state this object returned: no read
+            return self._token_version(x)
+
+        may = per if per is not None else [True] * len(leaves)
+        versions = [version(x, m) for x, m in zip(leaves, may, strict=True)]
+        marked = [v is not None for v in versions]
+        per = per if per is not None else marked
+        if not any(marked):
+            return state, per
+        found = sorted({v for v in versions if v is not None})
+        if held is None or found != [held.version] or sum(marked) != len(held.leaves):
+            have = "nothing" if held is None else f"version {held.version}"
+            raise ValueError(
+                f"{self._name}: this TrainState's per-device state (error-feedback residuals, "
+                "a sharded optimizer's chunks) is kept by the step object, not in the state; "
+                f"the state stands for version {found} and the step object holds {have}. "
+                "A checkpoint of the state needs the step's own: save "
+                "p_train_step.per_device_state() beside it and, after restoring the state, "
+                "call p_train_step.load_per_device_state(saved) before the first step; or "
+                "pass the state the step returned last. Training on with the per-device "
+                "state reset would lose it silently."
+            )
+        it = iter(held.leaves)
+        leaves = [next(it) if m else x for x, m in zip(leaves, marked, strict=True)]
+        return jax.tree.unflatten(treedef, leaves), per
+
+    def _keep_held(self, k: int, state: TrainState, per: list[bool], rows: bool) -> TrainState:
+        """The returned state with its per-device leaves held here and a token in their
+        place (in pmap's rows with ``rows``); the other leaves as ``out_axes`` says."""
+        leaves, treedef = jax.tree.flatten(state)
+        if rows:
+            leaves = self._to_rows(leaves, per)
+        if any(per):
+            self._version += 1
+            held = self._token(self._version, [x for x, f in zip(leaves, per, strict=True) if f])
+            if rows:
+                token_rows = np.tile(
+                    np.array([TOKEN_MARK, self._version], np.uint32), (self.num_devices, 1)
+                )
+                held = held._replace(
+                    rows=jax.device_put(token_rows, NamedSharding(self.mesh, P(self.axes)))
+                )
+            self._held[k] = held
+            place = held.rows if rows else held.token
+            leaves = [place if f else x for x, f in zip(leaves, per, strict=True)]
         return jax.tree.unflatten(treedef, leaves)
+
+    def _token(self, version: int, leaves: list) -> _Held:
+        """Held leaves and their token (``uint32[2]``: the mark and ``version``)."""
+        token = jax.device_put(
+            np.array([TOKEN_MARK, version], np.uint32), NamedSharding(self.mesh, P())
+        )
+        return _Held(version, leaves, token, None)
+
+    def per_device_state(self) -> dict:
+        """What the step object holds per device, to save beside the script's checkpoint.
+
+        Returns:
+          ``{'state_<k>': {'version': uint32[], 'leaves': [...]}}`` for the ``k``-th
+          ``TrainState`` argument: global arrays (one entry per device along the first
+          axis), for ``orbax.checkpoint`` or ``flax.training.checkpoints``. Empty when the
+          sync keeps nothing per device.
+
+        Example:
+          >>> checkpoints.save_checkpoint(workdir, state, step)
+          >>> ocp.StandardCheckpointer().save(f'{workdir}/per_device_{step}',
+          ...                                 p_train_step.per_device_state())
+        """
+        return {
+            f"state_{k}": {"version": np.uint32(h.version), "leaves": list(h.leaves)}
+            for k, h in sorted(self._held.items())
+        }
+
+    def load_per_device_state(self, saved: dict) -> None:
+        """Loads what :meth:`per_device_state` returned (from a checkpoint), so that a
+        restored ``TrainState`` whose tokens stand for that version trains on.
+
+        Args:
+          saved: the dict :meth:`per_device_state` returned, its arrays restored (numpy or
+            jax arrays, one entry per device along the first axis).
+
+        Raises:
+          ValueError: an entry's leaves do not have one entry per device.
+        """
+        sharding = NamedSharding(self.mesh, P(self.axes))
+        for key, entry in saved.items():
+            k = int(str(key).removeprefix("state_"))
+            leaves = list(entry["leaves"])
+            for x in leaves:
+                if not np.shape(x) or np.shape(x)[0] != self.num_devices:
+                    raise ValueError(
+                        f"{self._name}.load_per_device_state: a leaf of {key} has shape "
+                        f"{np.shape(x)}; each has one entry per device ({self.num_devices}) "
+                        "first: load what per_device_state() saved on this many devices."
+                    )
+            version = int(np.asarray(entry["version"]))
+            self._held[k] = self._token(version, [jax.device_put(x, sharding) for x in leaves])
+            self._version = max(self._version, version)
+
+    def _refuse_dropped_optimizer_state(self, state: TrainState) -> None:
+        """Refuses, at the first call, a state trained for steps whose optimizer state is
+        the one ``tx.init`` gives: a restore that kept the params and step but not the
+        optimizer state (Flax's ``restore_checkpoint`` logs that at INFO level only)."""
+        if int(np.asarray(jax.device_get(state.step)).reshape(-1)[0]) == 0:
+            return
+        fresh = jax.tree.leaves(jax.jit(state.tx.init)(state.params))
+        given = jax.tree.leaves(state.opt_state)
+        floats = [x for x in fresh if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+        if not floats or len(fresh) != len(given):
+            return
+        same = all(
+            np.shape(a) == np.shape(b) and bool(np.array_equal(np.asarray(a), np.asarray(b)))
+            for a, b in zip(fresh, given, strict=True)
+        )
+        if same:
+            raise ValueError(
+                f"{self._name}: the TrainState is at step {int(np.asarray(state.step))} but its "
+                "optimizer state is the one tx.init gives (zero momentum, counts at 0): a "
+                "checkpoint restore kept the params and the step but not the optimizer state "
+                "(flax.training.checkpoints logs that at INFO level). Restore into a target "
+                "state whose opt_state has the saved structure (the same tx, "
+                "jaxcomm.sync_gradients() first), or start from step 0."
+            )
 
     def drive_inputs(self, *args):
         """Refuses ``jaxcomm.CommProfiler.drive``: it reads and times the step's state in
         the global layout, not in pmap's per-device rows."""
         raise TypeError(
             "CommProfiler.drive does not drive a pmap_data_parallel step (its state comes "
-            "and goes in pmap's per-device rows); decorate the step with "
+            "and goes in pmap's layouts); decorate the step with "
             "jaxcomm.linen_data_parallel(mesh, axis_name=...) and pass the state unreplicated "
-            "(flax.jax_utils.unreplicate) and the global batch to drive it."
+            "and the global batch to drive it."
         )
 
     def __call__(self, *args):
-        """Runs the step on pmap-layout arguments; returns pmap-layout outputs."""
-        states = tuple(a for a in args if _is_state(a))
-        first = self._per_device_flags(states) is None
-        states = self._from_rows(states)
-        if first:
-            # The rows were taken as replicas unchecked; once, compare them by their bits
-            # (a state whose rows differ would otherwise train apart silently).
-            compare_replicas(
-                key_data(states), mesh=self.mesh, what=f"{self._name}: the TrainState rows "
-            )
-        it = iter(states)
-        out = self.engine(*[next(it) if _is_state(a) else a for a in args])
+        """Runs the step on arguments laid out as ``in_axes`` says; returns the outputs laid
+        out as ``out_axes`` says."""
+        arg_axes = self._arg_axes(len(args))
+        layouts = iter(self._layouts([a for a in args if _is_state(a)]))
+        inputs = []
+        k = 0
+        for a, axis in zip(args, arg_axes, strict=True):
+            if not _is_state(a):
+                if axis is None:  # every device takes it whole: one row each
+                    a = jax.tree.map(
+                        lambda x: np.broadcast_to(x, (self.num_devices, *np.shape(x))), a
+                    )
+                inputs.append(a)
+                continue
+            per = next(layouts)
+            first = per is None
+            a, per = self._with_held(k, a, per)
+            if axis == 0:
+                a = self._from_rows(a, per)
+                if first:
+                    # The rows were taken as replicas unchecked; once, compare them by their
+                    # bits (a state whose rows differ would otherwise train apart silently).
+                    compare_replicas(
+                        key_data(a), mesh=self.mesh, what=f"{self._name}: the TrainState rows "
+                    )
+            if not self._restore_checked:
+                self._refuse_dropped_optimizer_state(a)
+            inputs.append(a)
+            k += 1
+        self._restore_checked = True
+        self._set_donation(args, arg_axes)
+        out = self.engine(*inputs)
+        self._replica_of = {}  # a later call takes only these rows without a launch
         flat, treedef = jax.tree.flatten(out, is_leaf=_is_state)
-        states = iter(self._to_rows(tuple(x for x in flat if _is_state(x))))
-        rows = iter(self._own_rows([x for x in flat if not _is_state(x)]))
-        return jax.tree.unflatten(
-            treedef, [next(states) if _is_state(x) else next(rows) for x in flat]
-        )
+        # Outputs come one row per device as the step made them; out_axes=None: row 0.
+        flat_axes = self._flat_out_axes(out)
+        idx = [i for i, a in enumerate(flat_axes) if a is None and not _is_state(flat[i])]
+        for i, x in zip(idx, self._row0([flat[i] for i in idx]) if idx else (), strict=True):
+            flat[i] = x
+        layouts = iter(self._layouts([x for x in flat if _is_state(x)]))
+        k = 0
+        for i, (x, a) in enumerate(zip(flat, flat_axes, strict=True)):
+            if _is_state(x):
+                flat[i] = self._keep_held(k, x, next(layouts), rows=a == 0)
+                k += 1
+        return jax.tree.unflatten(treedef, flat)
+
+    def _layouts(self, states: list) -> list:
+        """Per ``TrainState``: which of its leaves the compiled step stores per device
+        (None each before the step is built)."""
+        per = self.engine.per_device_flags(jax.tree.structure(tuple(states)))
+        if per is None:
+            return [None] * len(states)
+        out, it = [], iter(per)
+        for st in states:
+            out.append([next(it) for _ in jax.tree.leaves(st)])
+        return out
+
+    def _one_row_each(self, x: Any) -> np.ndarray:
+        """An ``in_axes=None`` value as pmap's rows: each device takes it whole."""
+        return np.broadcast_to(np.asarray(x), (self.num_devices, *np.shape(x)))
+
+    def _set_donation(self, args: tuple, arg_axes: list) -> None:
+        """Tells the engine which of its inputs (the state's leaves, the batch) are
+        donated, from ``donate_argnums``."""
+        if not self._donate:
+            return
+        states = {i for i, a in enumerate(args) if _is_state(a)}
+        batch = set(range(len(args))) - states
+        donated = set(self._donate)
+        if donated - set(range(len(args))):
+            raise ValueError(
+                f"pmap_data_parallel: donate_argnums={self._donate} names arguments the step "
+                f"was not called with ({len(args)} arguments)."
+            )
+        parts = []
+        for group, what in ((states, "TrainState"), (batch, "batch")):
+            if donated & group and not group <= donated:
+                raise NotImplementedError(
+                    f"pmap_data_parallel: donate_argnums={self._donate} donates some of the "
+                    f"{what} arguments {sorted(group)} but not all; donate all or none."
+                )
+            parts.append(bool(group) and group <= donated)
+        self.engine.donate = tuple(parts)
+
+
+class _StaticArgs:
+    """``static_broadcasted_argnums``: one :class:`PmapDataParallel` per value of the static
+    arguments (as ``jax.pmap`` compiles one program per value)."""
+
+    def __init__(
+        self,
+        fn: Callable,
+        static: tuple[int, ...],
+        make: Callable,
+        in_axes: Any,
+        donate: tuple[int, ...],
+    ):
+        self._fn, self._static, self._make = fn, tuple(sorted(static)), make
+        self._in_axes, self._donate = in_axes, donate
+        self._steps: dict = {}
+
+    def __call__(self, *args):
+        missing = [i for i in self._static if i >= len(args)]
+        if missing:
+            raise ValueError(
+                f"pmap_data_parallel: static_broadcasted_argnums={self._static} but the step "
+                f"was called with {len(args)} arguments."
+            )
+        key = tuple(args[i] for i in self._static)
+        try:
+            hash(key)
+        except TypeError:
+            raise ValueError(
+                f"pmap_data_parallel: static arguments {self._static} must be hashable, as "
+                f"for jax.pmap; got {[type(v).__name__ for v in key]}."
+            ) from None
+        if key not in self._steps:
+            static = dict(zip(self._static, key, strict=True))
+
+            def fn(*dynamic):
+                it = iter(dynamic)
+                full = [static[i] if i in static else next(it) for i in range(len(args))]
+                return self._fn(*full)
+
+            keep = [i for i in range(len(args)) if i not in static]
+            in_axes = self._in_axes
+            if isinstance(in_axes, (tuple, list)):
+                in_axes = tuple(in_axes[i] for i in keep)
+            donate = tuple(keep.index(i) for i in self._donate if i in keep)
+            self._steps[key] = self._make(fn, in_axes, donate)
+        return self._steps[key](*[a for i, a in enumerate(args) if i not in self._static])
 
 
 def pmap_data_parallel(
     mesh: Mesh,
     *,
-    axis_name: str,
+    axis_name: str | None = None,
     axes: tuple[str, ...] = DATA_AXES,
     check_replicas: int | None = None,
-) -> Callable[[Callable], PmapDataParallel]:
-    """Runs a ``jax.pmap`` Linen train step data-parallel over ``mesh`` (in place of
-    ``jax.pmap(train_step, axis_name=...)``).
+    shard_optimizer: bool = False,
+    param_gather: Any = None,
+    shard_bucket_bytes: int | None = None,
+) -> Callable[..., Any]:
+    """``jax.pmap`` for a Linen train step, data-parallel over ``mesh``.
 
-    The step keeps its body, its ``lax.pmean(..., axis_name)`` of metrics and batch
-    statistics, its model's ``nn.BatchNorm(axis_name=...)``, and its callers'
-    ``jax_utils.replicate`` / ``common_utils.shard`` / ``common_utils.get_metrics`` (see the
-    module docstring). Two lines of the script change besides this one: the
-    ``TrainState``'s ``tx`` starts with ``jaxcomm.sync_gradients()``, and the step's own
+    ``jaxcomm.pmap_data_parallel(mesh)`` takes what ``jax.pmap`` takes and means the same
+    by it (see the module docstring), so a script's ``jax.pmap(`` becomes
+    ``jaxcomm.pmap_data_parallel(mesh)(``. Two more lines change: the ``TrainState``'s
+    ``tx`` starts with ``jaxcomm.sync_gradients()``, and the step's own
     ``lax.pmean(grads, axis_name)`` goes (the sync does the mean; a step that keeps it is
-    refused with that fix). With Flax's ``DynamicScale``, import
-    ``jaxcomm.dynamic_scale`` in its place.
+    refused with that fix). Flax's ``DynamicScale``, the eval step (``jax.pmap`` as it
+    was) and the checkpoint code stay.
 
     Args:
       mesh: from :func:`jaxcomm.make_mesh`.
-      axis_name: the name the script gave ``jax.pmap`` (``'batch'``), bound to ``axes``.
+      axis_name: the pmap axis name, here or (as for ``jax.pmap``) in the call.
       axes: data-parallel axes of ``mesh``; device ``i`` of ``axis_name`` (row ``i`` of
         every pmap-layout argument and output) is device ``i`` of ``axes`` flattened.
       check_replicas: every this many steps, compare every replicated leaf across devices
         by its bits; 0/None: off.
+      shard_optimizer, param_gather, shard_bucket_bytes: sharded optimizer state, as
+        :func:`jaxcomm.linen_data_parallel`'s; the chunks are held by the step object
+        (:meth:`PmapDataParallel.per_device_state`).
 
     Returns:
-      A decorator; the decorated step is a :class:`PmapDataParallel`.
+      ``pmap(fun, axis_name=None, *, in_axes=0, out_axes=0, static_broadcasted_argnums=(),
+      donate_argnums=())``, returning a :class:`PmapDataParallel` (one per value of the
+      static arguments, if any). ``devices``, ``backend`` and ``axis_size`` are refused:
+      the mesh says them.
 
     Example:
-      >>> mesh = jaxcomm.make_mesh(intra=4)
-      >>> p_train_step = jaxcomm.pmap_data_parallel(mesh, axis_name='batch')(
-      ...     functools.partial(train_step, learning_rate_fn=learning_rate_fn))
-      >>> state, metrics = p_train_step(jax_utils.replicate(state), common_utils.shard(batch))
+      >>> p_train_step = jaxcomm.pmap_data_parallel(jaxcomm.make_mesh())(
+      ...     functools.partial(train_step, learning_rate_fn=learning_rate_fn),
+      ...     in_axes=(None, 0), out_axes=(None, 0), axis_name='batch')
+      >>> state, metrics = p_train_step(state, batch)    # batch: (devices, per_device, ...)
     """
     n, axes = check_decorator_args("pmap_data_parallel", mesh, axes, check_replicas)
-    name = check_axis_name(axis_name, axes, "pmap_data_parallel")
-    if name is None:
-        raise TypeError(
-            "pmap_data_parallel(axis_name=None): pass the name the script gave jax.pmap, "
-            "e.g. axis_name='batch'."
-        )
-    return lambda fn: PmapDataParallel(fn, mesh, axes=axes, axis_name=name, check_replicas=n)
+    default_name = check_axis_name(axis_name, axes, "pmap_data_parallel")
+    shard = shard_options("pmap_data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
+
+    def pmap(
+        fun: Callable,
+        axis_name: str | None = None,
+        *,
+        in_axes: Any = 0,
+        out_axes: Any = 0,
+        static_broadcasted_argnums: int | Sequence[int] = (),
+        donate_argnums: int | Sequence[int] = (),
+        devices: Any = None,
+        backend: Any = None,
+        axis_size: Any = None,
+    ) -> Any:
+        for arg, value in (("devices", devices), ("backend", backend), ("axis_size", axis_size)):
+            if value is not None:
+                raise TypeError(
+                    f"pmap_data_parallel(mesh)(..., {arg}={value!r}): the mesh gives the "
+                    "devices; leave it out (build the mesh from those devices: "
+                    "jaxcomm.make_mesh(devices=...))."
+                )
+        name = check_axis_name(axis_name, axes, "pmap_data_parallel") or default_name
+        if name is None:
+            raise TypeError(
+                "pmap_data_parallel: pass the name the script gave jax.pmap, "
+                "pmap_data_parallel(mesh)(train_step, axis_name='batch')."
+            )
+        if default_name is not None and axis_name is not None and axis_name != default_name:
+            raise ValueError(
+                f"pmap_data_parallel(axis_name={default_name!r})(..., axis_name={axis_name!r}): "
+                "two names for one axis; give it once."
+            )
+        _check_axes(in_axes, "in_axes")
+        _check_axes(out_axes, "out_axes")
+        static = _argnums(static_broadcasted_argnums, "static_broadcasted_argnums")
+        donate = _argnums(donate_argnums, "donate_argnums")
+        if set(static) & set(donate):
+            raise ValueError(
+                f"pmap_data_parallel: arguments {sorted(set(static) & set(donate))} are both "
+                "static and donated; a static argument has no buffer to donate."
+            )
+
+        def make(fn, fn_in_axes, fn_donate):
+            return PmapDataParallel(
+                fn,
+                mesh,
+                axes=axes,
+                axis_name=name,
+                check_replicas=n,
+                in_axes=fn_in_axes,
+                out_axes=out_axes,
+                donate_argnums=fn_donate,
+                shard=shard,
+            )
+
+        if static:
+            return _StaticArgs(fun, static, make, in_axes, donate)
+        return make(fun, in_axes, donate)
+
+    return pmap

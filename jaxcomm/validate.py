@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
-__all__ = ["check_choice", "check_int"]
+__all__ = ["check_choice", "check_int", "refuse_pmap_layout"]
 
 
 def _allowed(minimum: int | None, maximum: int | None) -> str:
@@ -106,3 +107,45 @@ def check_choice(
         tail = f"; {fix}" if fix else ""
         raise error(f"{name}={value!r} must be one of {tuple(allowed)!r}{tail}.")
     return value
+
+
+def refuse_pmap_layout(batch: Any, num_devices: int, where: str, laid_out: Any = None) -> None:
+    """Refuses a batch in ``jax.pmap``'s layout where the global batch is taken.
+
+    A pmap-shaped batch ``(devices, per_device, ...)`` taken as the global batch gives each
+    device one example whose first axis is the per-device batch: models that broadcast over
+    leading axes (``nn.Dense``, ``nn.Conv``) run on it, pooling then mixes examples, and
+    the run trains badly without an error. The two layouts cannot always be told apart by
+    shape; this refuses the shape a pmap script makes: every leaf has at least two axes, the
+    first is the devices and the second, of at least 2, is the same for every leaf. A batch
+    of exactly that shape meant as the global batch passes laid out already (``laid_out``:
+    the step's batch sharding).
+
+    Args:
+      batch: the batch pytree as the step was called with it.
+      num_devices: the data-parallel devices.
+      where: the step builder, in the message.
+      laid_out: leaves that are ``jax.Array`` s with this sharding are taken as they are.
+
+    Raises:
+      ValueError: naming the shapes and both fixes.
+    """
+    leaves = [
+        x
+        for x in jax.tree.leaves(batch)
+        if not (laid_out is not None and getattr(x, "sharding", None) == laid_out)
+    ]
+    shapes = [np.shape(x) for x in leaves]
+    if not shapes or any(len(s) < 2 or s[0] != num_devices for s in shapes):
+        return
+    per_device = {s[1] for s in shapes}
+    if len(per_device) != 1 or per_device.pop() < 2:
+        return
+    raise ValueError(
+        f"{where}: the batch has shapes {shapes}, jax.pmap's layout (devices, per_device, "
+        f"...) for {num_devices} devices; {where} takes the global batch and splits its "
+        "leading axis over the devices, so each device would get one example. Pass "
+        "x.reshape(-1, *x.shape[2:]) for each leaf (or the batch before "
+        "common_utils.shard). If it really is a global batch of one example per device, pass "
+        "it laid out already: jax.device_put(batch, step.batch_sharding)."
+    )

@@ -194,7 +194,6 @@ def train_step(state, batch, learning_rate_fn, weight_decay):
     if dynamic_scale:
         # if is_fin == False the gradients contain Inf/NaNs and optimizer state and
         # params should be restored (= skip this step).
-        state = state.replace(params=jaxcomm.replicated_params(state.params))
         new_state = new_state.replace(
             opt_state=jax.tree_util.tree_map(
                 functools.partial(jnp.where, is_fin), new_state.opt_state, state.opt_state
@@ -246,7 +245,7 @@ def create_train_state(rng, config, model, image_size, learning_rate_fn):
     """Create initial training state."""
     dynamic_scale = None
     if config["half_precision"]:
-        dynamic_scale = jaxcomm.dynamic_scale.DynamicScale()
+        dynamic_scale = dynamic_scale_lib.DynamicScale()
     params, batch_stats = initialized(rng, image_size, model)
     tx = optax.sgd(learning_rate=learning_rate_fn, momentum=config["momentum"], nesterov=True)
     tx = optax.chain(jaxcomm.sync_gradients(**config.get("sync", {})), tx)
@@ -282,12 +281,13 @@ def train_and_evaluate(config, data=None, inject=None, on_step=None):
     state = create_train_state(rng, config, model, 8, learning_rate_fn)
     state = jax_utils.replicate(state)
 
-    p_train_step = jaxcomm.pmap_data_parallel(jaxcomm.make_mesh(intra=4), axis_name="batch")(
+    p_train_step = jaxcomm.pmap_data_parallel(jaxcomm.make_mesh(intra=4))(
         functools.partial(
             train_step,
             learning_rate_fn=learning_rate_fn,
             weight_decay=config["weight_decay"],
         ),
+        axis_name="batch",
     )
     p_eval_step = jax.pmap(eval_step, axis_name="batch")
 

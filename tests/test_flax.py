@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training import train_state
 from helpers import assert_replicas_equal
 
 import jaxcomm
@@ -404,11 +405,29 @@ def test_an_own_apply_gradients_takes_replicated_params(mesh):
         grads = jax.grad(lambda p: jnp.mean((batch["x"] @ p["w"]) ** 2))(state.params)
         return state.apply_gradients(grads=grads), {}
 
-    with pytest.raises(ValueError, match=r"passes it jaxcomm.replicated_params\(params\)"):
-        jaxcomm.linen_data_parallel(mesh)(step)(make(lambda p: p), linen_batch())
-    dp = jaxcomm.linen_data_parallel(mesh, check_replicas=1)(step)
-    state, _ = dp(make(jaxcomm.replicated_params), linen_batch())
-    assert int(state.step) == 1 and assert_replicas_equal(state.params) > 0
+    # Its params come from each device's copy of the old params: proven the same on every
+    # device (jaxcomm.same_value), with or without jaxcomm.replicated_params.
+    got = []
+    for apply in (lambda p: p, jaxcomm.replicated_params):
+        dp = jaxcomm.linen_data_parallel(mesh, check_replicas=1)(step)
+        state, _ = dp(make(apply), linen_batch())
+        assert int(state.step) == 1 and assert_replicas_equal(state.params) > 0
+        got.append(jax.device_get(state.params))
+    np.testing.assert_array_equal(got[0]["w"], got[1]["w"])
+
+
+def test_a_param_computed_from_the_batch_is_refused(mesh):
+    def step(state, batch):
+        grads = jax.grad(lambda p: jnp.mean((batch["x"] @ p["w"]) ** 2))(state.params)
+        state = state.apply_gradients(grads=grads)
+        return state.replace(params={"w": state.params["w"] * jnp.mean(batch["x"])}), {}
+
+    tx = optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))
+    state = train_state.TrainState.create(
+        apply_fn=None, params={"w": jnp.ones((64, 10)) * 0.01}, tx=tx
+    )
+    with pytest.raises(ValueError, match=r"params\['w'\] comes out of the step different"):
+        jaxcomm.linen_data_parallel(mesh)(step)(state, linen_batch())
 
 
 def test_two_steps_trace_at_once_in_two_threads(mesh):

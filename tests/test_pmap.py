@@ -31,12 +31,12 @@ def changed_lines(a: str, b: str) -> int:
     return sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal")
 
 
-def test_the_port_changes_at_most_10_lines_of_a_200_line_script():
+def test_the_port_changes_at_most_6_lines_of_a_200_line_script():
     original = (HERE / "pmap_script.py").read_text()
     ported = (HERE / "pmap_script_ported.py").read_text()
     assert len(original.splitlines()) >= 200
     n = changed_lines(original, ported)
-    assert 0 < n <= 10, n
+    assert 0 < n <= 6, n
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +267,7 @@ def test_axis_name_must_be_a_new_name(mesh):
     with pytest.raises(ValueError, match="is a mesh axis already"):
         jaxcomm.linen_data_parallel(mesh, axis_name="intra")
     with pytest.raises(TypeError, match="axis_name='batch'"):
-        jaxcomm.pmap_data_parallel(mesh, axis_name=None)
+        jaxcomm.pmap_data_parallel(mesh)(step)  # no name here nor in the call
 
 
 # -- NNX: SyncBatchNorm ---------------------------------------------------------------
