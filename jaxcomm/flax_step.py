@@ -466,6 +466,7 @@ class FlaxStep:
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.batch_sharding = NamedSharding(self.mesh, P(self.axes))
         self.replicated = NamedSharding(self.mesh, P())
+        self._one_step_in_flight = backend.for_mesh(self.mesh).one_step_in_flight
         self.check_replicas = check_replicas
         self._plans: dict = {}
         # The first call's probe found that what reaches each sync commutes with the mean
@@ -917,7 +918,7 @@ class FlaxStep:
             new, out = self._compiled(step, leaves, data)(leaves, data)
         else:
             new, out = self._feedback_step(leaves, data, self.feedback.before_step())
-        if backend.for_mesh(self.mesh).one_step_in_flight:
+        if self._one_step_in_flight:
             jax.block_until_ready(new)
         self._calls += 1
         if self.check_replicas and self._calls % self.check_replicas == 0:
@@ -1014,6 +1015,8 @@ class FlaxStep:
             self._check_global_batch(data)
 
         def put(x):
+            if isinstance(x, jax.Array) and x.sharding == self.batch_sharding:
+                return x  # laid out already (e.g. by the data loader): stays on the devices
             if many and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
                 x = np.asarray(x)  # this process's copy of the global batch
             x = x if isinstance(x, jax.Array) else np.asarray(x)
