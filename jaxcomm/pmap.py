@@ -385,8 +385,9 @@ class PmapDataParallel(FlaxFrontEnd):
 
         Example:
           >>> checkpoints.save_checkpoint(workdir, state, step)
-          >>> ocp.StandardCheckpointer().save(f'{workdir}/per_device_{step}',
-          ...                                 p_train_step.per_device_state())
+          >>> with ocp.StandardCheckpointer() as checkpointer:
+          ...     checkpointer.save(f'{workdir}/per_device_{step}',
+          ...                       p_train_step.per_device_state())
         """
         return {
             f"state_{k}": {"version": np.uint32(h.version), "leaves": list(h.leaves)}

@@ -79,7 +79,8 @@ def test_per_device_state_stays_out_of_the_state_the_script_sees(mesh, tmp_path)
     # Upstream's save_checkpoint, and the step's own per-device state beside it.
     saved = jax.tree.map(ocp.utils.fully_replicated_host_local_array_to_global_array, state)
     checkpoints.save_checkpoint_multiprocess(str(tmp_path / "ckpt"), saved, 2)
-    per_device = jax.device_get(p.per_device_state())
+    with ocp.StandardCheckpointer() as checkpointer:  # as docs/porting.md says
+        checkpointer.save(tmp_path / "per_device_2", p.per_device_state())
     uninterrupted, _ = p(state, pmap_batch(2))
 
     fresh = make_state(topk_tx())  # the script's create_train_state, then its restore
@@ -87,7 +88,8 @@ def test_per_device_state_stays_out_of_the_state_the_script_sees(mesh, tmp_path)
     q = jaxcomm.pmap_data_parallel(mesh)(step, **CURRENT)
     with pytest.raises(ValueError, match=r"load_per_device_state"):
         q(restored, pmap_batch(2))
-    q.load_per_device_state(per_device)
+    with ocp.StandardCheckpointer() as checkpointer:
+        q.load_per_device_state(checkpointer.restore(tmp_path / "per_device_2"))
     resumed, _ = q(restored, pmap_batch(2))
     assert equal_leaves(resumed.params, uninterrupted.params)
     assert equal_leaves(resumed.batch_stats, uninterrupted.batch_stats)

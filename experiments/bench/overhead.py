@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +33,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from experiments.bench.machine import describe
 
 __all__ = ["main", "run"]
 
@@ -347,15 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     only = [s.strip() for s in args.only.split(",") if s.strip()] or None
     t0 = time.perf_counter()
     res = run(rounds=args.rounds, steps=args.steps, only=only)
-    res |= {
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "cpus": os.cpu_count(),
-        "load_avg_1m": os.getloadavg()[0],
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "devices": jax.device_count(),
-        "seconds": time.perf_counter() - t0,
-    }
+    res |= describe() | {"seconds": time.perf_counter() - t0}
     print(_table(res))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:

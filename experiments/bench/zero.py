@@ -36,7 +36,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import time
 from typing import Any
 
@@ -44,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from experiments.bench.machine import describe
 
 # name: (shard_optimizer, gradient codec, param gather codec, sync algorithm)
 ROWS = {
@@ -522,17 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run(args.model, args.memory_model, rows, args.steps, args.warmup)
         if args.digits:
             res["digits"] = digits(rows)
-    res |= {
-        "steps": args.steps,
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "cpus": os.cpu_count(),
-        "load_avg_1m": os.getloadavg()[0],
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "devices": jax.device_count(),
-        "processes": jax.process_count(),
-        "seconds": time.perf_counter() - t0,
-    }
+    res |= {"steps": args.steps, **describe(), "seconds": time.perf_counter() - t0}
     if jax.process_index() != 0:
         return 0
     print(_fit_table(res) if args.fit else _testbed_table(res) if testbed else _table(res))
