@@ -67,6 +67,7 @@ from jaxcomm.state import (
 from jaxcomm.sync import SyncRequest, accepting_requests, other_input_message
 from jaxcomm.train import check_sync_inputs, compile_on_every_process, refuse_nnx_object
 from jaxcomm.validate import check_int, refuse_pmap_layout
+from jaxcomm.warmup import WarmupClock
 
 __all__ = [
     "KEY",
@@ -114,6 +115,7 @@ class TraceHooks(NamedTuple):
     communicate: bool  # False: the compute-only twin (every sync passes through)
     engines: dict  # shard_optimizer=True: the ShardedOptimizer of each optimizer index
     exact: dict  # a sharded optimizer's new params, by the identity of their update
+    warming_up: bool | None = None  # the host's warm-up decision (None: on the devices)
 
 
 class Recording:
@@ -166,6 +168,7 @@ class Recording:
                 on_sync=hooks.log.syncs.append,
                 grads=grads,  # what the step computed: the sync must receive these
                 other_input=lambda sync, _: hooks.log.other_input(sync, self._tx, invariant),
+                warming_up=hooks.warming_up,
             )
             updates, state = self._tx.update(
                 grads, state, invariant, sync_request=request, **kwargs
@@ -489,9 +492,13 @@ class FlaxStep:
         # (state leaves, batch): donated to the step, as jax.jit's donate_argnums (set by
         # pmap_data_parallel's donate_argnums before the first call).
         self.donate = (False, False)
+        self._clock: WarmupClock | None = None  # the host's copy of the sync count
+        self._phase_steps: dict = {}  # (plan, warming_up) -> the jitted step of that phase
 
     # -- inside shard_map -------------------------------------------------------------
-    def _stacked_step(self, plan, leaves, args, share=None, *, write=None, communicate=True):
+    def _stacked_step(
+        self, plan, leaves, args, share=None, *, write=None, communicate=True, warming_up=None
+    ):
         """The step inside shard_map: per-device leaves come and go with their device axis.
 
         With ``share`` (the measured communication share, one value per device), its mean
@@ -503,13 +510,15 @@ class FlaxStep:
             mean = lax.pmean(share[0], self.axes)
             opt_states = [write(o, mean) for o in _gather(leaves, plan.opts)]
             leaves = _scatter(leaves, plan.opts, opt_states)
-        result, out = self._local(plan, leaves, args, communicate=communicate)
+        result, out = self._local(
+            plan, leaves, args, communicate=communicate, warming_up=warming_up
+        )
         new = stack_leaves(result, plan.per)
         for i in plan.lifted if communicate else ():
             new[i] = new[i][None]  # each device's copy; read back as replicated in _jit
         return new, out
 
-    def _local(self, plan, leaves, args, rec=None, *, communicate=True):
+    def _local(self, plan, leaves, args, rec=None, *, communicate=True, warming_up=None):
         """One device's step on its local leaves; returns the new leaves and outputs."""
         dev = lax.axis_index(self.axes)
         inside = []
@@ -524,7 +533,7 @@ class FlaxStep:
         # Old invariant value of every param, by the identity of its varying copy.
         old = {id(v): x for v, x, k in zip(inside, leaves, plan.kinds, strict=True) if k == PARAM}
         log = Log([], [], self._checked_input if rec is None else rec["other_input"])
-        hooks = TraceHooks(log, old, communicate, self._engines, {})
+        hooks = TraceHooks(log, old, communicate, self._engines, {}, warming_up)
         objs, out = self._run_user(plan, inside, args, hooks)
         if rec is not None:
             rec["syncs"] = log.syncs
@@ -737,11 +746,13 @@ class FlaxStep:
             ),
         )
 
-    def _jit(self, plan, specs, *, write=None, communicate=True):
+    def _jit(self, plan, specs, *, write=None, communicate=True, warming_up=None):
         """The jitted shard_map of the step; with ``write`` (a feedback's) it takes the
         measured share as a third input; ``communicate=False``: the compute-only twin, its
         params drifting apart, so unchecked by shard_map's replication check."""
-        body = functools.partial(self._stacked_step, plan, write=write, communicate=communicate)
+        body = functools.partial(
+            self._stacked_step, plan, write=write, communicate=communicate, warming_up=warming_up
+        )
         lifted = plan.lifted if communicate else ()
         out_specs = list(specs)
         for i in lifted:
@@ -898,6 +909,27 @@ class FlaxStep:
         stacked = jnp.broadcast_to(x, (self.num_devices, *np.shape(x)))
         return jax.device_put(stacked, self.batch_sharding)
 
+    def _warming_up(self, plan: Plan, leaves: list) -> bool | None:
+        """The host's warm-up decision for this step (:mod:`jaxcomm.warmup`); None where
+        the syncs decide on the devices (no sync warms up, several do, or a sharded
+        optimizer, which has no warm-up)."""
+        if self._clock is None:
+            if not self.syncs:
+                return None
+            syncs = [] if self._shard_args is not None else self.syncs
+            self._clock = WarmupClock(syncs, _gather(list(leaves), plan.opts))
+        if self._clock.steps is None:
+            return None
+        return self._clock.decide(_gather(list(leaves), plan.opts))
+
+    def _phase_step(self, plan: Plan, leaves: list, warming_up: bool) -> Callable:
+        """The jitted step of one warm-up phase, built at its first use."""
+        key = (id(plan), warming_up)
+        if key not in self._phase_steps:
+            specs = leaf_specs(leaves, plan.per, self.axes)
+            self._phase_steps[key] = self._jit(plan, specs, warming_up=warming_up)
+        return self._phase_steps[key]
+
     def _compiled(self, step: Callable, leaves: list, data: Any) -> Callable:
         """``step`` itself in one process; with several, compiled for these inputs' shapes
         and shardings, once, by :func:`jaxcomm.train.compile_on_every_process` (every
@@ -914,12 +946,18 @@ class FlaxStep:
 
     def __call__(self, *args):
         objs, plan, step, leaves, data = self.prepare(args)
+        warming_up = None
         if self.feedback is None:
+            warming_up = self._warming_up(plan, leaves)
+            if warming_up is not None:
+                step = self._phase_step(plan, leaves, warming_up)
             new, out = self._compiled(step, leaves, data)(leaves, data)
         else:
             new, out = self._feedback_step(leaves, data, self.feedback.before_step())
         if self._one_step_in_flight:
             jax.block_until_ready(new)
+        if warming_up is not None:
+            self._clock.advanced(_gather(list(new), plan.opts))
         self._calls += 1
         if self.check_replicas and self._calls % self.check_replicas == 0:
             compare_replicas(key_data(new), mesh=self.mesh, what=f"state (step {self._calls})")
@@ -994,7 +1032,9 @@ class FlaxStep:
     def compile(self, *args, communicate: bool = True) -> Any:
         """The step compiled for these arguments (``communicate=False``: the twin)."""
         _, plan, _, leaves, data = self.prepare(args)
-        step = self._jit(plan, leaf_specs(leaves, plan.per, self.axes), communicate=communicate)
+        warming_up = self._warming_up(plan, leaves) if communicate else None
+        specs = leaf_specs(leaves, plan.per, self.axes)
+        step = self._jit(plan, specs, communicate=communicate, warming_up=warming_up)
         return compile_on_every_process(step, (leaves, data), self.mesh, f"{self.name} step")
 
     def optimizer_states(self, state: list) -> list[Any]:

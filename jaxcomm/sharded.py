@@ -918,12 +918,14 @@ class ShardedOptimizer:
         *,
         update: Callable | None = None,
         communicate: bool = True,
+        warming_up: bool | None = None,
     ) -> tuple[Any, ShardedState, Any]:
         """:meth:`update` on trees (``jaxcomm.layout.OptimizerLayout.step``): ``(new
         params, new ShardedState, done)``, ``done`` the new params (the outputs'
-        collectives wait for the gathers). ``update`` and ``communicate`` do not apply
-        (the step reduce-scatters itself; :meth:`check_step` refuses the twin)."""
-        del update, communicate
+        collectives wait for the gathers). ``update``, ``communicate`` and ``warming_up``
+        do not apply (the step reduce-scatters itself, with no warm-up; :meth:`check_step`
+        refuses the twin)."""
+        del update, communicate, warming_up
         leaves, new_opt = self.update(
             jax.tree.leaves(grads), opt_state, jax.tree.leaves(params), step, value
         )

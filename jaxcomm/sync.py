@@ -127,6 +127,10 @@ class SyncRequest(NamedTuple):
         reduced gradients, so a transform that takes a statistic of all of the updates
         (``jaxcomm.sharded.clip_by_global_norm``'s norm) reduces it over these axes.
         ``()``: every device holds the whole updates.
+      warming_up: the step builder's decision, taken on the host from the sync count
+        every process shares, whether this step is within ``warmup_steps``: True sends
+        the gradients uncompressed, False compressed, each with no conditional in the
+        program; None (default): a ``lax.cond`` on the count decides on the devices.
     """
 
     communicate: bool = True
@@ -134,6 +138,7 @@ class SyncRequest(NamedTuple):
     grads: Any = None
     other_input: Callable[[GradientSync, Any], None] | None = None
     sharded_over: tuple[str, ...] = ()
+    warming_up: bool | None = None
 
 
 _DEFAULT_REQUEST = SyncRequest()
@@ -182,9 +187,12 @@ class GradientSync(NamedTuple):
         cstate = self.compression.init(plan.buffer_specs(inner))
         return SyncGradientsState(count, vary_per_device(cstate, self.axes))
 
-    def reduce(self, grads: Any, state: SyncGradientsState) -> tuple[Any, SyncGradientsState]:
+    def reduce(
+        self, grads: Any, state: SyncGradientsState, *, warming_up: bool | None = None
+    ) -> tuple[Any, SyncGradientsState]:
         """The mean of ``grads`` over ``axes`` (each device's own gradients in, the same
-        mean on every device out) and the next state; see the module docstring's stages."""
+        mean on every device out) and the next state; see the module docstring's stages.
+        ``warming_up``: :class:`SyncRequest`'s (None: decided on the devices)."""
         check_bound(self.axes, "sync_gradients", _UNBOUND_FIX)
         check_float_tree(grads)
         if self.compression is None:
@@ -203,7 +211,9 @@ class GradientSync(NamedTuple):
                 key=step_key(self.seed, state.count),
                 data_axes=self.axes,
             )
-            means, cstate, finite, done = _mean_compressed(self, plan, leaves, cstate, ctx)
+            means, cstate, finite, done = _mean_compressed(
+                self, plan, leaves, cstate, ctx, warming_up
+            )
             for i, m in zip(plan.compressed, means, strict=True):
                 out[i] = m
             _check_shared_state(self.compression.name, cstate, self.axes)
@@ -255,8 +265,12 @@ def gradient_sync(
         compressor the compressed leaves are bucketed the same way, one compressed
         collective per bucket.
       compression: a compressor from ``jaxcomm.compression`` (``None``: no compression).
-      warmup_steps: the first ``warmup_steps`` steps are sent uncompressed (``lax.cond``
-        on the step count). With 0 no uncompressed branch is compiled.
+      warmup_steps: the first ``warmup_steps`` steps are sent uncompressed. The step
+        builders (``data_parallel``, the Flax decorators) decide on the host from the sync
+        count and run one program per phase, with no conditional (``jaxcomm.warmup``);
+        elsewhere (the sync in a ``shard_map`` of your own, the profiler's feedback step,
+        microbatches reduced one by one) a ``lax.cond`` on the count decides. With 0 no
+        uncompressed branch is compiled.
       min_size: leaves with fewer elements stay uncompressed (biases, norms).
       compress_leaf: optional predicate ``(path, leaf) -> bool`` (``path`` as
         ``jax.tree_util.keystr``, e.g. ``"['dense']['kernel']"``) that replaces the
@@ -358,7 +372,7 @@ def sync_gradients(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
         if not sync_request.communicate:
             check_bound(sync.axes, "sync_gradients", _UNBOUND_FIX)
             return grads, state._replace(count=state.count + 1)
-        return sync.reduce(grads, state)
+        return sync.reduce(grads, state, warming_up=sync_request.warming_up)
 
     return optax.GradientTransformationExtraArgs(sync.init, update)
 
@@ -462,7 +476,9 @@ def _mean_plain(sync: GradientSync, leaves: list, after: Any = ()) -> list:
     return plan.unpack([allreduce(b, **kw) for b in buckets])
 
 
-def _mean_compressed(sync: GradientSync, plan: LeafPlan, leaves: list, cstate: Any, ctx):
+def _mean_compressed(
+    sync: GradientSync, plan: LeafPlan, leaves: list, cstate: Any, ctx, warming_up=None
+):
     """Stages 2-4 for the compressed leaves: ``(means, compressor state, finite, done)``,
     ``done`` the outputs the plain leaves' collectives wait for (the reduced buffers, or
     the exact step's conditional's outputs).
@@ -474,7 +490,7 @@ def _mean_compressed(sync: GradientSync, plan: LeafPlan, leaves: list, cstate: A
     f32 = all(plan.dtypes[i] == jnp.float32 for i in plan.compressed)
     codec = sync.compression
     if codec.exact is None or sync.compress_stage != "all" or not f32:
-        return _mean_packed(sync, plan, leaves, cstate, ctx)
+        return _mean_packed(sync, plan, leaves, cstate, ctx, warming_up)
     is_exact, residual, after = codec.exact(cstate, ctx)
 
     def exact(cs):
@@ -486,18 +502,20 @@ def _mean_compressed(sync: GradientSync, plan: LeafPlan, leaves: list, cstate: A
         return _mean_plain(sync, xs), vary_per_device(after, sync.axes), jnp.ones((), bool)
 
     def lossy(cs):  # both branches type the residual alike
-        means, cs, finite, _ = _mean_packed(sync, plan, leaves, cs, ctx)
+        means, cs, finite, _ = _mean_packed(sync, plan, leaves, cs, ctx, warming_up)
         return means, vary_per_device(cs, sync.axes), finite
 
     means, cstate, finite = lax.cond(is_exact, exact, lossy, cstate)
     return means, cstate, finite, means
 
 
-def _mean_packed(sync: GradientSync, plan: LeafPlan, leaves: list, cstate: Any, ctx):
+def _mean_packed(
+    sync: GradientSync, plan: LeafPlan, leaves: list, cstate: Any, ctx, warming_up=None
+):
     """Pack, the codec (behind warm-up), unpack: ``(means of the compressed leaves,
     compressor state, finite, reduced buffers)``."""
     buffers = plan.pack(leaves)
-    codec = _with_warmup(sync, _codec_mean(sync, ctx), ctx.step)
+    codec = _with_warmup(sync, _codec_mean(sync, ctx), ctx.step, warming_up)
     reduced, cstate, finite = codec(buffers, cstate)
     restored = [None] * len(leaves)
     plan.unpack(reduced, restored)
@@ -523,16 +541,22 @@ def _codec_mean(sync: GradientSync, ctx: ReduceContext) -> Callable:
     return mean
 
 
-def _with_warmup(sync: GradientSync, codec: Callable, step: jax.Array) -> Callable:
-    """``codec`` during the first ``warmup_steps`` steps replaced by the uncompressed mean
-    (a ``lax.cond`` on the shared step count); ``codec`` itself without warm-up."""
-    if sync.warmup_steps == 0:
+def _with_warmup(
+    sync: GradientSync, codec: Callable, step: jax.Array, warming_up: bool | None = None
+) -> Callable:
+    """``codec`` during the first ``warmup_steps`` steps replaced by the uncompressed mean:
+    as the step builder decided on the host (``warming_up``: one program per phase, no
+    conditional), else a ``lax.cond`` on the shared step count; ``codec`` itself without
+    warm-up."""
+    if sync.warmup_steps == 0 or warming_up is False:
         return codec
 
     def uncompressed(buffers, cstate):
         kw = {"axes": sync.axes, "algorithm": sync.algorithm, "topology": sync.topology}
         return allreduce(buffers, op="mean", **kw), cstate, jnp.ones((), bool)
 
+    if warming_up:
+        return uncompressed
     return lambda buffers, cstate: lax.cond(
         step < sync.warmup_steps, uncompressed, codec, buffers, cstate
     )

@@ -29,6 +29,7 @@ from jaxcomm.state import leaf_specs, stack_leaves, unstack_leaves
 from jaxcomm.sync import GradientSync, accepting_requests
 from jaxcomm.sync_inputs import check_sync_inputs
 from jaxcomm.validate import check_int
+from jaxcomm.warmup import WarmupClock
 
 __all__ = [
     "DataParallel",
@@ -320,7 +321,9 @@ class DataParallel:
         self.replicated = NamedSharding(mesh, P())
         self._stacked = NamedSharding(mesh, P(axes))
         self.check_replicas = int(check_replicas)
-        self._compiled_step: Any = None
+        self._compiled_step: Any = None  # set_feedback's step
+        self._programs: dict = {}  # by warm-up phase (True, False, or None: on the devices)
+        self._clock: WarmupClock | None = None  # the host's copy of the sync count
         self._opt_layout: list[bool] | None = None  # per optimizer-state leaf: per device?
         self.layout: OptimizerLayout = self._make_layout(shard)
         self._calls = 0
@@ -586,6 +589,7 @@ class DataParallel:
         *,
         feedback: Any = None,
         communicate: bool = True,
+        warming_up: bool | None = None,
     ):
         """One device's step inside shard_map: the gradients, the optimizer's step by the
         layout (:meth:`jaxcomm.layout.OptimizerLayout.step`: the syncs reduce, or the
@@ -611,6 +615,7 @@ class DataParallel:
             lambda: lax.pmean(value, self.axes),
             update=update,
             communicate=communicate,
+            warming_up=warming_up,
         )
         metrics = {"loss": value, **dict(aux or {})}
         # After the update: the sync's conditionals may hold collectives still running
@@ -691,7 +696,12 @@ class DataParallel:
         return self.microbatches > 1 and self.accumulate == "overlap"
 
     def step_fn(
-        self, state: TrainState, *, feedback: Any = None, communicate: bool = True
+        self,
+        state: TrainState,
+        *,
+        feedback: Any = None,
+        communicate: bool = True,
+        warming_up: bool | None = None,
     ) -> Callable:
         """The jitted ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
@@ -710,9 +720,14 @@ class DataParallel:
           communicate: False builds the compute-only twin: every ``sync_gradients`` passes
             the gradients through (no gradient collective; params drift, so no
             replication check).
+          warming_up: the program of one warm-up phase (True: within
+            ``warmup_steps``, False: after), with no conditional for it; None: the sync
+            decides on the devices (:class:`jaxcomm.SyncRequest`).
         """
         specs = self.state_specs(state)
-        local_step = functools.partial(self._local_step, feedback=feedback, communicate=communicate)
+        local_step = functools.partial(
+            self._local_step, feedback=feedback, communicate=communicate, warming_up=warming_up
+        )
         mapped = jax.shard_map(
             local_step,
             mesh=self.mesh,
@@ -812,20 +827,50 @@ class DataParallel:
         if feedback is not None:
             share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self._stacked)
             args += (share,)
-        step = self.step_fn(state, feedback=feedback, communicate=communicate)
+        warming_up = self._warming_up(state) if feedback is None and communicate else None
+        step = self.step_fn(
+            state, feedback=feedback, communicate=communicate, warming_up=warming_up
+        )
         return compile_on_every_process(step, args, self.mesh, "data-parallel step")
+
+    def _warming_up(self, state: TrainState) -> bool | None:
+        """The host's warm-up decision for a step from ``state`` (:mod:`jaxcomm.warmup`);
+        None where the sync decides on the devices: a step whose sync count does not
+        advance by one per step (microbatches reduced one by one, local SGD), or a
+        sharded optimizer (no warm-up). The profiler's feedback step keeps the device's
+        decision (it runs one program across the warm-up's end)."""
+        if self._clock is None:
+            if not self.syncs:  # not probed yet: the devices decide this once
+                return None
+            one_per_step = not (self._overlapped or self.layout.local_sgd)
+            replicated = isinstance(self.layout, ReplicatedOptimizer)
+            syncs = self.syncs if one_per_step and replicated else []
+            self._clock = WarmupClock(syncs, state.opt_state)
+        return self._clock.decide(state.opt_state)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """Runs one step; returns ``(new_state, metrics)``: metrics combined over devices by
         their kind (``jaxcomm.outputs``; the loss averaged), or with ``jaxcomm.local_sgd``
         one value per device (shape ``(devices,)``)."""
-        if self._compiled_step is None:
-            self._refuse_pmap_layout(state, batch)
-            # Several processes: compiled ahead and met at a barrier (see compile()).
-            many = jax.process_count() > 1
-            self._compiled_step = self.compile(state, batch) if many else self.step_fn(state)
+        if self._feedback is not None:
+            step = self._compiled_step
+        else:
+            warming_up = self._warming_up(state)
+            step = self._programs.get(warming_up)
+            if step is None:  # one program per warm-up phase, compiled at its first step
+                self._refuse_pmap_layout(state, batch)
+                # Several processes: compiled ahead and met at a barrier (see compile()).
+                many = jax.process_count() > 1
+                step = (
+                    self.compile(state, batch)
+                    if many
+                    else self.step_fn(state, warming_up=warming_up)
+                )
+                self._programs[warming_up] = step
         extra = () if self._feedback is None else (self._feedback.before_step(),)
-        out = self._compiled_step(state, self.shard_batch(batch), *extra)
+        out = step(state, self.shard_batch(batch), *extra)
+        if self._feedback is None and self._clock is not None:
+            self._clock.advanced(out[0].opt_state)
         if backend.for_mesh(self.mesh).one_step_in_flight:
             jax.block_until_ready(out)
         self._calls += 1
@@ -837,7 +882,8 @@ class DataParallel:
 
     def lower(self, state: TrainState, batch: Any):
         """``jax.stages.Lowered`` of the step, for HLO inspection (``jaxcomm.hlo``)."""
-        return self.step_fn(state).lower(state, self.shard_batch(batch))
+        step = self.step_fn(state, warming_up=self._warming_up(state))
+        return step.lower(state, self.shard_batch(batch))
 
 
 def data_parallel(
