@@ -189,7 +189,21 @@ def test_port_trains_as_the_original(original_3_epochs, ported_3_epochs):
     assert acc_b == pytest.approx(acc_a, abs=0.03), (acc_a, acc_b)
 
 
-@pytest.mark.parametrize("module", [train, train_ported], ids=["original", "ported"])
+def test_the_stand_in_data_replays_each_epoch():
+    """A fresh iterator (a restored run's) gives the batches an uninterrupted run sees in
+    its next epoch: the checkpoint test below then compares like with like."""
+    builder = input_pipeline.tfds.builder("digits")
+    uninterrupted = input_pipeline.create_split(builder, BATCH, train=True)
+    first = [next(uninterrupted) for _ in range(STEPS_PER_EPOCH)]
+    second = [next(uninterrupted) for _ in range(STEPS_PER_EPOCH)]
+    fresh = input_pipeline.create_split(builder, BATCH, train=True)
+    for a, b, c in zip(first, second, (next(fresh) for _ in first), strict=True):
+        for k in ("image", "label"):
+            np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+            np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(c[k]))
+
+
+@pytest.mark.parametrize("module", [train_ported], ids=["ported"])
 def test_restored_at_an_epoch_boundary_continues_as_one_run(module, tmp_path):
     """One epoch (saved at its end), then a second call to two epochs in the same workdir
     (restored, continued) ends where one uninterrupted two-epoch run ends."""

@@ -153,8 +153,9 @@ def test_ordering_hazards_sees_collectives_nested_in_loops():
 )
 @pytest.mark.parametrize("algorithm", ["hierarchical", "ring"])
 def test_compressed_sync_then_plain_leaves_keeps_one_order(mesh, compressor, algorithm):
-    # The compressed path is a conditional (warm-up, adaptive's rungs) and the plain leaves
-    # (biases) are all-reduced after it, tied to everything it computed.
+    # The compressed path is a conditional (warm-up decided on the devices, adaptive's
+    # rungs) and the plain leaves (biases) are all-reduced after it, tied to everything it
+    # computed.
     import optax
     from mlp import mlp_init, mlp_loss
 
@@ -165,6 +166,10 @@ def test_compressed_sync_then_plain_leaves_keeps_one_order(mesh, compressor, alg
     dp = jaxcomm.data_parallel(mlp_loss, optax.chain(sync, optax.sgd(0.1)), mesh)
     state = dp.init(mlp_init(jax.random.key(0)))
     batch = {"x": np.zeros((16, 12), np.float32), "y": np.zeros(16, np.int32)}
-    text = dp.compile(state, batch).as_text()
+    # The program whose sync decides the warm-up on the devices (a lax.cond), and the one
+    # the step runs in each phase (decided on the host).
+    on_device = dp.step_fn(state, warming_up=None).lower(state, dp.shard_batch(batch))
+    text = on_device.compile().as_text()
     assert "conditional" in text
     assert ordering_hazards(text) == []
+    assert ordering_hazards(dp.compile(state, batch).as_text()) == []

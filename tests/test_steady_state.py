@@ -33,9 +33,7 @@ def batch(seed=0):
 
 
 def build(mesh, compression, warmup_steps=0):
-    sync = jaxcomm.sync_gradients(
-        compression=compression, min_size=0, warmup_steps=warmup_steps
-    )
+    sync = jaxcomm.sync_gradients(compression=compression, min_size=0, warmup_steps=warmup_steps)
     dp = jaxcomm.data_parallel(loss_fn, optax.chain(sync, optax.sgd(0.1)), mesh)
     return dp, dp.init({"w": jnp.ones((64, 10)) * 0.01})
 
@@ -85,9 +83,7 @@ def test_flax_front_ends_run_one_program_per_phase(mesh, front):
     from flax.training import train_state
 
     def tx(warmup_steps):
-        sync = jaxcomm.sync_gradients(
-            compression=C.int8(), min_size=0, warmup_steps=warmup_steps
-        )
+        sync = jaxcomm.sync_gradients(compression=C.int8(), min_size=0, warmup_steps=warmup_steps)
         return optax.chain(sync, optax.sgd(0.1))
 
     if front == "linen":
@@ -98,9 +94,7 @@ def test_flax_front_ends_run_one_program_per_phase(mesh, front):
 
         def make(warmup_steps):
             params = {"w": jnp.ones((64, 10)) * 0.01}
-            state = train_state.TrainState.create(
-                apply_fn=None, params=params, tx=tx(warmup_steps)
-            )
+            state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx(warmup_steps))
             return jaxcomm.linen_data_parallel(mesh)(step), (state,)
 
         def run(fn, args, b):
