@@ -465,9 +465,7 @@ class PmapDataParallel(FlaxFrontEnd):
         for a, axis in zip(args, arg_axes, strict=True):
             if not _is_state(a):
                 if axis is None:  # every device takes it whole: one row each
-                    a = jax.tree.map(
-                        lambda x: np.broadcast_to(x, (self.num_devices, *np.shape(x))), a
-                    )
+                    a = jax.tree.map(self._one_row_each, a)
                 inputs.append(a)
                 continue
             per = next(layouts)

@@ -236,3 +236,22 @@ def test_compressed_syncs_on_the_pmap_entry_equal_the_linen_decorator(mesh, comp
         b, _ = linen(b, {k: v.reshape(-1, *v.shape[2:]) for k, v in pmap_batch(seed).items()})
     assert equal_leaves(a.params, b.params)
     assert p.per_device_paths == linen.per_device_paths
+
+
+def test_an_argument_with_in_axes_none_goes_whole_to_every_device(mesh):
+    def weighted_step(state, batch, weights):
+        state, metrics = step(state, batch)
+        return state, {"loss": metrics["loss"] * weights[0] + weights[1]}
+
+    axes = {"in_axes": (None, 0, None), "out_axes": (None, 0), "axis_name": "batch"}
+    p = jaxcomm.pmap_data_parallel(mesh)(weighted_step, **axes)
+    weights = np.array([2.0, 0.5], np.float32)
+    tx = optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1))
+    _, got = p(make_state(tx), pmap_batch(), weights)
+    _, want = jax.pmap(
+        lambda s, b, w: (lambda r: (r[0], {"loss": r[1]["loss"] * w[0] + w[1]}))(
+            step(s, b, mean_grads=True)
+        ),
+        **axes,
+    )(make_state(optax.sgd(0.1)), pmap_batch(), weights)
+    np.testing.assert_allclose(np.asarray(got["loss"]), np.asarray(want["loss"]), rtol=1e-6)
