@@ -249,10 +249,13 @@ def replicated_params(tree: Any) -> Any:
 
     Inside a Flax front end's step, ``state.params`` (or the model's ``nnx.Param``) are
     each device's own copies, typed varying so that each device differentiates its own.
-    A value computed from them after the update, such as a pmap script's restore of a
-    skipped step (``jnp.where(is_fin, new_state.params, state.params)``), would differ per
-    device in type and be refused; this gives the same bits typed as the same on every
-    device. Outside a jaxcomm step (under ``jax.pmap``) it returns ``tree`` unchanged.
+    A param computed from them after the update, such as a pmap script's restore of a
+    skipped step (``jnp.where(is_fin, new_state.params, state.params)``), is typed varying;
+    the step proves it the same on every device from its dataflow
+    (:mod:`jaxcomm.same_value`) and returns it replicated, so this is not needed there. It
+    gives the same bits typed as the same on every device, for values the step uses
+    inside itself (a reduction that must see one value). Outside a jaxcomm step (under
+    ``jax.pmap``) it returns ``tree`` unchanged.
 
     Example:
       >>> params = jax.tree.map(functools.partial(jnp.where, is_fin), new_state.params,
