@@ -321,6 +321,7 @@ class DataParallel:
         self.replicated = NamedSharding(mesh, P())
         self._stacked = NamedSharding(mesh, P(axes))
         self.check_replicas = int(check_replicas)
+        self._one_step_in_flight = backend.for_mesh(mesh).one_step_in_flight
         self._compiled_step: Any = None  # set_feedback's step
         self._programs: dict = {}  # by warm-up phase (True, False, or None: on the devices)
         self._clock: WarmupClock | None = None  # the host's copy of the sync count
@@ -871,7 +872,7 @@ class DataParallel:
         out = step(state, self.shard_batch(batch), *extra)
         if self._feedback is None and self._clock is not None:
             self._clock.advanced(out[0].opt_state)
-        if backend.for_mesh(self.mesh).one_step_in_flight:
+        if self._one_step_in_flight:
             jax.block_until_ready(out)
         self._calls += 1
         if self.check_replicas and self._calls % self.check_replicas == 0:
