@@ -22,3 +22,13 @@ def test_entries_and_twins_compute_the_same_and_the_json_holds_the_rows(tmp_path
         assert row["step_ms"] > 0 and row["twin_step_ms"] > 0 and row["program_ms"] > 0
         assert row["ratio"] == pytest.approx(row["step_ms"] / row["twin_step_ms"], rel=1e-9)
     assert "| pmap_data_parallel rows |" in capsys.readouterr().out
+
+
+def test_unknown_entries_and_compressions_are_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        overhead.main(["--only", "data_parallel,jax.jit"])
+    assert "only=['jax.jit'] are not entries; choose from ['data_parallel'" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(ValueError, match=r"compression='fp8' must be one of \('none', 'int8'"):
+        overhead.run(rounds=1, steps=1, compression="fp8")

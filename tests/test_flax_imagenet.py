@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 from flax.training import dynamic_scale as dynamic_scale_lib
+from helpers import assert_replicas_equal
 
 import jaxcomm
 
@@ -84,6 +85,8 @@ def config(**overrides) -> dict:
 def run(module, workdir: Path, **overrides):
     """``module.train_and_evaluate``: the final state on the host, and its writer's scalars."""
     state = module.train_and_evaluate(config(**overrides), str(workdir))
+    if module is train_ported:
+        assert assert_replicas_equal(state) > 0  # every device's copy: the same bits
     return jax.device_get(state), module.metric_writers.writers[-1].scalars
 
 
@@ -239,6 +242,8 @@ def dynamic_scale_steps(module, p_map, batches):
     states = [jax.device_get(state)]
     for batch in batches:
         state, metrics = p_train_step(state, batch)
+        if p_map is not jax.pmap:
+            assert assert_replicas_equal(state) > 0
         states.append(jax.device_get(state))
         assert float(np.asarray(metrics["scale"])[0]) == float(states[-1].dynamic_scale.scale)
     return states

@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import jax_utils
 from flax.training import checkpoints
-from helpers import assert_rows_equal
+from helpers import assert_replicas_equal, assert_rows_equal
 from jax import lax
 from test_pmap import make_state, pmap_batch, step
 
@@ -60,6 +60,7 @@ def test_current_form_trains_as_jax_pmap(mesh):
     for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(want.params), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
     assert int(state.step) == 3
+    assert assert_replicas_equal(state) > 0
 
 
 def test_per_device_state_stays_out_of_the_state_the_script_sees(mesh, tmp_path):
@@ -93,6 +94,7 @@ def test_per_device_state_stays_out_of_the_state_the_script_sees(mesh, tmp_path)
     resumed, _ = q(restored, pmap_batch(2))
     assert equal_leaves(resumed.params, uninterrupted.params)
     assert equal_leaves(resumed.batch_stats, uninterrupted.batch_stats)
+    assert assert_replicas_equal(resumed) > 0
     assert equal_leaves(q.per_device_state(), p.per_device_state())
 
 
@@ -144,6 +146,7 @@ def test_shard_optimizer_on_the_pmap_entry(mesh):
     assert any("opt_state" in path for path in p.per_device_paths)
     assert all(x.is_fully_replicated for x in jax.tree.leaves(a))
     assert equal_leaves(a.params, b.params)
+    assert assert_replicas_equal(a) > 0
 
 
 def test_static_and_donated_arguments_as_jax_pmap(mesh):
@@ -170,6 +173,14 @@ def test_pmap_arguments_it_does_not_take_are_refused_by_name(mesh):
         build(step, in_axes=({"x": 0},), axis_name="batch")
     with pytest.raises(TypeError, match=r"devices=.*the mesh gives the devices"):
         build(step, axis_name="batch", devices=jax.devices())
+    with pytest.raises(NotImplementedError, match=r"out_axes entry 1"):
+        build(step, out_axes=(None, 1), axis_name="batch")
+    with pytest.raises(TypeError, match=r"donate_argnums=-1: pass argument positions"):
+        build(step, axis_name="batch", donate_argnums=-1)
+    with pytest.raises(TypeError, match=r"static_broadcasted_argnums=\('a',\): pass"):
+        build(step, axis_name="batch", static_broadcasted_argnums=("a",))
+    with pytest.raises(ValueError, match=r"arguments \[1\] are both static and donated"):
+        build(step, axis_name="batch", static_broadcasted_argnums=1, donate_argnums=1)
     with pytest.raises(ValueError, match=r"two names for one axis"):
         jaxcomm.pmap_data_parallel(mesh, axis_name="batch")(step, axis_name="b")
     p = build(step, in_axes=(None, 0, 0), axis_name="batch")
@@ -235,6 +246,7 @@ def test_compressed_syncs_on_the_pmap_entry_equal_the_linen_decorator(mesh, comp
         a, _ = p(a, pmap_batch(seed))
         b, _ = linen(b, {k: v.reshape(-1, *v.shape[2:]) for k, v in pmap_batch(seed).items()})
     assert equal_leaves(a.params, b.params)
+    assert assert_replicas_equal(a) > 0
     assert p.per_device_paths == linen.per_device_paths
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_replicas_equal
 
 import jaxcomm
 
@@ -70,6 +71,7 @@ def test_host_phases_equal_the_devices_decision_bit_for_bit(mesh):
         a, _ = dp(a, batch(i))
         b, _ = on_device(b, dp.shard_batch(batch(i)))
         assert bits(a) == bits(b), f"step {i}"
+        assert assert_replicas_equal(a) > 0
         firsts.append(a)
     again, _ = dp(s0, batch(0))  # count 0 again: uncompressed
     assert bits(again) == bits(firsts[0])

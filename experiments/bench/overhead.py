@@ -39,6 +39,27 @@ from experiments.bench.machine import describe
 __all__ = ["main", "run"]
 
 FEATURES, CLASSES, PER_DEVICE = 64, 10, 8
+ENTRIES = (
+    "data_parallel",
+    "linen_data_parallel",
+    "nnx_data_parallel",
+    "pmap_data_parallel (None, 0)",
+    "pmap_data_parallel rows",
+)
+COMPRESSIONS = ("none", "int8", "adaptive")  # of every entry's sync (the twins: lax.pmean)
+
+
+def check_args(only: list[str] | None, compression: str) -> None:
+    """Refuses entry names and compressions the bench does not have.
+
+    Raises:
+      ValueError: naming the value and the allowed set.
+    """
+    bad = sorted(set(only or ()) - set(ENTRIES))
+    if bad:
+        raise ValueError(f"only={bad} are not entries; choose from {list(ENTRIES)}")
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression={compression!r} must be one of {COMPRESSIONS}")
 
 
 def _batch(n_dev: int) -> dict:
@@ -47,7 +68,7 @@ def _batch(n_dev: int) -> dict:
     return {"x": x, "y": rng.integers(0, CLASSES, n_dev * PER_DEVICE).astype(np.int32)}
 
 
-def _pairs(mesh: Any) -> dict[str, tuple[Callable, Callable]]:
+def _pairs(mesh: Any, compression: str = "none") -> dict[str, tuple[Callable, Callable]]:
     """``name -> (make_entry, make_twin)``; each maker returns ``step() -> loss`` (a closure
     that advances its own state by one step on its batch, already on the devices)."""
     import flax.linen as nn
@@ -81,10 +102,15 @@ def _pairs(mesh: Any) -> dict[str, tuple[Callable, Callable]]:
     def loss_fn(p, b):
         return xent(b["x"] @ p["w"] + p["b"], b["y"])
 
+    codec = {"none": lambda: None, "int8": jaxcomm.compression.int8}
+    codec["adaptive"] = jaxcomm.compression.adaptive
+
     def synced(tx):
         # The flat algorithm: one all-reduce, as the twins' lax.pmean, so that the programs
-        # match and the difference is the host's.
-        return optax.chain(jaxcomm.sync_gradients(algorithm="flat"), tx)
+        # match and the difference is the host's (with compression: the entries' programs
+        # differ from the twins', and compare with each other).
+        sync = jaxcomm.sync_gradients(algorithm="flat", compression=codec[compression]())
+        return optax.chain(sync, tx)
 
     def placed(tree, front_end):
         """The batch on the devices as the entry lays it out (it stays there)."""
@@ -267,7 +293,13 @@ def _time(step: Callable, n: int) -> tuple[float, float, Any]:
     return statistics.median(calls), statistics.median(steps), loss
 
 
-def run(*, rounds: int = 5, steps: int = 50, only: list[str] | None = None) -> dict[str, Any]:
+def run(
+    *,
+    rounds: int = 5,
+    steps: int = 50,
+    only: list[str] | None = None,
+    compression: str = "none",
+) -> dict[str, Any]:
     """Each pair's time per step, interleaved over ``rounds``; see the module docstring.
 
     Returns:
@@ -280,8 +312,9 @@ def run(*, rounds: int = 5, steps: int = 50, only: list[str] | None = None) -> d
     """
     import jaxcomm
 
+    check_args(only, compression)
     mesh = jaxcomm.make_mesh(intra=min(4, jax.device_count()))
-    pairs = _pairs(mesh)
+    pairs = _pairs(mesh, compression)
     names = [k for k in pairs if only is None or k in only]
     made = {k: (*pairs[k][0](), pairs[k][1]()[0]) for k in names}
     gaps = {}
@@ -312,7 +345,7 @@ def run(*, rounds: int = 5, steps: int = 50, only: list[str] | None = None) -> d
             "ratio_range": [min(ratios), max(ratios)],
             "loss_gap": gaps[k],
         }
-    return {"rows": rows, "rounds": rounds, "steps": steps}
+    return {"rows": rows, "rounds": rounds, "steps": steps, "compression": compression}
 
 
 def _table(res: dict) -> str:
@@ -338,7 +371,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--steps", type=int, default=50, help="steps per entry per round")
-    p.add_argument("--only", default="", help="comma-separated entry names (default: all)")
+    p.add_argument(
+        "--only", default="", help=f"comma-separated entries of {list(ENTRIES)} (default: all)"
+    )
+    p.add_argument(
+        "--compression",
+        default="none",
+        choices=COMPRESSIONS,
+        help="every entry's sync compression (default none: the same program as its twin)",
+    )
     p.add_argument("--json", default="runs/overhead_bench.json", help="output JSON path")
     args = p.parse_args(argv)
     if jax.device_count() < 8:
@@ -346,8 +387,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return reexec_with_fake_devices("overhead", argv)
     only = [s.strip() for s in args.only.split(",") if s.strip()] or None
+    try:
+        check_args(only, args.compression)
+    except ValueError as e:
+        p.error(str(e))
     t0 = time.perf_counter()
-    res = run(rounds=args.rounds, steps=args.steps, only=only)
+    res = run(rounds=args.rounds, steps=args.steps, only=only, compression=args.compression)
     res |= describe() | {"seconds": time.perf_counter() - t0}
     print(_table(res))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
