@@ -43,7 +43,7 @@ ENTRIES = (
     "data_parallel",
     "linen_data_parallel",
     "nnx_data_parallel",
-    "pmap_data_parallel (None, 0)",
+    "pmap_data_parallel unreplicated",
     "pmap_data_parallel rows",
 )
 COMPRESSIONS = ("none", "int8", "adaptive")  # of every entry's sync (the twins: lax.pmean)
@@ -274,7 +274,7 @@ def _pairs(mesh: Any, compression: str = "none") -> dict[str, tuple[Callable, Ca
         "data_parallel": (dp_entry, dp_twin),
         "linen_data_parallel": (linen_entry, linen_twin),
         "nnx_data_parallel": (nnx_entry, nnx_twin),
-        "pmap_data_parallel (None, 0)": (pmap_entry, pmap_twin),
+        "pmap_data_parallel unreplicated": (pmap_entry, pmap_twin),
         "pmap_data_parallel rows": (rows_entry, rows_twin),
     }
 
