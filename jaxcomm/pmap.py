@@ -63,6 +63,7 @@ from jaxcomm.mesh import DATA_AXES
 from jaxcomm.replicas import check_replicas as compare_replicas
 from jaxcomm.sharded import shard_options
 from jaxcomm.state import varying_axes
+from jaxcomm.validate import check_int
 
 __all__ = ["PmapDataParallel", "pmap_data_parallel"]
 
@@ -119,12 +120,10 @@ def _check_axes(value: Any, what: str) -> None:
 
 
 def _argnums(value: Any, what: str) -> tuple[int, ...]:
-    nums = (value,) if isinstance(value, int) else tuple(value)
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
-        raise TypeError(
-            f"pmap_data_parallel: {what}={value!r}: pass argument positions, ints >= 0."
-        )
-    return nums
+    """``value`` (one argument position or several) as a tuple of positions, checked."""
+    nums = value if isinstance(value, (tuple, list)) else (value,)
+    name = f"pmap_data_parallel({what})"
+    return tuple(check_int(name, i, minimum=0, fix="pass argument positions") for i in nums)
 
 
 class _Held(NamedTuple):
