@@ -49,6 +49,7 @@ from jaxcomm.axis_names import bind, bound_names
 from jaxcomm.collectives import check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes, exchange, fingerprint
+from jaxcomm.layout import untyped_update
 from jaxcomm.mesh import check_mesh_axes
 from jaxcomm.replicas import check_replicas as compare_replicas
 from jaxcomm.same_value import same_on_every_device
@@ -708,16 +709,22 @@ class FlaxStep:
             last.update(rec)
             return rec["vary"]
 
-        per = infer_per_device(
-            probe,
-            leaves,
-            list(marked),
-            self.mesh,
-            self.axes,
-            args=(glob_args,),
-            arg_specs=(P(self.axes),),
-            may_vary=[k == OPT for k in base.kinds],
-        )
+        try:
+            per = infer_per_device(
+                probe,
+                leaves,
+                list(marked),
+                self.mesh,
+                self.axes,
+                args=(glob_args,),
+                arg_specs=(P(self.axes),),
+                may_vary=[k == OPT for k in base.kinds],
+            )
+        except (TypeError, ValueError) as e:
+            refused = untyped_update(self.name, e)
+            if refused is None:
+                raise
+            raise refused from e
         self.per_device_paths = [p for p, f in zip(paths, per, strict=True) if f]
         for _, tx, params in {id(t): (s, t, p) for s, t, p in indirect}.values():
             check_sync_inputs(tx, params, self.mesh, self.name)

@@ -311,9 +311,10 @@ class ReplicatedOptimizer:
                 update_probe, local, marked, self.mesh, self.axes, args=(params,), arg_specs=(P(),)
             )
         except (TypeError, ValueError) as e:
-            if "manual axis types" not in str(e) and "vma" not in str(e):
+            refused = untyped_update("data_parallel", e)
+            if refused is None:
                 raise
-            raise ValueError(_UNTYPED_UPDATE + f" JAX says: {e}") from e
+            raise refused from e
         return per, out["updates"], indirect
 
     def request(
@@ -429,13 +430,23 @@ class ReplicatedOptimizer:
         )
 
 
-_UNTYPED_UPDATE = (
-    "data_parallel: the optimizer's update does not type-check under "
-    "shard_map's replication check: a branch or decision depends on each "
-    "device's own gradients, so devices could take different branches (and "
-    "some would skip the sync's collectives). A common cause is a wrapper "
-    "around jaxcomm.sync_gradients that decides from the raw gradients, e.g. "
-    "optax.apply_if_finite(optax.chain(jaxcomm.sync_gradients(), ...)): put "
-    "it after the sync instead, optax.chain(jaxcomm.sync_gradients(), "
-    "optax.apply_if_finite(...))."
-)
+def untyped_update(where: str, error: Exception) -> ValueError | None:
+    """The refusal for ``error``, raised while a step builder traced its optimizer update
+    to infer the layout, if it is a branch that does not type-check under shard_map's
+    replication check (the cause and the fix); None for any other error.
+
+    Args:
+      where: the step builder, in the message (``'data_parallel'``, a Flax decorator).
+      error: what the trace raised.
+    """
+    if "manual axis types" not in str(error) and "vma" not in str(error):
+        return None
+    return ValueError(
+        f"{where}: the optimizer's update does not type-check under shard_map's "
+        "replication check: a branch or decision depends on each device's own gradients, "
+        "so devices could take different branches (and some would skip the sync's "
+        "collectives). A common cause is a wrapper around jaxcomm.sync_gradients that "
+        "decides from the raw gradients, e.g. optax.apply_if_finite(optax.chain("
+        "jaxcomm.sync_gradients(), ...)): put it after the sync instead, optax.chain("
+        f"jaxcomm.sync_gradients(), optax.apply_if_finite(...)). JAX says: {error}"
+    )

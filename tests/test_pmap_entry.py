@@ -267,3 +267,42 @@ def test_an_argument_with_in_axes_none_goes_whole_to_every_device(mesh):
         **axes,
     )(make_state(optax.sgd(0.1)), pmap_batch(), weights)
     np.testing.assert_allclose(np.asarray(got["loss"]), np.asarray(want["loss"]), rtol=1e-6)
+
+
+WRAPPED = {
+    "masked": lambda: optax.chain(
+        jaxcomm.sync_gradients(),
+        optax.masked(optax.sgd(0.1, momentum=0.9), lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+    ),
+    "apply_if_finite": lambda: optax.chain(
+        jaxcomm.sync_gradients(), optax.apply_if_finite(optax.sgd(0.1), 3)
+    ),
+    "inject_hyperparams": lambda: optax.chain(
+        jaxcomm.sync_gradients(), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    ),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPED))
+def test_optax_wrappers_on_the_pmap_entry_equal_the_linen_decorator(mesh, wrapper):
+    p = jaxcomm.pmap_data_parallel(mesh)(step, **CURRENT)
+    linen = jaxcomm.linen_data_parallel(mesh, axis_name="batch")(step)
+    a, b = make_state(WRAPPED[wrapper]()), make_state(WRAPPED[wrapper]())
+    for seed in range(2):
+        a, _ = p(a, pmap_batch(seed))
+        b, _ = linen(b, {k: v.reshape(-1, *v.shape[2:]) for k, v in pmap_batch(seed).items()})
+    assert equal_leaves(a, b)
+    assert assert_replicas_equal(a) > 0
+
+
+@pytest.mark.parametrize("front", ["pmap", "linen"])
+def test_apply_if_finite_around_the_sync_is_refused_by_name(mesh, front):
+    """Its test of the raw local gradients would let one device skip alone."""
+    tx = optax.apply_if_finite(optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1)), 3)
+    if front == "pmap":
+        p, batch = jaxcomm.pmap_data_parallel(mesh)(step, **CURRENT), pmap_batch()
+    else:
+        p = jaxcomm.linen_data_parallel(mesh, axis_name="batch")(step)
+        batch = {k: v.reshape(-1, *v.shape[2:]) for k, v in pmap_batch().items()}
+    with pytest.raises(ValueError, match=r"chain\(jaxcomm.sync_gradients\(\), optax.apply_if"):
+        p(make_state(tx), batch)
