@@ -147,7 +147,9 @@ class _Step:
             self.settled = len(self.profiler.windows)
             self.rounds: list[tuple[list[str], int]] = []  # per timed round: rungs, last index
         else:
-            self.fn = dp.compile(state, batch)  # on several processes: met after compiling
+            # One program for every step (HostPhase(): local steps' phases decided on the
+            # devices), timed as it is; on several processes: met after compiling.
+            self.fn = dp.compile(state, batch, phase=jaxcomm.HostPhase())
             self.wire = jaxcomm.wire_bytes(self.fn, mesh=dp.mesh)
             if period is not None:  # local steps: a sync every `period` steps, amortized
                 self.wire["crossing"] = {"inter": _local_link_bytes(self.fn, dp.mesh, period)}

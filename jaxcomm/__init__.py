@@ -35,6 +35,7 @@ from jaxcomm.sharded import ShardedState
 from jaxcomm.state import PerDevice
 from jaxcomm.sync import (
     GradientSync,
+    HostPhase,
     SyncGradientsState,
     SyncRequest,
     gradient_sync,
@@ -52,6 +53,7 @@ __all__ = [
     "DataParallel",
     "GradientSync",
     "LocalSGDState",
+    "HostPhase",
     "LinenDataParallel",
     "NnxDataParallel",
     "PerDevice",

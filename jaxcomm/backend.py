@@ -134,6 +134,7 @@ __all__ = [
     "ROWS",
     "TPU",
     "Backend",
+    "MATERIALIZE_SCOPE",
     "current",
     "for_mesh",
     "for_platform",
@@ -412,6 +413,10 @@ def rows_at_runtime_offsets(x: jax.Array) -> jax.Array:
     )
 
 
+#: The name scope of :func:`materialized`'s conditional (the CPU row only).
+MATERIALIZE_SCOPE = "materialize"
+
+
 def materialized(f: Callable[..., Any], *args: jax.Array) -> Any:
     """``f(*args)`` (an array or a tuple of arrays), computed into buffers of its own
     (``materialize``).
@@ -442,7 +447,11 @@ def materialized(f: Callable[..., Any], *args: jax.Array) -> Any:
     def unused(*_):
         return jax.tree.map(zeros, out)
 
-    return lax.cond(one == 1, f, unused, *args)
+    # The scope names these conditionals in the compiled program's metadata
+    # (``op_name=".../materialize/cond"``), where the steady-state check tells them from
+    # a decision: on XLA:CPU the host runs the program, so they cost no round trip.
+    with jax.named_scope(MATERIALIZE_SCOPE):
+        return lax.cond(one == 1, f, unused, *args)
 
 
 def _word(x: jax.Array) -> jax.Array:

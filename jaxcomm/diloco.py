@@ -29,17 +29,20 @@ How it fits ``jaxcomm.data_parallel``:
   re-phasing the syncs (see :func:`local_sgd`, "Raises").
 * Each fragment's outer sync draws its compressor randomness (dither, random-k) from its
   own seed (:func:`fragment_seed`), so fragments never share a dither stream.
-* Only sync steps communicate: the sync is one ``lax.switch`` on the step count (branch f
-  synchronises fragment f, the last branch nothing), so ``jaxcomm.wire_bytes`` counts a step
+* Only sync steps communicate. ``jaxcomm.data_parallel`` picks the branch on the host
+  (``jaxcomm.HostPhase.local_sgd``, from its copy of the count: ``jaxcomm.phase_clock``)
+  and runs one program per branch, with no conditional; the program that decides on the
+  devices (``dp.step_fn(state)``) holds one ``lax.switch`` on the step count (branch f
+  synchronises fragment f, the last branch nothing), and ``jaxcomm.wire_bytes`` counts it
   as its largest branch, the bytes of one sync; the bytes per step averaged over H steps
   are that total over H (:func:`amortized_bytes`).
 
 One ``update`` of :func:`local_sgd`:
 
 1. The local step: ``inner`` on this device's params (no collective).
-2. The phase ``(count + 1) % H`` picks one branch of a ``lax.switch``: the outer sync of
-   the fragment whose phase it is, no sync, or (a state built for another H or F) a
-   refusal.
+2. The phase ``(count + 1) % H`` picks one branch (the host's, or of a ``lax.switch``):
+   the outer sync of the fragment whose phase it is, no sync, or (a state built for
+   another H or F) a refusal.
 3. The outer sync of fragment f: ``sync_gradients`` averages ``anchor - local`` over the
    fragment's leaves, ``outer`` turns the mean into the update of the anchor.
 4. The synced fragment's local leaves become the new anchor, bit for bit.
@@ -455,7 +458,11 @@ def _update(cfg: _Config, grads: Any, state: LocalSGDState, params: Any = None, 
             "local_sgd's update needs params (the anchor: the replicated params of the "
             "last sync); jaxcomm.data_parallel passes them."
         )
-    mismatch = _schedule_mismatch(cfg, state)
+    request = {k: v for k, v in extra_args.items() if k == "sync_request"}
+    host = request["sync_request"].phase.local_sgd if request else None
+    if host is not None and host[1:] != (cfg.sync_every, cfg.fragments):
+        _refuse(cfg, *host[1:])  # the schedule the host read from the state
+    mismatch = None if host is not None else _schedule_mismatch(cfg, state)
     # 1. The local step: no collective.
     local = state.local.value
     inner_updates, inner_state = cfg.inner.update(grads, state.inner.value, local)
@@ -464,12 +471,18 @@ def _update(cfg: _Config, grads: Any, state: LocalSGDState, params: Any = None, 
     # 2. The outer sync of the fragment whose phase this is (if any): one lax.switch, so
     # steps without a sync run no collective.
     owner = fragment_of_leaves(params, cfg.fragments)
-    request = {k: v for k, v in extra_args.items() if k == "sync_request"}
     branches = _branches(cfg, params, owner, state, request)
-    phase = cfg.schedule[(state.count + 1) % cfg.sync_every]
-    if mismatch is not None:  # replicated values: every process takes one branch
-        phase = jnp.where(mismatch, len(branches) - 1, phase)
-    updates, outer_states, sync_states = lax.switch(phase, branches, local, state.outer, state.sync)
+    if host is not None:  # the branch the host chose (jaxcomm.HostPhase): no switch
+        phase = host[0]
+        updates, outer_states, sync_states = branches[phase](local, state.outer, state.sync)
+        _report_syncs(cfg, params, owner, state, request, skip=phase)
+    else:
+        phase = cfg.schedule[(state.count + 1) % cfg.sync_every]
+        if mismatch is not None:  # replicated values: every process takes one branch
+            phase = jnp.where(mismatch, len(branches) - 1, phase)
+        updates, outer_states, sync_states = lax.switch(
+            phase, branches, local, state.outer, state.sync
+        )
     local = _reset_synced(cfg, params, updates, local, owner, phase)
     return updates, LocalSGDState(
         count=state.count + 1,
@@ -533,6 +546,22 @@ def _branches(
         return no_sync(local, outer_states, sync_states)
 
     return [sync_fragment(f) for f in range(cfg.fragments)] + [no_sync, refused]
+
+
+def _report_syncs(
+    cfg: _Config, params: Any, owner: list[int], state: LocalSGDState, request: dict, skip: int
+) -> None:
+    """Traces every outer sync but fragment ``skip``'s as a pass-through (the request's
+    ``communicate=False``; its outputs are dropped, so nothing of it runs), so that each
+    reports itself to the step builder (``SyncRequest.on_sync``), as the switch's
+    branches do when all of them are traced."""
+    if not request:
+        return
+    passing = {"sync_request": request["sync_request"]._replace(communicate=False)}
+    for f in range(cfg.fragments):
+        if f != skip:
+            anchor = _split(params, owner, cfg.fragments)[f]
+            cfg.syncs[f].update(anchor, state.sync[f], **_stating(passing, anchor))
 
 
 def _stating(request: dict, outer_grad: Any) -> dict:

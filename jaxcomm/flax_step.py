@@ -51,6 +51,7 @@ from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes, exchange, fingerprint
 from jaxcomm.layout import untyped_update
 from jaxcomm.mesh import check_mesh_axes
+from jaxcomm.phase_clock import PhaseClock
 from jaxcomm.replicas import check_replicas as compare_replicas
 from jaxcomm.same_value import same_on_every_device
 from jaxcomm.sharded import ShardedOptimizer, ShardedState
@@ -65,10 +66,15 @@ from jaxcomm.state import (
     varying_axes,
     wrap_per_device,
 )
-from jaxcomm.sync import SyncRequest, accepting_requests, other_input_message
+from jaxcomm.sync import (
+    NO_HOST_PHASE,
+    HostPhase,
+    SyncRequest,
+    accepting_requests,
+    other_input_message,
+)
 from jaxcomm.train import check_sync_inputs, compile_on_every_process, refuse_nnx_object
 from jaxcomm.validate import check_int, refuse_pmap_layout
-from jaxcomm.warmup import WarmupClock
 
 __all__ = [
     "KEY",
@@ -116,7 +122,7 @@ class TraceHooks(NamedTuple):
     communicate: bool  # False: the compute-only twin (every sync passes through)
     engines: dict  # shard_optimizer=True: the ShardedOptimizer of each optimizer index
     exact: dict  # a sharded optimizer's new params, by the identity of their update
-    warming_up: bool | None = None  # the host's warm-up decision (None: on the devices)
+    phase: HostPhase = NO_HOST_PHASE  # the host's decisions (None fields: on the devices)
 
 
 class Recording:
@@ -169,7 +175,7 @@ class Recording:
                 on_sync=hooks.log.syncs.append,
                 grads=grads,  # what the step computed: the sync must receive these
                 other_input=lambda sync, _: hooks.log.other_input(sync, self._tx, invariant),
-                warming_up=hooks.warming_up,
+                phase=hooks.phase,
             )
             updates, state = self._tx.update(
                 grads, state, invariant, sync_request=request, **kwargs
@@ -496,12 +502,12 @@ class FlaxStep:
         # (state leaves, batch): donated to the step, as jax.jit's donate_argnums (set by
         # pmap_data_parallel's donate_argnums before the first call).
         self.donate = (False, False)
-        self._clock: WarmupClock | None = None  # the host's copy of the sync count
-        self._phase_steps: dict = {}  # (plan, warming_up) -> the jitted step of that phase
+        self._clock: PhaseClock | None = None  # the host's copy of the counts
+        self._phase_steps: dict = {}  # (plan, HostPhase) -> the jitted step of that phase
 
     # -- inside shard_map -------------------------------------------------------------
     def _stacked_step(
-        self, plan, leaves, args, share=None, *, write=None, communicate=True, warming_up=None
+        self, plan, leaves, args, share=None, *, write=None, communicate=True, phase=NO_HOST_PHASE
     ):
         """The step inside shard_map: per-device leaves come and go with their device axis.
 
@@ -514,15 +520,13 @@ class FlaxStep:
             mean = lax.pmean(share[0], self.axes)
             opt_states = [write(o, mean) for o in _gather(leaves, plan.opts)]
             leaves = _scatter(leaves, plan.opts, opt_states)
-        result, out = self._local(
-            plan, leaves, args, communicate=communicate, warming_up=warming_up
-        )
+        result, out = self._local(plan, leaves, args, communicate=communicate, phase=phase)
         new = stack_leaves(result, plan.per)
         for i in plan.lifted if communicate else ():
             new[i] = new[i][None]  # each device's copy; read back as replicated in _jit
         return new, out
 
-    def _local(self, plan, leaves, args, rec=None, *, communicate=True, warming_up=None):
+    def _local(self, plan, leaves, args, rec=None, *, communicate=True, phase=NO_HOST_PHASE):
         """One device's step on its local leaves; returns the new leaves and outputs."""
         dev = lax.axis_index(self.axes)
         inside = []
@@ -537,7 +541,7 @@ class FlaxStep:
         # Old invariant value of every param, by the identity of its varying copy.
         old = {id(v): x for v, x, k in zip(inside, leaves, plan.kinds, strict=True) if k == PARAM}
         log = Log([], [], self._checked_input if rec is None else rec["other_input"])
-        hooks = TraceHooks(log, old, communicate, self._engines, {}, warming_up)
+        hooks = TraceHooks(log, old, communicate, self._engines, {}, phase)
         objs, out = self._run_user(plan, inside, args, hooks)
         if rec is not None:
             rec["syncs"] = log.syncs
@@ -756,12 +760,12 @@ class FlaxStep:
             ),
         )
 
-    def _jit(self, plan, specs, *, write=None, communicate=True, warming_up=None):
+    def _jit(self, plan, specs, *, write=None, communicate=True, phase=NO_HOST_PHASE):
         """The jitted shard_map of the step; with ``write`` (a feedback's) it takes the
         measured share as a third input; ``communicate=False``: the compute-only twin, its
         params drifting apart, so unchecked by shard_map's replication check."""
         body = functools.partial(
-            self._stacked_step, plan, write=write, communicate=communicate, warming_up=warming_up
+            self._stacked_step, plan, write=write, communicate=communicate, phase=phase
         )
         lifted = plan.lifted if communicate else ()
         out_specs = list(specs)
@@ -919,25 +923,25 @@ class FlaxStep:
         stacked = jnp.broadcast_to(x, (self.num_devices, *np.shape(x)))
         return jax.device_put(stacked, self.batch_sharding)
 
-    def _warming_up(self, plan: Plan, leaves: list) -> bool | None:
-        """The host's warm-up decision for this step (:mod:`jaxcomm.warmup`); None where
-        the syncs decide on the devices (no sync warms up, several do, or a sharded
-        optimizer, which has no warm-up)."""
+    def _phase(self, plan: Plan, leaves: list) -> HostPhase | None:
+        """The host's decisions for this step (:mod:`jaxcomm.phase_clock`); None where
+        the syncs decide everything on the devices (no sync warms up or chooses on the
+        host, several syncs do, or a sharded optimizer, which has neither)."""
         if self._clock is None:
             if not self.syncs:
                 return None
             syncs = [] if self._shard_args is not None else self.syncs
-            self._clock = WarmupClock(syncs, _gather(list(leaves), plan.opts))
-        if self._clock.steps is None:
+            self._clock = PhaseClock(syncs, _gather(list(leaves), plan.opts), dict(self.mesh.shape))
+        if not self._clock.active:
             return None
         return self._clock.decide(_gather(list(leaves), plan.opts))
 
-    def _phase_step(self, plan: Plan, leaves: list, warming_up: bool) -> Callable:
-        """The jitted step of one warm-up phase, built at its first use."""
-        key = (id(plan), warming_up)
+    def _phase_step(self, plan: Plan, leaves: list, phase: HostPhase) -> Callable:
+        """The jitted step of one phase, built at its first use."""
+        key = (id(plan), phase)
         if key not in self._phase_steps:
             specs = leaf_specs(leaves, plan.per, self.axes)
-            self._phase_steps[key] = self._jit(plan, specs, warming_up=warming_up)
+            self._phase_steps[key] = self._jit(plan, specs, phase=phase)
         return self._phase_steps[key]
 
     def _compiled(self, step: Callable, leaves: list, data: Any) -> Callable:
@@ -956,17 +960,17 @@ class FlaxStep:
 
     def __call__(self, *args):
         objs, plan, step, leaves, data = self.prepare(args)
-        warming_up = None
+        phase = None
         if self.feedback is None:
-            warming_up = self._warming_up(plan, leaves)
-            if warming_up is not None:
-                step = self._phase_step(plan, leaves, warming_up)
+            phase = self._phase(plan, leaves)
+            if phase is not None:
+                step = self._phase_step(plan, leaves, phase)
             new, out = self._compiled(step, leaves, data)(leaves, data)
         else:
             new, out = self._feedback_step(leaves, data, self.feedback.before_step())
         if self._one_step_in_flight:
             jax.block_until_ready(new)
-        if warming_up is not None:
+        if phase is not None:
             self._clock.advanced(_gather(list(new), plan.opts))
         self._calls += 1
         if self.check_replicas and self._calls % self.check_replicas == 0:
@@ -1040,11 +1044,12 @@ class FlaxStep:
         return self._feedback_step
 
     def compile(self, *args, communicate: bool = True) -> Any:
-        """The step compiled for these arguments (``communicate=False``: the twin)."""
+        """The program the step runs from these arguments (its :class:`jaxcomm.HostPhase`),
+        compiled (``communicate=False``: the twin, which decides on the devices)."""
         _, plan, _, leaves, data = self.prepare(args)
-        warming_up = self._warming_up(plan, leaves) if communicate else None
+        phase = (self._phase(plan, leaves) if communicate else None) or NO_HOST_PHASE
         specs = leaf_specs(leaves, plan.per, self.axes)
-        step = self._jit(plan, specs, communicate=communicate, warming_up=warming_up)
+        step = self._jit(plan, specs, communicate=communicate, phase=phase)
         return compile_on_every_process(step, (leaves, data), self.mesh, f"{self.name} step")
 
     def optimizer_states(self, state: list) -> list[Any]:
@@ -1220,7 +1225,8 @@ class FlaxFrontEnd:
         return self.engine.set_feedback(feedback, *args)
 
     def compile(self, *args, communicate: bool = True) -> Any:
-        """The step compiled for these arguments (as the step is called).
+        """The step compiled for these arguments (as the step is called): the program of
+        the phase it runs from them (:class:`jaxcomm.HostPhase`).
 
         Args:
           *args: the step's arguments.

@@ -51,8 +51,9 @@ class FrontEnd(Protocol):
         ...
 
     def compile(self, *args: Any, communicate: bool = True) -> Any:
-        """The step compiled for these arguments; ``communicate=False`` the compute-only
-        twin (every ``sync_gradients`` passes its gradients through)."""
+        """The step compiled for these arguments: the program of the phase the step runs
+        from them (``jaxcomm.HostPhase``); ``communicate=False`` the compute-only twin
+        (every ``sync_gradients`` passes its gradients through)."""
         ...
 
     def optimizer_states(self, state: Any) -> list[Any]:

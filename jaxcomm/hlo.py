@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxcomm.backend import MATERIALIZE_SCOPE
+
 __all__ = [
     "Collective",
     "HloModule",
@@ -24,6 +26,7 @@ __all__ = [
     "compiled_text",
     "OrderingHazard",
     "instructions",
+    "is_materializing",
     "ordering_hazards",
     "parse_collectives",
     "parse_replica_groups",
@@ -318,6 +321,20 @@ def _collective(
         is_async=is_async,
         num_buffers=len(arrays),
     )
+
+
+def is_materializing(line: str) -> bool:
+    """Whether an instruction of compiled HLO text (its line, or the part after its opcode)
+    is the CPU row's materialising ``conditional`` (``jaxcomm.backend.materialized``, named
+    by its metadata): a buffer for a producer XLA:CPU would fuse into every consumer, not
+    a decision. It exists only where the host runs the program, so it is no host round
+    trip.
+
+    Example:
+      >>> lines = [l for l in text.splitlines() if " conditional(" in l]
+      >>> decisions = [l for l in lines if not is_materializing(l)]
+    """
+    return f"/{MATERIALIZE_SCOPE}/cond" in line
 
 
 def instructions(text: str) -> dict[str, list[tuple[str, str, str]]]:

@@ -36,7 +36,9 @@ from jaxcomm.state import (
     varying_axes,
 )
 from jaxcomm.sync import (
+    NO_HOST_PHASE,
     GradientSync,
+    HostPhase,
     SyncGradientsState,
     SyncRequest,
     other_input_message,
@@ -90,7 +92,7 @@ class OptimizerLayout(Protocol):
         *,
         update: Callable,
         communicate: bool,
-        warming_up: bool | None = None,
+        phase: HostPhase = NO_HOST_PHASE,
     ) -> tuple[Any, Any, Any]:
         """One device's optimizer step inside ``jax.shard_map``: ``(new params, new
         optimizer state, done)``, ``done`` what the outputs' collectives wait for.
@@ -101,8 +103,8 @@ class OptimizerLayout(Protocol):
             optax's extra argument ``value=``); update: the optimizer's ``update`` as the
             gradients' computation hands it (microbatches may thread a sync's state);
           communicate: False for the compute-only twin.
-          warming_up: the host's warm-up decision for the syncs
-            (:class:`jaxcomm.SyncRequest`'s; None: decided on the devices).
+          phase: the host's decisions for the syncs (:class:`jaxcomm.HostPhase`, passed
+            in :class:`jaxcomm.SyncRequest`; its None fields decided on the devices).
         """
         ...
 
@@ -323,7 +325,7 @@ class ReplicatedOptimizer:
         grads: Any,
         other_input: Callable | None = None,
         on_sync: Callable | None = None,
-        warming_up: bool | None = None,
+        phase: HostPhase = NO_HOST_PHASE,
     ) -> SyncRequest:
         """The request the step passes every sync: the gradients it computed (which the
         sync must receive, or ``other_input`` decides; default: accepted if the build-time
@@ -332,7 +334,7 @@ class ReplicatedOptimizer:
         the global mean, as on one device: nothing to check."""
         stated = None if self.overlapped else grads
         checked = other_input or self._checked_input
-        return SyncRequest(communicate, on_sync, stated, checked, warming_up=warming_up)
+        return SyncRequest(communicate, on_sync, stated, checked, phase=phase)
 
     def _checked_input(self, sync: GradientSync, _: Any) -> None:
         """Accepts, in the step's trace, a sync that receives arrays other than the step's
@@ -397,7 +399,7 @@ class ReplicatedOptimizer:
         *,
         update: Callable,
         communicate: bool,
-        warming_up: bool | None = None,
+        phase: HostPhase = NO_HOST_PHASE,
     ) -> tuple[Any, Any, Any]:
         """The optimizer's ``update`` (its syncs reduce the gradients), the params updated;
         a step a compressor voids (``jaxcomm.compression.skip``: fp16's overflow) is
@@ -405,7 +407,7 @@ class ReplicatedOptimizer:
         as they were, only the skipping state moves. ``done``: the updates."""
         del step
         found: list[GradientSync] = []
-        request = self.request(communicate, grads, on_sync=found.append, warming_up=warming_up)
+        request = self.request(communicate, grads, on_sync=found.append, phase=phase)
         # Optimizers that read the loss (optax's extra argument value=, e.g.
         # reduce_on_plateau) get the loss of the global batch, as on one device.
         updates, new_opt = update_with_value(

@@ -81,7 +81,9 @@ from jaxcomm.state import (
 )
 from jaxcomm.sync import (
     DEFAULT_MIN_SIZE,
+    NO_HOST_PHASE,
     GradientSync,
+    HostPhase,
     SyncGradientsState,
     SyncRequest,
     accepting_requests,
@@ -918,14 +920,14 @@ class ShardedOptimizer:
         *,
         update: Callable | None = None,
         communicate: bool = True,
-        warming_up: bool | None = None,
+        phase: HostPhase = NO_HOST_PHASE,
     ) -> tuple[Any, ShardedState, Any]:
         """:meth:`update` on trees (``jaxcomm.layout.OptimizerLayout.step``): ``(new
         params, new ShardedState, done)``, ``done`` the new params (the outputs'
-        collectives wait for the gathers). ``update``, ``communicate`` and ``warming_up``
+        collectives wait for the gathers). ``update``, ``communicate`` and ``phase``
         do not apply (the step reduce-scatters itself, with no warm-up; :meth:`check_step`
         refuses the twin)."""
-        del update, communicate, warming_up
+        del update, communicate, phase
         leaves, new_opt = self.update(
             jax.tree.leaves(grads), opt_state, jax.tree.leaves(params), step, value
         )

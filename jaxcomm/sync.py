@@ -63,6 +63,8 @@ from jaxcomm.validate import check_int
 __all__ = [
     "COMPRESS_STAGES",
     "GradientSync",
+    "NO_HOST_PHASE",
+    "HostPhase",
     "SyncGradientsState",
     "SyncRequest",
     "accepting_requests",
@@ -93,6 +95,33 @@ class SyncGradientsState(NamedTuple):
 
     count: jax.Array
     compression: Any = ()
+
+
+class HostPhase(NamedTuple):
+    """Decisions that change rarely, taken on the host from values every process shares
+    (``jaxcomm.phase_clock.PhaseClock``), so that each phase is a program of its own with
+    no conditional for them (on a GPU each executed ``conditional`` copies its predicate
+    to the host). Hashable: step builders key their programs by it. A field left None is
+    decided on the devices, inside the step.
+
+    Attributes:
+      warming_up: whether this step is within the sync's ``warmup_steps`` (True: the
+        gradients go uncompressed; False: compressed).
+      local_sgd: ``(branch, sync_every, fragments)`` of ``jaxcomm.local_sgd``: the branch
+        this step takes (fragment f's outer sync, or ``fragments``: no sync), and the
+        schedule read from the state it was decided from (a state built for another
+        schedule is refused when the step is traced).
+      codec_choice: the compressor's choice for this step (``Compressor.host_choice``:
+        adaptive's rung).
+    """
+
+    warming_up: bool | None = None
+    local_sgd: tuple[int, int, int] | None = None
+    codec_choice: int | None = None
+
+
+#: Every decision on the devices: one program for every step.
+NO_HOST_PHASE = HostPhase()
 
 
 class SyncRequest(NamedTuple):
@@ -127,10 +156,9 @@ class SyncRequest(NamedTuple):
         reduced gradients, so a transform that takes a statistic of all of the updates
         (``jaxcomm.sharded.clip_by_global_norm``'s norm) reduces it over these axes.
         ``()``: every device holds the whole updates.
-      warming_up: the step builder's decision, taken on the host from the sync count
-        every process shares, whether this step is within ``warmup_steps``: True sends
-        the gradients uncompressed, False compressed, each with no conditional in the
-        program; None (default): a ``lax.cond`` on the count decides on the devices.
+      phase: the decisions the step builder took on the host for this step
+        (:class:`HostPhase`), so that the program holds no conditional for them; its
+        fields left None are decided on the devices.
     """
 
     communicate: bool = True
@@ -138,7 +166,7 @@ class SyncRequest(NamedTuple):
     grads: Any = None
     other_input: Callable[[GradientSync, Any], None] | None = None
     sharded_over: tuple[str, ...] = ()
-    warming_up: bool | None = None
+    phase: HostPhase = NO_HOST_PHASE
 
 
 _DEFAULT_REQUEST = SyncRequest()
@@ -168,6 +196,12 @@ class GradientSync(NamedTuple):
     compress_stage: str = "all"
     seed: int = 0
 
+    @property
+    def codec_axes(self) -> tuple[str, ...]:
+        """The axes the compressor reduces over (``ReduceContext.axes``): every axis, or
+        with ``compress_stage='inter'`` the outer ones."""
+        return self.axes if self.compress_stage == "all" else self.axes[:-1]
+
     def init(self, params: Any) -> SyncGradientsState:
         """The state for gradients shaped like ``params``."""
         count = jnp.zeros((), jnp.int32)
@@ -188,11 +222,11 @@ class GradientSync(NamedTuple):
         return SyncGradientsState(count, vary_per_device(cstate, self.axes))
 
     def reduce(
-        self, grads: Any, state: SyncGradientsState, *, warming_up: bool | None = None
+        self, grads: Any, state: SyncGradientsState, *, phase: HostPhase = NO_HOST_PHASE
     ) -> tuple[Any, SyncGradientsState]:
         """The mean of ``grads`` over ``axes`` (each device's own gradients in, the same
         mean on every device out) and the next state; see the module docstring's stages.
-        ``warming_up``: :class:`SyncRequest`'s (None: decided on the devices)."""
+        ``phase``: :class:`SyncRequest`'s (its None fields decided on the devices)."""
         check_bound(self.axes, "sync_gradients", _UNBOUND_FIX)
         check_float_tree(grads)
         if self.compression is None:
@@ -210,9 +244,10 @@ class GradientSync(NamedTuple):
                 step=state.count,
                 key=step_key(self.seed, state.count),
                 data_axes=self.axes,
+                choice=phase.codec_choice,
             )
             means, cstate, finite, done = _mean_compressed(
-                self, plan, leaves, cstate, ctx, warming_up
+                self, plan, leaves, cstate, ctx, phase.warming_up
             )
             for i, m in zip(plan.compressed, means, strict=True):
                 out[i] = m
@@ -267,7 +302,7 @@ def gradient_sync(
       compression: a compressor from ``jaxcomm.compression`` (``None``: no compression).
       warmup_steps: the first ``warmup_steps`` steps are sent uncompressed. The step
         builders (``data_parallel``, the Flax decorators) decide on the host from the sync
-        count and run one program per phase, with no conditional (``jaxcomm.warmup``);
+        count and run one program per phase, with no conditional (``jaxcomm.phase_clock``);
         elsewhere (the sync in a ``shard_map`` of your own, the profiler's feedback step,
         microbatches reduced one by one) a ``lax.cond`` on the count decides. With 0 no
         uncompressed branch is compiled.
@@ -372,7 +407,7 @@ def sync_gradients(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
         if not sync_request.communicate:
             check_bound(sync.axes, "sync_gradients", _UNBOUND_FIX)
             return grads, state._replace(count=state.count + 1)
-        return sync.reduce(grads, state, warming_up=sync_request.warming_up)
+        return sync.reduce(grads, state, phase=sync_request.phase)
 
     return optax.GradientTransformationExtraArgs(sync.init, update)
 
@@ -505,7 +540,10 @@ def _mean_compressed(
         means, cs, finite, _ = _mean_packed(sync, plan, leaves, cs, ctx, warming_up)
         return means, vary_per_device(cs, sync.axes), finite
 
-    means, cstate, finite = lax.cond(is_exact, exact, lossy, cstate)
+    if isinstance(is_exact, bool):  # decided on the host (ReduceContext.choice)
+        means, cstate, finite = (exact if is_exact else lossy)(cstate)
+    else:
+        means, cstate, finite = lax.cond(is_exact, exact, lossy, cstate)
     return means, cstate, finite, means
 
 
@@ -573,9 +611,9 @@ def _codec_mean_inter(sync: GradientSync, buffers: list, cstate: Any, ctx: Reduc
        bytes), the others their means.
     """
     codec = sync.compression
-    inner, outer = sync.axes[-1], sync.axes[:-1]
+    inner = sync.axes[-1]
     g = lax.axis_size(inner)
-    ctx = ctx._replace(axes=outer)
+    ctx = ctx._replace(axes=sync.codec_axes)
     if not codec.elementwise:
         return codec.reduce([lax.pmean(b, inner) for b in buffers], cstate, ctx)
     shards, sizes = [], []

@@ -23,13 +23,13 @@ from jaxcomm.hlo import ordering_hazards
 from jaxcomm.layout import OptimizerLayout, ReplicatedOptimizer
 from jaxcomm.mesh import DATA_AXES, check_mesh_axes
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
+from jaxcomm.phase_clock import PhaseClock
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.sharded import ShardedOptimizer, shard_options
 from jaxcomm.state import leaf_specs, stack_leaves, unstack_leaves
-from jaxcomm.sync import GradientSync, accepting_requests
+from jaxcomm.sync import NO_HOST_PHASE, GradientSync, HostPhase, accepting_requests
 from jaxcomm.sync_inputs import check_sync_inputs
 from jaxcomm.validate import check_int
-from jaxcomm.warmup import WarmupClock
 
 __all__ = [
     "DataParallel",
@@ -323,8 +323,8 @@ class DataParallel:
         self.check_replicas = int(check_replicas)
         self._one_step_in_flight = backend.for_mesh(mesh).one_step_in_flight
         self._compiled_step: Any = None  # set_feedback's step
-        self._programs: dict = {}  # by warm-up phase (True, False, or None: on the devices)
-        self._clock: WarmupClock | None = None  # the host's copy of the sync count
+        self._programs: dict = {}  # by jaxcomm.HostPhase (HostPhase(): on the devices)
+        self._clock: PhaseClock | None = None  # the host's copy of the counts
         self._opt_layout: list[bool] | None = None  # per optimizer-state leaf: per device?
         self.layout: OptimizerLayout = self._make_layout(shard)
         self._calls = 0
@@ -590,7 +590,7 @@ class DataParallel:
         *,
         feedback: Any = None,
         communicate: bool = True,
-        warming_up: bool | None = None,
+        phase: HostPhase = NO_HOST_PHASE,
     ):
         """One device's step inside shard_map: the gradients, the optimizer's step by the
         layout (:meth:`jaxcomm.layout.OptimizerLayout.step`: the syncs reduce, or the
@@ -616,7 +616,7 @@ class DataParallel:
             lambda: lax.pmean(value, self.axes),
             update=update,
             communicate=communicate,
-            warming_up=warming_up,
+            phase=phase,
         )
         metrics = {"loss": value, **dict(aux or {})}
         # After the update: the sync's conditionals may hold collectives still running
@@ -702,7 +702,7 @@ class DataParallel:
         *,
         feedback: Any = None,
         communicate: bool = True,
-        warming_up: bool | None = None,
+        phase: HostPhase = NO_HOST_PHASE,
     ) -> Callable:
         """The jitted ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
@@ -721,13 +721,14 @@ class DataParallel:
           communicate: False builds the compute-only twin: every ``sync_gradients`` passes
             the gradients through (no gradient collective; params drift, so no
             replication check).
-          warming_up: the program of one warm-up phase (True: within
-            ``warmup_steps``, False: after), with no conditional for it; None: the sync
-            decides on the devices (:class:`jaxcomm.SyncRequest`).
+          phase: the program of one :class:`jaxcomm.HostPhase` (the warm-up phase, local
+            SGD's branch, the compressor's choice), with no conditional for the
+            decisions it fixes; ``HostPhase()`` (default): the step decides on the
+            devices, one program for every step.
         """
         specs = self.state_specs(state)
         local_step = functools.partial(
-            self._local_step, feedback=feedback, communicate=communicate, warming_up=warming_up
+            self._local_step, feedback=feedback, communicate=communicate, phase=phase
         )
         mapped = jax.shard_map(
             local_step,
@@ -804,7 +805,13 @@ class DataParallel:
         return state._replace(opt_state=opt_state)
 
     def compile(
-        self, state: TrainState, batch: Any, *, feedback: Any = None, communicate: bool = True
+        self,
+        state: TrainState,
+        batch: Any,
+        *,
+        feedback: Any = None,
+        communicate: bool = True,
+        phase: HostPhase | None = None,
     ) -> Any:
         """The step compiled for these inputs, ready to run on every process.
 
@@ -815,6 +822,10 @@ class DataParallel:
           state, batch: example inputs (the step is compiled for their shapes).
           feedback, communicate: as :meth:`step_fn` says (the feedback of
             :meth:`set_feedback`; the compute-only twin).
+          phase: the program of this :class:`jaxcomm.HostPhase`; ``HostPhase()`` the one
+            program for every step, which decides on the devices; None (default): the
+            phase the step runs from ``state`` (the feedback step and the twin: every
+            step's).
 
         Returns:
           A ``jax.stages.Compiled`` step: ``compiled(state, batch[, share])``.
@@ -828,25 +839,24 @@ class DataParallel:
         if feedback is not None:
             share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self._stacked)
             args += (share,)
-        warming_up = self._warming_up(state) if feedback is None and communicate else None
-        step = self.step_fn(
-            state, feedback=feedback, communicate=communicate, warming_up=warming_up
-        )
+        if phase is None:
+            phase = self._phase(state) if feedback is None and communicate else NO_HOST_PHASE
+        step = self.step_fn(state, feedback=feedback, communicate=communicate, phase=phase)
         return compile_on_every_process(step, args, self.mesh, "data-parallel step")
 
-    def _warming_up(self, state: TrainState) -> bool | None:
-        """The host's warm-up decision for a step from ``state`` (:mod:`jaxcomm.warmup`);
-        None where the sync decides on the devices: a step whose sync count does not
-        advance by one per step (microbatches reduced one by one, local SGD), or a
-        sharded optimizer (no warm-up). The profiler's feedback step keeps the device's
-        decision (it runs one program across the warm-up's end)."""
+    def _phase(self, state: TrainState) -> HostPhase:
+        """The host's decisions for a step from ``state`` (:mod:`jaxcomm.phase_clock`);
+        ``HostPhase()`` before the optimizer was probed. The syncs whose count does not
+        advance by one per step (microbatches reduced one by one, local SGD's outer
+        syncs) and a sharded optimizer's (no warm-up, no host choice) decide on the
+        devices, as does the profiler's feedback step (one program across windows)."""
         if self._clock is None:
             if not self.syncs:  # not probed yet: the devices decide this once
-                return None
+                return HostPhase()
             one_per_step = not (self._overlapped or self.layout.local_sgd)
             replicated = isinstance(self.layout, ReplicatedOptimizer)
             syncs = self.syncs if one_per_step and replicated else []
-            self._clock = WarmupClock(syncs, state.opt_state)
+            self._clock = PhaseClock(syncs, state.opt_state, dict(self.mesh.shape))
         return self._clock.decide(state.opt_state)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
@@ -856,18 +866,18 @@ class DataParallel:
         if self._feedback is not None:
             step = self._compiled_step
         else:
-            warming_up = self._warming_up(state)
-            step = self._programs.get(warming_up)
-            if step is None:  # one program per warm-up phase, compiled at its first step
+            phase = self._phase(state)
+            step = self._programs.get(phase)
+            if step is None:  # one program per phase, compiled at its first step
                 self._refuse_pmap_layout(state, batch)
                 # Several processes: compiled ahead and met at a barrier (see compile()).
                 many = jax.process_count() > 1
                 step = (
-                    self.compile(state, batch)
+                    self.compile(state, batch, phase=phase)
                     if many
-                    else self.step_fn(state, warming_up=warming_up)
+                    else self.step_fn(state, phase=phase)
                 )
-                self._programs[warming_up] = step
+                self._programs[phase] = step
         extra = () if self._feedback is None else (self._feedback.before_step(),)
         out = step(state, self.shard_batch(batch), *extra)
         if self._feedback is None and self._clock is not None:
@@ -882,8 +892,9 @@ class DataParallel:
         return out
 
     def lower(self, state: TrainState, batch: Any):
-        """``jax.stages.Lowered`` of the step, for HLO inspection (``jaxcomm.hlo``)."""
-        step = self.step_fn(state, warming_up=self._warming_up(state))
+        """``jax.stages.Lowered`` of the program the step runs from ``state`` (its
+        :class:`jaxcomm.HostPhase`), for HLO inspection (``jaxcomm.hlo``)."""
+        step = self.step_fn(state, phase=self._phase(state))
         return step.lower(state, self.shard_batch(batch))
 
 

@@ -168,7 +168,7 @@ def test_compressed_sync_then_plain_leaves_keeps_one_order(mesh, compressor, alg
     batch = {"x": np.zeros((16, 12), np.float32), "y": np.zeros(16, np.int32)}
     # The program whose sync decides the warm-up on the devices (a lax.cond), and the one
     # the step runs in each phase (decided on the host).
-    on_device = dp.step_fn(state, warming_up=None).lower(state, dp.shard_batch(batch))
+    on_device = dp.step_fn(state).lower(state, dp.shard_batch(batch))
     text = on_device.compile().as_text()
     assert "conditional" in text
     assert ordering_hazards(text) == []

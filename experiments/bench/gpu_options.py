@@ -32,10 +32,13 @@ predicate or branch index to the host before it can launch a branch, so every ex
 (``known_trip_count`` in its backend config, set for a fixed-trip ``scan``/``fori_loop``)
 runs that many iterations without reading its predicate back, so it is none; a ``while``
 without a known trip count reads its predicate back every iteration (counted once, a lower
-bound). Round trips inside a loop body count once per known iteration. Goals: no round trip
-on an option that does not need one (only ``adaptive``, whose codec follows a measured
-error, and ``local_sgd``, which syncs every ``sync_every`` steps, branch on a value of the
-step), and every collective async.
+bound). Round trips inside a loop body count once per known iteration. The CPU row's
+materialising conditional (``jaxcomm.hlo.is_materializing``) is not one: it exists only
+where the host runs the program. Goals: no round trip in the program of every step on an
+option that does not need one (only ``adaptive``, whose codec follows a measured error,
+and ``local_sgd``, which syncs every ``sync_every`` steps, branch on a value of the step);
+none in any option's steady-state programs (:func:`steady_phases`: the programs the step
+picks on the host once warm, one per ``jaxcomm.HostPhase``); and every collective async.
 
 Example:
   PYTHONPATH=. python -m experiments.bench gpu --out $OUT/gpu --parts options
@@ -76,7 +79,7 @@ MiB = 1 << 20
 #: Every sync option, in table order.
 OPTION_NAMES = (
     "flat", "hierarchical", "bf16", "int8", "int4", "adaptive", "powersgd", "topk",
-    "buckets", "microbatches", "local_sgd",
+    "buckets", "microbatches", "local_sgd", "warmup",
 )  # fmt: skip
 #: Options whose step branches on a value (measured error, step count): a round trip is
 #: their design, not a defect.
@@ -134,6 +137,7 @@ def _option(name: str, cfg: Config) -> dict[str, Any]:
         "hierarchical": {},
         "bf16": {"compression": C.bf16(), **inter},
         "int8": {"compression": C.int8(), **inter},
+        "warmup": {"compression": C.int8(), "warmup_steps": 2, **inter},
         "int4": {"compression": C.int4(), **inter},
         # The ablation's +compression row (experiments/rows.py ADAPTIVE), minus its driver.
         "adaptive": {
@@ -229,6 +233,24 @@ def build(name: str, cfg: Config, mesh: Any, compiler_options: dict | None = Non
     return jaxcomm.data_parallel(_loss, tx, mesh, compiler_options=compiler_options, **o["dp"])
 
 
+def steady_phases(name: str, cfg: Config) -> list[Any]:
+    """The :class:`jaxcomm.HostPhase` s of the programs option ``name`` runs once warm
+    (``jaxcomm.data_parallel`` picks one per step on the host): every rung of adaptive's
+    ladder, local SGD's sync step and the steps between, int8 after its warm-up; the one
+    program of every step for the other options (``HostPhase()``)."""
+    import jaxcomm
+
+    if name == "adaptive":
+        rungs = len(_option(name, cfg)["sync"]["compression"].name.split(","))
+        return [jaxcomm.HostPhase(codec_choice=r) for r in range(rungs)]
+    if name == "local_sgd":
+        every = cfg.local_every
+        return [jaxcomm.HostPhase(local_sgd=(b, every, 1)) for b in (0, 1)]
+    if name == "warmup":
+        return [jaxcomm.HostPhase(warming_up=False)]
+    return [jaxcomm.HostPhase()]
+
+
 # --------------------------------------------------------------------------- HLO readers
 
 _CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
@@ -305,7 +327,7 @@ def host_round_trips(text: str) -> dict[str, Any]:
       (a while without a known trip count was reached) and ``sites`` (``'computation:
       instruction opcode'`` of each conditional and unknown-trip while).
     """
-    from jaxcomm.hlo import instructions
+    from jaxcomm.hlo import instructions, is_materializing
 
     comps = instructions(text)
     entry_m = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
@@ -327,10 +349,13 @@ def host_round_trips(text: str) -> dict[str, Any]:
             called = _callees(opcode, rest)
             sub = (*stack, comp)
             if opcode == "conditional":
+                branches = [walk(b, sub) for b in called.get("branches", [])]
+                if is_materializing(rest):
+                    total += max(branches, default=0)  # XLA:CPU's buffer: the host runs it
+                    continue
                 if first:
                     static["conditionals"] += 1
                     sites.append(f"{comp}: {name} conditional")
-                branches = [walk(b, sub) for b in called.get("branches", [])]
                 total += 1 + max(branches, default=0)
             elif opcode == "while":
                 inner = sum(
@@ -462,12 +487,31 @@ def compile_options(
                 "lower_s": t1 - t0,
                 "compile_s": t2 - t1,
                 **analyze(compiled.as_text(), mesh),
+                "steady": _steady_round_trips(dp, state, b, name, cfg, compiler_options),
             }
         except Exception as e:  # one option failing does not stop the others
             out[name] = _error_record(e)
         if on_result is not None:
             on_result(out)
     return out
+
+
+def _steady_round_trips(dp, state, batch, name: str, cfg: Config, options) -> dict:
+    """Host round trips per step of each program the option runs once warm
+    (:func:`steady_phases`), compiled as the step compiles them."""
+    per_phase = []
+    for phase in steady_phases(name, cfg):
+        if phase == type(phase)():  # the program of every step, analyzed already
+            text = None
+        else:
+            lowered = dp.step_fn(state, phase=phase).lower(state, batch)
+            text = (lowered.compile(options) if options else lowered.compile()).as_text()
+        per_phase.append((phase, text))
+    rows = []
+    for phase, text in per_phase:
+        rt = None if text is None else host_round_trips(text)
+        rows.append({"phase": repr(phase), "round_trips": rt})
+    return {"phases": rows}
 
 
 def _error_record(e: Exception) -> dict:
@@ -683,6 +727,8 @@ def summarize(compiled: dict[str, dict], runs: dict[str, dict], *, async_expecte
                 round_trips=rt["per_step"], round_trips_lower_bound=rt["lower_bound"],
                 round_trip_sites=rt["sites"],
                 ok_round_trips=rt["per_step"] == 0 or name in NEEDS_ROUND_TRIP,
+                steady_round_trips=_steady_trips(c, rt),
+                ok_steady=_steady_trips(c, rt) == 0,
                 ok_all_async=(c["async"] == c["collectives"]) if async_expected else None,
             )  # fmt: skip
         elif c is not None:
@@ -704,10 +750,14 @@ def summarize(compiled: dict[str, dict], runs: dict[str, dict], *, async_expecte
 
     goals = {
         "no host round trip on an option that does not need one": every("ok_round_trips"),
+        "no host round trip in any option's steady-state programs": every("ok_steady"),
         "every collective async": every("ok_all_async"),
         "two runs from the same state: equal bits": every("bits_equal"),
         "options over the round-trip goal": sorted(
             n for n, row in rows.items() if row.get("ok_round_trips") is False
+        ),
+        "options with a round trip in steady state": sorted(
+            n for n, row in rows.items() if row.get("ok_steady") is False
         ),
         "options with a synchronous collective": sorted(
             n for n, row in rows.items() if row.get("ok_all_async") is False
@@ -717,6 +767,17 @@ def summarize(compiled: dict[str, dict], runs: dict[str, dict], *, async_expecte
         ),
     }
     return {"rows": rows, "goals": goals}
+
+
+def _steady_trips(compiled: dict, every_step: dict) -> int | None:
+    """The most host round trips per step among an option's steady-state programs (the
+    program of every step where it is one of them)."""
+    phases = (compiled.get("steady") or {}).get("phases")
+    if not phases:
+        return None
+    return max(
+        (every_step if p["round_trips"] is None else p["round_trips"])["per_step"] for p in phases
+    )
 
 
 def run_part(args: argparse.Namespace, emit: Callable[..., None], limit_s: float) -> None:
@@ -827,7 +888,8 @@ def format_table(d: dict) -> list[str]:
         f"{info.get('devices')} {info.get('platform')} devices, mesh {info.get('mesh')}"
         f" (mock {info.get('mock_topology')}); run on one {d.get('device_kind')}",
         f"  {'option':<13} {'compile':>8} {'kern.':>5} {'fus.':>5} {'colls':>5} {'async':>5} "
-        f"{'in br.':>6} {'trips':>5} {'step':>11} {'img/s':>9} {'vs flat':>7} {'bits':>5}"
+        f"{'in br.':>6} {'trips':>5} {'steady':>6} {'step':>11} {'img/s':>9} {'vs flat':>7} "
+        f"{'bits':>5}"
         "  ops between start/done",
     ]
     for name, r in (d.get("rows") or {}).items():
@@ -849,7 +911,8 @@ def format_table(d: dict) -> list[str]:
             f"  {name:<13} {_s(r.get('compile_s')):>8} {_n(r.get('kernels')):>5} "
             f"{_n(r.get('fusions')):>5} {_n(r.get('collectives')):>5} "
             f"{_n(r.get('async_pairs')):>5} "
-            f"{_n(r.get('in_branches')):>6} {trips_s:>5} {_s(r.get('step_best_s')):>11} "
+            f"{_n(r.get('in_branches')):>6} {trips_s:>5} {_n(r.get('steady_round_trips')):>6} "
+            f"{_s(r.get('step_best_s')):>11} "
             f"{'-' if ips is None else f'{ips:.0f}':>9} {'-' if vs is None else f'{vs:.2f}x':>7} "
             f"{'-' if bits is None else ('same' if bits else 'DIFF'):>5}  {between_s}"
         )

@@ -13,7 +13,7 @@ Use them through ``jaxcomm.sync_gradients(compression=...)``:
 | ``topk(ratio)`` | all-gather of (index, value) | ~p x ratio |
 | ``random_k(ratio)`` | all-reduce of the shared-seed selection | ~ratio |
 | ``powersgd(rank)`` | two all-reduces (P, Q) | r(n+m)/(nm) |
-| ``adaptive(...)`` | one ``lax.switch`` branch per ladder rung | rung dependent |
+| ``adaptive(...)`` | its current rung's (a program per rung, on the host) | rung dependent |
 
 Measure with ``jaxcomm.wire_bytes``.
 

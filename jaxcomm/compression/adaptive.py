@@ -2,11 +2,14 @@
 the measured network.
 
 The compressor holds a level index (the *rung*) into a ladder of codecs, least compression
-first (default :data:`DEFAULT_LADDER`: ``('f32', 'bf16', 'int8', 'int4')``). Every step
-it runs that rung through ``lax.switch``: one compiled branch per rung, no host round trip,
-so it works under ``jit`` and inside ``lax.scan`` (``jaxcomm.wire_bytes`` counts the
-largest branch). Every ``adjustment_step`` steps a :class:`Controller` moves the level by
-at most one rung, from two signals that are the same on every device:
+first (default :data:`DEFAULT_LADDER`: ``('f32', 'bf16', 'int8', 'int4')``). The step
+builders of jaxcomm run one program per rung, chosen on the host (``host_choice``: the
+state's rung, read once per window; ``jaxcomm.phase_clock``), so the step holds no
+conditional for it; called without that choice (under a plain ``jit``, inside
+``lax.scan``, the profiler's driven step) it runs the rung through ``lax.switch``, one
+compiled branch per rung (``jaxcomm.wire_bytes`` then counts the largest branch). Every
+``adjustment_step`` steps a :class:`Controller` moves the level by at most one rung, from
+two signals that are the same on every device:
 
 * the **error of the mean** the optimizer receives, estimated by a count sketch
   (:func:`error_of_mean`: one small all-reduce, no gradient moved);
@@ -64,6 +67,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxcomm import backend
@@ -535,7 +539,14 @@ def adaptive(
     names = [r.name for r in levels]
     exact = functools.partial(_exact, cfg) if "f32" in names else None
     init, reduce = functools.partial(_init, cfg), functools.partial(_reduce, cfg)
-    return Compressor(f"adaptive[{','.join(names)}]", init, reduce, exact=exact)
+    return Compressor(
+        f"adaptive[{','.join(names)}]",
+        init,
+        reduce,
+        exact=exact,
+        host_choice=functools.partial(_host_choice, cfg),
+        check_choice=_check_choice,
+    )
 
 
 def _init(cfg: _Config, specs: Sequence[Any]) -> AdaptiveState:
@@ -625,13 +636,56 @@ def _scalars_in_one_vector(state: AdaptiveState) -> AdaptiveState:
     return state._replace(**back)
 
 
-def _on_f32(cfg: _Config, level: jax.Array) -> jax.Array:
-    """Whether rung ``level`` is the exact ``'f32'`` rung (a replicated bool)."""
+def _on_f32(cfg: _Config, level: jax.Array | int) -> jax.Array | bool:
+    """Whether rung ``level`` is the exact ``'f32'`` rung (a replicated bool; a Python
+    bool for a level chosen on the host)."""
+    if isinstance(level, int):
+        return cfg.rungs[level].name == "f32"
     return jnp.asarray([r.name == "f32" for r in cfg.rungs])[level]
 
 
+def _host_scalar(x: Any) -> Any:
+    """The value of a replicated scalar leaf (or of its first row, where a front end
+    holds it once per device), as a numpy scalar; waits for the step that wrote it."""
+    return np.asarray(jax.device_get(x)).reshape(-1)[0]
+
+
+def _host_choice(cfg: _Config, state: AdaptiveState, p: int) -> tuple[int, int]:
+    """``Compressor.host_choice``: the rung of the step that starts from ``state``, and
+    for how many steps it holds.
+
+    1. Inside a window (``window_steps < adjustment_step``) the rung is the state's, and
+       it holds until the window ends: read once per window, not per step.
+    2. At a window's first step, the controller's decision (:func:`_decision`, the same
+       function the step runs) on the state's scalars, computed on the host's CPU: the
+       step computes it again from the same values and writes its level into the state,
+       which :func:`_check_choice` compares at the next read.
+    """
+    names = ("level", "window_steps", "error_sum", "hold", "strikes", "comm_share")
+    values = jax.device_get(tuple(getattr(state, k) for k in names))  # one wait
+    read = {k: np.asarray(v).reshape(-1)[0] for k, v in zip(names, values, strict=True)}
+    steps = int(read["window_steps"])
+    if steps < cfg.window:
+        return int(read["level"]), cfg.window - steps
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        d = _decision(cfg, state._replace(**read), p)
+        return int(d.level), cfg.window
+
+
+def _check_choice(state: AdaptiveState, choice: int) -> None:
+    """``Compressor.check_choice``: raises if the step that wrote ``state`` ran a rung
+    other than ``choice`` (the host's decision and the step's disagreed)."""
+    level = int(_host_scalar(state.level))
+    if level != choice:
+        raise RuntimeError(
+            f"adaptive: the host chose rung {choice} for a step whose own decision was "
+            f"rung {level}; the host's copy of the controller disagrees with the step's. "
+            "This is a bug in jaxcomm: please report it with the compressor's arguments."
+        )
+
+
 def _switch(
-    cfg: _Config, level: jax.Array, cs: list[jax.Array], ctx: ReduceContext
+    cfg: _Config, level: jax.Array | int, cs: list[jax.Array], ctx: ReduceContext
 ) -> tuple[list[jax.Array], PerDevice]:
     """Rung ``level``'s means of ``cs`` (``g + e``) and the new shared residual.
 
@@ -661,6 +715,8 @@ def _switch(
     branches = [branch(r) for r in cfg.rungs]
     if len(branches) == 1:  # lax.switch calls a lone branch directly
         return branches[0](cs)
+    if isinstance(level, int):  # chosen on the host: that rung alone, as a fixed compressor
+        return branches[level](cs)
     with backend.use(dataclasses.replace(backend.current(), materialize=False)):
         return lax.switch(level, branches, cs)
 
@@ -688,14 +744,17 @@ def _reduce(
     4. The new state (:func:`_advance`); the means cast back to the buffers' dtypes.
     """
     d = _decision(cfg, state, axes_size(ctx.axes))
+    level = d.level if ctx.choice is None else ctx.choice  # the host's: one rung, no switch
     cs = ef.corrected(xs, state.residual)
-    out, residual = _switch(cfg, d.level, cs, ctx)
+    out, residual = _switch(cfg, level, cs, ctx)
     own = _own_means(out, cs, ctx)
 
     def sketched() -> jax.Array:
         return error_of_mean(cs, own, ctx, sketch_size=cfg.sketch_size)
 
-    if any(r.name == "f32" for r in cfg.rungs):
+    if ctx.choice is not None:
+        err = jnp.zeros((), jnp.float32) if _on_f32(cfg, level) else sketched()
+    elif any(r.name == "f32" for r in cfg.rungs):
         err = lax.cond(_on_f32(cfg, d.level), lambda: jnp.zeros((), jnp.float32), sketched)
     else:
         err = sketched()
@@ -713,7 +772,7 @@ def _exact(
     d = _decision(cfg, state, axes_size(ctx.axes))
     zeros = ef.init_residuals(state.residual.value)
     return (
-        _on_f32(cfg, d.level),
+        _on_f32(cfg, d.level if ctx.choice is None else ctx.choice),
         list(state.residual.value),
         _advance(state, d, zeros, jnp.zeros(())),
     )

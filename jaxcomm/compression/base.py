@@ -68,6 +68,9 @@ class ReduceContext(NamedTuple):
         node holds a different shard, so a decision that must be the same on every
         device (fp16's overflow skip, adaptive's level) is reduced over
         :func:`decision_axes`, never over ``axes`` alone.
+      choice: the compressor's choice for this step, taken on the host by
+        ``host_choice`` (a Python int: the program holds only that choice's branch); None:
+        the compressor decides on the devices.
       gather_axis: after reducing over ``axes``, also all-gather the means over this
         (inner) axis, in its ``lax.axis_index`` order, so each device returns the whole
         buffer instead of its shard (``compress_stage='inter'``'s intra-node all-gather).
@@ -81,6 +84,7 @@ class ReduceContext(NamedTuple):
     key: jax.Array
     data_axes: tuple[str, ...] = ()
     gather_axis: str | None = None
+    choice: int | None = None
 
 
 def decision_axes(ctx: ReduceContext) -> tuple[str, ...]:
@@ -125,6 +129,16 @@ class Compressor(NamedTuple):
         the all-reduce), and calls ``reduce`` only on the other steps (``lax.cond``).
       codec: the :class:`BufferCodec` it is made of (:func:`from_codec`); None for a
         compressor written whole (fp16, PowerSGD, adaptive).
+      host_choice: optional ``host_choice(state, p) -> (choice, steps)`` for a compressor
+        whose choice changes rarely (adaptive's rung): taken on the host from ``state``
+        (the compressor state before a step, of which it reads replicated scalars only;
+        the read waits for the step that produced them), ``p`` the devices over
+        ``ctx.axes``. ``choice`` is this step's, ``steps`` how many steps it holds for,
+        this one included, counting only steps that run ``reduce``; a step builder asks
+        again after them and passes ``ctx.choice`` to ``reduce`` and ``exact``, whose
+        programs then hold that choice's branch only. ``check_choice(state, choice)``
+        raises if ``state`` (after a step) did not take ``choice``.
+      check_choice: see ``host_choice``.
     """
 
     name: str
@@ -135,6 +149,8 @@ class Compressor(NamedTuple):
     finite: Callable[[Any], jax.Array] | None = None
     exact: Callable[[Any, ReduceContext], tuple[jax.Array, list | None, Any]] | None = None
     codec: BufferCodec | None = None
+    host_choice: Callable[[Any, int], tuple[int, int]] | None = None
+    check_choice: Callable[[Any, int], None] | None = None
 
 
 class BufferCodec(NamedTuple):
