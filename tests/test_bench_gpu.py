@@ -67,7 +67,7 @@ def test_run_order_and_background_schedule(tmp_path, fake_run, capsys):
     assert gpu.main(["--out", str(tmp_path)]) == 0
     # The probe first, then the compile-only schedule part in the background, then the
     # timed parts, which record that it ran alongside them.
-    assert fake_run.started == ["versions", "schedule", "kernels", "options", "step"]
+    assert fake_run.started == ["versions", "schedule", "kernels", "options", "step", "overhead"]
     parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
     assert list(parts) == fake_run.started
     assert parts["schedule"]["background"] is True
@@ -87,7 +87,7 @@ def test_unknown_part_is_refused(tmp_path, capsys):
 
 def test_part_registry_and_time_plan():
     names = [p.name for p in gpu.PARTS]
-    assert names == ["versions", "kernels", "schedule", "options", "step"]
+    assert names == ["versions", "kernels", "schedule", "options", "step", "overhead"]
     assert set(gpu._TABLES) == set(names)
     # The whole run is capped by the budget, which leaves the 8-minute plan some slack.
     assert gpu.BUDGET_S <= 7.5 * 60
@@ -429,6 +429,14 @@ def test_options_summary_computes_goals():
                 "repeat": {"equal": equal, "differing": [] if equal else ["x"]}}  # fmt: skip
 
     compiled = {"flat": comp(0, 2, 2), "int8": comp(1, 4, 3), "local_sgd": comp(1, 3, 3)}
+    # Steady state: flat's one program (analyzed already), local SGD's two host-picked
+    # branches (none left), int8's still one round trip.
+    trips = lambda n: {"per_step": n, "lower_bound": False, "sites": []}  # noqa: E731
+    compiled["flat"]["steady"] = {"phases": [{"phase": "HostPhase()", "round_trips": None}]}
+    compiled["local_sgd"]["steady"] = {
+        "phases": [{"phase": f"b{b}", "round_trips": trips(0)} for b in (0, 1)]
+    }
+    compiled["int8"]["steady"] = {"phases": [{"phase": "x", "round_trips": trips(1)}]}
     runs = {"flat": run(0.010), "int8": run(0.020, equal=False), "local_sgd": run(0.008)}
     s = go.summarize(compiled, runs, async_expected=True)
     assert list(s["rows"]) == ["flat", "int8", "local_sgd"]  # table order, not dict order
@@ -441,6 +449,9 @@ def test_options_summary_computes_goals():
     assert g["every collective async"] is False
     assert g["options with a synchronous collective"] == ["int8"]
     assert g["options whose bits differ"] == ["int8"]
+    assert g["no host round trip in any option's steady-state programs"] is False
+    assert g["options with a round trip in steady state"] == ["int8"]
+    assert [s["rows"][n]["steady_round_trips"] for n in ("flat", "int8", "local_sgd")] == [0, 1, 0]
     cpu = go.summarize(compiled, runs, async_expected=False)["goals"]
     assert cpu["every collective async"] is None  # XLA:CPU has no async collectives
     text = "\n".join(go.format_table({"rows": s["rows"], "goals": g}))

@@ -29,7 +29,10 @@ compiles, so it runs alongside the timed parts (``--sequential``: one after the 
   the public API. Compiled for 8 mocked GPUs in a 2 x 4 mesh (a subprocess, alongside the
   rest of the part unless ``--sequential``): compile time, kernels, fusions, collectives,
   async pairs and the compute between start and done, collectives inside conditional
-  branches, host round trips per step. Run on the real GPU (1 x 1 mesh): step time,
+  branches, host round trips per step of the program of every step and of each
+  steady-state program (the ones the step picks on the host once warm: each adaptive rung,
+  local SGD's two branches, int8 after its warm-up: ``warmup``). Run on the real GPU
+  (1 x 1 mesh): step time,
   images/s against flat, and two runs from the same state compared bit for bit. Goals: no
   host round trip on an option that does not need one, every collective async, equal bits.
   ``--options`` picks a subset. It runs before ``step``, which gets what is left.
@@ -37,6 +40,10 @@ compiles, so it runs alongside the timed parts (``--sequential``: one after the 
   the ablation rows that need no second device (``baseline``, ``+overlap``; on one GPU
   the mesh is 1 x 1, so the other rows would only repeat them: they are reported as
   skipped unless ``--step-rows`` names them, and then run as the degenerate 1-device case).
+* ``overhead`` (:mod:`experiments.bench.overhead`): host time per step of
+  ``data_parallel``, the Flax decorators and the pmap entry against the same step written
+  by hand, on this GPU, with the flat sync and with adaptive compression (its rung chosen
+  on the host). Last: it gets what the budget leaves.
 
 Writes ``DIR/gpu_check.json`` (every part: status ``ok`` / ``failed`` / ``timeout`` /
 ``skipped``, seconds, data, error and traceback) and prints one compact table per part.
@@ -109,6 +116,8 @@ STEP_ROWS = ("baseline", "+overlap")
 BUDGET_S = 450.0
 #: Time limit of the ``options`` part (it runs before ``step``, which gets what is left).
 OPTIONS_LIMIT_S = 150.0
+#: Time limit of the ``overhead`` part (last: it gets what the budget leaves, up to this).
+OVERHEAD_LIMIT_S = 90.0
 
 
 def peak_bandwidth(device_kind: str) -> tuple[float | None, str]:
@@ -557,6 +566,14 @@ def _options(args: argparse.Namespace, emit: _Emit) -> None:
     gpu_options.run_part(args, emit, limit)
 
 
+def _overhead(args: argparse.Namespace, emit: _Emit) -> None:
+    from experiments.bench import overhead
+
+    for compression in ("none", "adaptive"):
+        res = overhead.run(rounds=2 if args.quick else 3, steps=50, compression=compression)
+        emit(**{compression: res})
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
     """One independent part of the check.
@@ -604,6 +621,12 @@ PARTS: tuple[Part, ...] = (
         env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
     ),
     Part("step", "gpu-node preset: ResNet-152 bf16 step time on this GPU", 240, _step),
+    Part(
+        "overhead",
+        "host time per step of each entry against its hand-written twin (flat, adaptive)",
+        OVERHEAD_LIMIT_S,
+        _overhead,
+    ),
 )
 _BY_NAME = {p.name: p for p in PARTS}
 
@@ -704,12 +727,24 @@ def _table_step(d: dict) -> list[str]:
     return lines
 
 
+def _table_overhead(d: dict) -> list[str]:
+    lines = [f"  {'sync':<9} {'entry':<33} {'step':>9} {'program':>9} {'host':>9} {'/ twin':>7}"]
+    for compression, res in d.items():
+        for name, r in (res.get("rows") or {}).items():
+            lines.append(
+                f"  {compression:<9} {name:<33} {r['step_ms']:>6.3f} ms {r['program_ms']:>6.3f} ms "
+                f"{r['host_ms']:>6.3f} ms {r['ratio']:>6.2f}x"
+            )
+    return lines
+
+
 _TABLES: dict[str, Callable[[dict], list[str]]] = {
     "versions": _table_versions,
     "kernels": _table_kernels,
     "schedule": _table_schedule,
     "options": lambda d: _options_table(d),
     "step": _table_step,
+    "overhead": _table_overhead,
 }
 
 

@@ -728,7 +728,7 @@ def summarize(compiled: dict[str, dict], runs: dict[str, dict], *, async_expecte
                 round_trip_sites=rt["sites"],
                 ok_round_trips=rt["per_step"] == 0 or name in NEEDS_ROUND_TRIP,
                 steady_round_trips=_steady_trips(c, rt),
-                ok_steady=_steady_trips(c, rt) == 0,
+                ok_steady=None if _steady_trips(c, rt) is None else _steady_trips(c, rt) == 0,
                 ok_all_async=(c["async"] == c["collectives"]) if async_expected else None,
             )  # fmt: skip
         elif c is not None:
