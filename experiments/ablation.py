@@ -323,7 +323,7 @@ class _Bench:
             self.period = preset.local_sync_every
             dp, state = build(self.period)
             if r.local.get("sync_every") == "link" and link_bps and self.twin is not None:
-                probe = dp.compile(state, batch)
+                probe = dp.compile(state, batch, phase=jaxcomm.HostPhase())  # with its switch
                 sync_bytes = _local_link_bytes(probe, dp.mesh, period=1)
                 # One H on every process: from the mean of their measured compute times
                 # (each process's own clock would pick its own H, and its own program).
