@@ -29,8 +29,10 @@ def test_state_is_one_nth_per_device(mesh):
     assert shard <= full / 8 + 16, (shard, full)  # + Adam's count, replicated
 
 
-def test_state_is_one_nth_for_resnet152_shapes(mesh):
-    shapes = gradient_shapes("resnet152")
+def test_state_is_one_nth_for_resnet50_shapes(mesh):
+    # ResNet-50's 161 leaves and 25.6M parameters (ResNet-152's 467 leaves take the
+    # build-time probe three times as long, for the same property)
+    shapes = gradient_shapes("resnet50")
     zp = jaxcomm.data_parallel(
         mlp_loss,
         optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-3)),
@@ -40,7 +42,7 @@ def test_state_is_one_nth_for_resnet152_shapes(mesh):
     state = zp.abstract_state(shapes)  # nothing allocated
     replicated = per_device_bytes(jax.eval_shape(optax.adam(1e-3).init, shapes))
     sharded = per_device_bytes(state.opt_state)
-    assert replicated > 4e8  # 2 x 60M f32 moments
+    assert replicated > 2e8  # 2 x 25.6M f32 moments
     # each leaf is padded to a multiple of 8 on its own: at most one f32 more per moment
     padding = 2 * 4 * len(jax.tree.leaves(shapes))
     assert sharded <= replicated / 8 + padding + 16, sharded / replicated
