@@ -468,8 +468,8 @@ def _update(cfg: _Config, grads: Any, state: LocalSGDState, params: Any = None, 
     inner_updates, inner_state = cfg.inner.update(grads, state.inner.value, local)
     local = optax.apply_updates(local, inner_updates)
 
-    # 2. The outer sync of the fragment whose phase this is (if any): one lax.switch, so
-    # steps without a sync run no collective.
+    # 2. The outer sync of the fragment whose phase this is (if any): the host's branch, or
+    # one lax.switch, so steps without a sync run no collective.
     owner = fragment_of_leaves(params, cfg.fragments)
     branches = _branches(cfg, params, owner, state, request)
     if host is not None:  # the branch the host chose (jaxcomm.HostPhase): no switch
@@ -558,10 +558,10 @@ def _report_syncs(
     if not request:
         return
     passing = {"sync_request": request["sync_request"]._replace(communicate=False)}
+    anchors = _split(params, owner, cfg.fragments)
     for f in range(cfg.fragments):
         if f != skip:
-            anchor = _split(params, owner, cfg.fragments)[f]
-            cfg.syncs[f].update(anchor, state.sync[f], **_stating(passing, anchor))
+            cfg.syncs[f].update(anchors[f], state.sync[f], **_stating(passing, anchors[f]))
 
 
 def _stating(request: dict, outer_grad: Any) -> dict:

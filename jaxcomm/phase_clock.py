@@ -83,6 +83,7 @@ class PhaseClock:
         self._marker: Any = None  # the array the copy below was read from or advanced to
         self._count = 0  # the sync's count
         self._local = (0, 0, 0)  # local SGD's (count, sync_every, fragments)
+        self._schedule: list[int] = []  # sync_schedule(sync_every, fragments), read with them
         self._choice: tuple[int, int] | None = None  # (choice, steps it still holds for)
         self._phase = HostPhase()
 
@@ -101,6 +102,7 @@ class PhaseClock:
         if self._local_path is not None:
             s = _at(opt_state, self._local_path)
             self._local = (_value(s.count), _value(s.sync_every), _value(s.fragments))
+            self._schedule = sync_schedule(*self._local[1:]).tolist()
         self._choice = None
 
     def decide(self, opt_state: Any) -> HostPhase:
@@ -123,7 +125,7 @@ class PhaseClock:
         local = None
         if self._local_path is not None:
             count, every, fragments = self._local
-            local = (int(sync_schedule(every, fragments)[(count + 1) % every]), every, fragments)
+            local = (self._schedule[(count + 1) % every], every, fragments)
         self._marker = self._mark(opt_state)
         self._phase = HostPhase(warming_up, local, choice)
         return self._phase

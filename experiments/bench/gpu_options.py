@@ -498,18 +498,17 @@ def compile_options(
 
 def _steady_round_trips(dp, state, batch, name: str, cfg: Config, options) -> dict:
     """Host round trips per step of each program the option runs once warm
-    (:func:`steady_phases`), compiled as the step compiles them."""
-    per_phase = []
-    for phase in steady_phases(name, cfg):
-        if phase == type(phase)():  # the program of every step, analyzed already
-            text = None
-        else:
-            lowered = dp.step_fn(state, phase=phase).lower(state, batch)
-            text = (lowered.compile(options) if options else lowered.compile()).as_text()
-        per_phase.append((phase, text))
+    (:func:`steady_phases`), compiled as the step compiles them; ``None`` for the
+    program of every step (``HostPhase()``), analyzed already."""
+    import jaxcomm
+
     rows = []
-    for phase, text in per_phase:
-        rt = None if text is None else host_round_trips(text)
+    for phase in steady_phases(name, cfg):
+        rt = None
+        if phase != jaxcomm.HostPhase():
+            lowered = dp.step_fn(state, phase=phase).lower(state, batch)
+            compiled = lowered.compile(options) if options else lowered.compile()
+            rt = host_round_trips(compiled.as_text())
         rows.append({"phase": repr(phase), "round_trips": rt})
     return {"phases": rows}
 
@@ -719,6 +718,7 @@ def summarize(compiled: dict[str, dict], runs: dict[str, dict], *, async_expecte
         row: dict[str, Any] = {"needs_round_trip": name in NEEDS_ROUND_TRIP}
         if c is not None and "error" not in c:
             rt = c["round_trips"]
+            steady = _steady_trips(c, rt)
             row.update(
                 compile_s=c["compile_s"], kernels=c["kernels"], fusions=c["fusions"],
                 collectives=c["collectives"], async_pairs=c["async"],
@@ -727,8 +727,8 @@ def summarize(compiled: dict[str, dict], runs: dict[str, dict], *, async_expecte
                 round_trips=rt["per_step"], round_trips_lower_bound=rt["lower_bound"],
                 round_trip_sites=rt["sites"],
                 ok_round_trips=rt["per_step"] == 0 or name in NEEDS_ROUND_TRIP,
-                steady_round_trips=_steady_trips(c, rt),
-                ok_steady=None if _steady_trips(c, rt) is None else _steady_trips(c, rt) == 0,
+                steady_round_trips=steady,
+                ok_steady=None if steady is None else steady == 0,
                 ok_all_async=(c["async"] == c["collectives"]) if async_expected else None,
             )  # fmt: skip
         elif c is not None:
