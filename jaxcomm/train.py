@@ -726,6 +726,12 @@ class DataParallel:
             decisions it fixes; ``HostPhase()`` (default): the step decides on the
             devices, one program for every step.
         """
+        if not isinstance(phase, HostPhase):
+            raise TypeError(
+                f"phase={phase!r} is not a jaxcomm.HostPhase; pass jaxcomm.HostPhase() (the "
+                "program for every step) or one with warming_up / local_sgd / codec_choice "
+                "set, e.g. jaxcomm.HostPhase(warming_up=False)."
+            )
         specs = self.state_specs(state)
         local_step = functools.partial(
             self._local_step, feedback=feedback, communicate=communicate, phase=phase

@@ -224,3 +224,11 @@ def test_flax_front_ends_run_one_program_per_phase(mesh, front, option):
     assert decisions(fn.compile(*args, batch()).as_text()) == 0
     if option == "adaptive":  # it climbed: the host's choices changed on the way
         assert level(args) > 0
+
+
+def test_a_phase_that_is_not_a_host_phase_is_refused(mesh):
+    dp, state = build_option(mesh, "warm-up")
+    with pytest.raises(TypeError, match=r"phase=False is not a jaxcomm.HostPhase.*HostPhase\(\)"):
+        dp.compile(state, batch(), phase=False)
+    with pytest.raises(TypeError, match=r"phase='warm' is not a jaxcomm.HostPhase"):
+        dp.step_fn(state, phase="warm")
