@@ -299,9 +299,8 @@ def test_digits_quality_guard_at_h50_int8(mesh):
 )  # fmt: skip
 def test_resume_into_another_schedule_is_refused(mesh, params, built, resumed, match):
     """A state trained with one (H, F), resumed into a local_sgd with another, would
-    re-phase every sync silently; the step is refused naming both and the fix: before it
-    runs (the host reads the schedule with the count), and in the program that decides
-    on the devices, when it runs."""
+    re-phase every sync silently; the step is refused naming both and the fix, before it
+    runs (the host reads the schedule with the count)."""
     batches = mlp_batches(2)
     dp = jaxcomm.data_parallel(mlp_loss, jaxcomm.local_sgd(optax.sgd(0.1), **built), mesh)
     state = jax.device_get(_run(dp, dp.init(params), batches[:1]))
@@ -310,9 +309,6 @@ def test_resume_into_another_schedule_is_refused(mesh, params, built, resumed, m
     restored = jax.device_put(state, other.state_shardings(state))
     with pytest.raises(ValueError, match=match):
         other(restored, batches[1])
-    with pytest.raises(jax.errors.JaxRuntimeError, match=match):
-        on_device = other.step_fn(restored)
-        jax.block_until_ready(on_device(restored, other.shard_batch(batches[1])))
     # The same schedule resumes (the check passes).
     same = jaxcomm.data_parallel(mlp_loss, jaxcomm.local_sgd(optax.sgd(0.1), **built), mesh)
     same.init(params)
