@@ -33,6 +33,10 @@ link bound:
   from the ``tc`` counters of its link end (``jaxcomm.tools.testbed.node_link_sent``), as
   TCP payload (headers taken off per packet; ``link_bytes_measured_with_headers`` keeps
   them).
+* ``link_bytes_framing``: the transport's framing those calls add, which no HLO shows: the
+  row's crossing calls per step (``wire_bytes(...)['crossing_calls']``) times the framing
+  per call measured at the start of the run (``jaxcomm.tools.testbed.framing_per_call``);
+  ``link_bytes_expected = link_bytes + link_bytes_framing``, what the counters should read.
 * ``link_bound_s = link_bytes / (link_bps / 8)``: the time those bytes need at line rate.
 * ``sync_alone_s``: the sync alone's time per step; ``link_efficiency`` = its own bytes'
   line-rate time over it (at most 1 on a link that shapes every byte: nothing is hidden
@@ -74,7 +78,7 @@ from experiments.bench.digits import digits_accuracy
 from experiments.data import SyntheticImages
 from experiments.presets import Preset
 from experiments.rows import Resolved
-from jaxcomm.tools.testbed import node_link_sent, payload_bytes, spine_bytes
+from jaxcomm.tools.testbed import framing_per_call, node_link_sent, payload_bytes, spine_bytes
 
 __all__ = ["ProcessesBroken", "run_accuracy", "run_speed", "sync_period"]
 
@@ -152,7 +156,9 @@ class _Step:
             self.fn = dp.compile(state, batch, phase=jaxcomm.HostPhase())
             self.wire = jaxcomm.wire_bytes(self.fn, mesh=dp.mesh)
             if period is not None:  # local steps: a sync every `period` steps, amortized
-                self.wire["crossing"] = {"inter": _local_link_bytes(self.fn, dp.mesh, period)}
+                local, calls = _local_link_bytes(self.fn, dp.mesh, period)
+                self.wire["crossing"] = {"inter": local}
+                self.wire["crossing_calls"] = {"inter": calls}
 
     def run(self, steps: int) -> float:
         if self.profiler is not None:  # whole windows: a window never spans two rounds
@@ -226,11 +232,11 @@ def sync_period(sync_s: float, compute_s: float, *, share: float = 0.1, most: in
     return int(min(max(math.ceil(sync_s / (share * compute_s)), 1), most))
 
 
-def _local_link_bytes(compiled: Any, mesh: Any, period: int) -> float:
-    """Bytes per step across a node's link of a ``jaxcomm.local_sgd`` step that syncs once
-    every ``period`` steps: the step without a sync, plus the sync step's extra bytes
-    spread over the period (read from the compiled HLO, priced at each branch of
-    local_sgd's ``lax.switch``: the last branch syncs nothing)."""
+def _local_link_bytes(compiled: Any, mesh: Any, period: int) -> tuple[float, dict[str, float]]:
+    """Bytes and crossing calls per step across a node's link of a ``jaxcomm.local_sgd``
+    step that syncs once every ``period`` steps: the step without a sync, plus the sync
+    step's extra spread over the period (read from the compiled HLO, priced at each
+    branch of local_sgd's ``lax.switch``: the last branch syncs nothing)."""
     mod = jaxcomm.hlo.parse_collectives(compiled.as_text(), mesh=mesh)
     tops = {
         c["branch"][0][0] for c in jaxcomm.tools.wire.summarize(mod)["collectives"] if c["branch"]
@@ -240,12 +246,16 @@ def _local_link_bytes(compiled: Any, mesh: Any, period: int) -> float:
     (switch,) = tops
     last = max(i for c, i in mod.branches.values() if c == switch)
 
-    def crossing(branch: int) -> float:
+    def crossing(branch: int) -> tuple[float, dict[str, int]]:
         summary = jaxcomm.tools.wire.summarize(mod, mesh, taken={switch: branch})
-        return summary["crossing"].get("inter", 0.0)
+        return summary["crossing"].get("inter", 0.0), summary["crossing_calls"].get("inter", {})
 
-    local, synced = crossing(last), crossing(0)
-    return local + (synced - local) / period
+    (local, local_calls), (synced, synced_calls) = crossing(last), crossing(0)
+    calls = {
+        k: local_calls.get(k, 0) + (synced_calls.get(k, 0) - local_calls.get(k, 0)) / period
+        for k in {*local_calls, *synced_calls}
+    }
+    return local + (synced - local) / period, calls
 
 
 def _row_optimizer(
@@ -324,7 +334,7 @@ class _Bench:
             dp, state = build(self.period)
             if r.local.get("sync_every") == "link" and link_bps and self.twin is not None:
                 probe = dp.compile(state, batch, phase=jaxcomm.HostPhase())  # with its switch
-                sync_bytes = _local_link_bytes(probe, dp.mesh, period=1)
+                sync_bytes, _ = _local_link_bytes(probe, dp.mesh, period=1)
                 # One H on every process: from the mean of their measured compute times
                 # (each process's own clock would pick its own H, and its own program).
                 compute = multihost_utils.process_allgather(np.float64(self.twin.run(3)))
@@ -384,7 +394,7 @@ class _Bench:
         if self.sync_only is not None:
             self.t_sync.append(self.sync_only.run(steps))
 
-    def result(self, link_bps: float | None) -> dict:
+    def result(self, link_bps: float | None, framing: dict[str, float | None]) -> dict:
         # Medians over the rounds, with their range; the exposed communication from the
         # per-round differences of row and twin (timed back to back, under the same load).
         step_time = statistics.median(self.t_full)
@@ -393,6 +403,9 @@ class _Bench:
         median_round = min(range(len(self.t_full)), key=lambda k: abs(self.t_full[k] - step_time))
         adaptive = self.full.adaptive_wire(median_round) if self.full.profiler else None
         crossing = self.full.wire["crossing"].get("inter", 0.0)
+        calls = self.full.wire.get("crossing_calls", {}).get("inter", {})
+        known = [calls[k] * framing[k] for k in calls if framing.get(k) is not None]
+        framed = sum(known) if framing and len(known) == len(calls) else None
         bound = crossing / (link_bps / 8) if link_bps else None
         comm = _median_or_none(exposed)
         sync = self._sync_alone(link_bps, exposed)
@@ -428,6 +441,10 @@ class _Bench:
             # step, the median over the rounds (the HLO's figure is link_bytes)
             "link_bytes_measured": _median_or_none([p for p, _ in self.sent]),
             "link_bytes_measured_with_headers": _median_or_none([b for _, b in self.sent]),
+            # the transport's framing of the row's crossing calls (measured per call)
+            "link_crossing_calls": calls,
+            "link_bytes_framing": framed,
+            "link_bytes_expected": None if framed is None else crossing + framed,
             # measured on a leaf-spine testbed (tc counters): what each step sent over the spine
             "spine_bytes_measured": _median_or_none(self.spine),
             # driven adaptive rows: the rungs of the median round (the bytes above), and the log
@@ -452,6 +469,18 @@ class _Bench:
             "link_efficiency": bound / t,
             "hidden_share": 1 - statistics.median(exposed) / t if exposed else None,
         }
+
+
+def _framing(intra: int | None) -> dict[str, float | None]:
+    """Transport framing per crossing call, by ``'kind/group size'``, on a testbed node's
+    link (empty elsewhere): each collective kind over all devices and over the nodes."""
+    if node_link_sent() is None:
+        return {}
+    mesh = jaxcomm.make_mesh(intra=intra)
+    sizes = {mesh.devices.size, mesh.shape["inter"]}
+    kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+    keys = [f"{k}/{n}" for k in kinds for n in sorted(sizes)]
+    return framing_per_call(mesh, [*keys, "collective-permute/2"])
 
 
 def _median_or_none(xs: Sequence[float]) -> float | None:
@@ -528,6 +557,7 @@ def run_speed(
       holds the message).
     """
     results = [_base_result(r) for r in resolved]
+    framing = _framing(intra)
     benches: dict[int, _Bench] = {}
     twin_steps: dict[str, _Step] | None = {} if twins else None
     for i, r in enumerate(progress(resolved)):
@@ -550,7 +580,7 @@ def run_speed(
                 _error(results[i], e)
                 del benches[i]
     for i, bench in benches.items():
-        results[i].update(bench.result(link_bps))
+        results[i].update(bench.result(link_bps, framing))
     base = next((x for x in results if x["config"] == "baseline" and x["step_time_s"]), None)
     for x in results:
         if base and x["step_time_s"]:

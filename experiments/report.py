@@ -110,9 +110,10 @@ def _with_range(r: dict, key: str, spec: str, scale: float = 1.0, unit: str = ""
 def format_table(rows: Sequence[dict]) -> str:
     """A fixed-width table of medians over the rounds, each with its range: config,
     status, step ms, compute-only ms, exposed communication ms, speedup, comm %, images/s;
-    on a network the link columns (MB per step across a node's link from the HLO and as
-    the kernel counted it, their line-rate time, the sync alone's time, efficiency = bound
-    / sync alone, the share of the sync the step hides), on a leaf-spine fabric the MB per
+    on a network the link columns (MB per step across a node's link from the HLO, with
+    the transport's measured framing of its calls added, and as the kernel counted it,
+    their line-rate time, the sync alone's time, efficiency = bound / sync alone, the
+    share of the sync the step hides), on a leaf-spine fabric the MB per
     step the spine carried (measured), and (when measured) digits accuracy. Under the
     table: neighbours whose step-time ranges overlap (not ranked), errors, the rungs a
     driven adaptive row ran and the period of local steps."""
@@ -122,7 +123,8 @@ def format_table(rows: Sequence[dict]) -> str:
     head.append("img/s")
     with_spine = any(r.get("spine_bytes_measured") is not None for r in rows)
     if with_link:
-        head += ["link MB", "kernel MB", "bound ms", "sync ms", "effic.", "hidden %"]
+        head += ["link MB", "+framing", "kernel MB", "bound ms", "sync ms", "effic."]
+        head.append("hidden %")
     if with_spine:
         head.append("spine MB")
     if with_acc:
@@ -143,6 +145,7 @@ def format_table(rows: Sequence[dict]) -> str:
         if with_link:
             cells += [
                 _fmt(r.get("link_bytes"), ".3f", 1e-6),
+                _fmt(r.get("link_bytes_expected"), ".3f", 1e-6),
                 _fmt(r.get("link_bytes_measured"), ".3f", 1e-6),
                 _fmt(r.get("link_bound_s"), ".0f", 1e3),
                 _fmt(r.get("sync_alone_s"), ".0f", 1e3),

@@ -107,6 +107,12 @@ def test_conditional_counts_the_largest_branch(mesh):
         "inter": pytest.approx(2 * 7 / 8 * S),
         "intra": pytest.approx(2 * uncond + 2 * 7 / 8 * S),
     }
+    # The calls that cross (what a transport's per-message framing scales with): the
+    # psum over all 8 once per boundary, the intra psum's 2 groups at the intra boundary.
+    assert wb["crossing_calls"] == {
+        "inter": {"all-reduce/8": 1},
+        "intra": {"all-reduce/4": 2, "all-reduce/8": 1},
+    }
     in_branch = [c for c in wb["collectives"] if c["branch"]]
     assert len(in_branch) == 2
     # the counted collectives: the unconditional one and the largest branch's
@@ -128,6 +134,8 @@ def test_conditional_counts_the_largest_branch(mesh):
         got = _wire(mesh, body, extra=(jax.ShapeDtypeStruct((), jnp.int32),), taken={cond: index})
         assert got["total"] == pytest.approx(total) and got["taken"] == {cond: index}
         assert got["crossing"]["inter"] == pytest.approx(inter)
+        calls = {1: {"all-reduce/2": 4}, 2: {}, 0: {"all-reduce/8": 1}}[index]
+        assert got["crossing_calls"]["inter"] == calls
         assert got["branches"] == wb["branches"]
     with pytest.raises(ValueError, match="does not have"):
         _wire(mesh, body, extra=(jax.ShapeDtypeStruct((), jnp.int32),), taken={"nope": 0})

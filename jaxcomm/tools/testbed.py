@@ -224,6 +224,98 @@ def node_link_sent() -> tuple[int, int] | None:
     return qdisc_sent(end) if end else None
 
 
+def framing_per_call(
+    mesh, keys: list[str], *, elements: int = 2048, reps: int = 60
+) -> dict[str, float | None]:
+    """TCP payload each collective call sends into this node's link beyond its HLO bytes.
+
+    A transport frames every message (gloo: a header per send, and small control messages
+    per step of its algorithm), which no HLO shows and which does not grow with the
+    message: a step of many small collectives pays it per call. Each ``'kind/group
+    size'`` of :func:`jaxcomm.tools.wire.summarize`'s ``crossing_calls`` is timed alone:
+
+    1. its collective over the mesh axes of that group size (``('inter', 'intra')`` for all
+       devices, ``('inter',)`` for the nodes; a collective-permute: each device to its
+       peer on the next node) on ``elements`` f32 per device, compiled;
+    2. run ``reps`` times between two reads of this node's link counters
+       (:func:`node_link_sent`, TCP payload);
+    3. framing per call = (payload per run - the compiled program's crossing bytes,
+       ``jaxcomm.wire_bytes``) / its crossing calls.
+
+    Collective: every process of the testbed must call it with the same ``keys``.
+
+    Args:
+      mesh: the run's ``('inter', 'intra')`` mesh.
+      keys: ``'kind/group size'`` keys, e.g. ``['all-reduce/4', 'all-gather/2']``.
+      elements: f32 elements per device of each probe (small: the framing, not the bytes).
+      reps: calls timed per key.
+
+    Returns:
+      ``{key: bytes per crossing call}``; ``None`` for a key with no probe (another kind,
+      a group size that is no set of mesh axes) or outside a testbed.
+    """
+    import jax
+    import numpy as np
+    from jax import lax
+
+    import jaxcomm
+
+    probes = {  # the collective of each HLO kind, over the axes given
+        "all-reduce": lambda x, axes: lax.psum(x, axes),
+        "all-gather": lambda x, axes: lax.all_gather(x, axes, tiled=True),
+        "reduce-scatter": lambda x, axes: lax.psum_scatter(x, axes, tiled=True),
+        "all-to-all": lambda x, axes: lax.all_to_all(x, axes, 0, 0, tiled=True),
+        # one pair per device, each to the next node: a "group" of 2, as crossing_calls counts
+        "collective-permute": lambda x, axes: lax.ppermute(
+            x, "inter", [(i, (i + 1) % nodes) for i in range(nodes)]
+        ),
+    }
+    out: dict[str, float | None] = {}
+    nodes = mesh.shape["inter"]
+    sizes = {mesh.devices.size: tuple(mesh.axis_names), nodes: ("inter",)}
+    spec = jax.P(tuple(mesh.axis_names))
+    for key in sorted(keys):
+        kind, size = key.rsplit("/", 1)
+        axes = ("inter",) if kind == "collective-permute" else sizes.get(int(size))
+        if kind not in probes or axes is None or node_link_sent() is None:
+            out[key] = None
+            continue
+        probe = probes[kind]
+        n = elements * mesh.devices.size
+        x = jax.make_array_from_callback(
+            (n,),
+            jax.sharding.NamedSharding(mesh, spec),
+            lambda idx: np.ones(elements, np.float32),
+        )
+        fn = (
+            jax.jit(
+                jax.shard_map(
+                    lambda v, probe=probe, axes=axes: probe(v, axes)[: v.shape[0]],
+                    mesh=mesh,
+                    in_specs=spec,
+                    out_specs=spec,
+                    check_vma=False,
+                )
+            )
+            .lower(x)
+            .compile()
+        )
+        summary = jaxcomm.wire_bytes(fn, mesh=mesh)
+        calls = summary["crossing_calls"]["inter"].get(key, 0)
+        if not calls:
+            out[key] = None
+            continue
+        for _ in range(3):  # connections set up before the counters are read
+            jax.block_until_ready(fn(x))
+        before = node_link_sent()
+        for _ in range(reps):
+            jax.block_until_ready(fn(x))
+        after = node_link_sent()
+        sent = payload_bytes((after[0] - before[0], after[1] - before[1])) / reps
+        out[key] = (sent - summary["crossing"]["inter"]) / calls
+    return out
+
+
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run(list(args), capture_output=True, text=True)
     if check and r.returncode != 0:

@@ -109,6 +109,30 @@ def _crossing(counted: list[dict], mesh: Mesh) -> dict[str, float]:
     return out
 
 
+def _crossing_calls(counted: list[dict], mesh: Mesh) -> dict[str, dict[str, int]]:
+    """Calls per step that cross one slice of each mesh axis, by ``'kind/group size'``:
+    the replica groups (collective-permute: the source-target pairs) of each collective
+    with members both inside and outside the slice. What a transport's per-message
+    framing, which no HLO shows, scales with (:func:`jaxcomm.tools.testbed.framing_per_call`).
+    """
+    coords = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape), -1)
+    out: dict[str, dict[str, int]] = {}
+    for i, axis in enumerate(mesh.axis_names):
+        inside = coords[:, i] == 0
+        calls: dict[str, int] = {}
+        for r in counted:
+            if r["kind"] == "collective-permute":
+                n, size = sum(bool(inside[s] and not inside[t]) for s, t in r["pairs"]), 2
+            else:
+                n = sum(1 for g in r["groups"] if 0 < sum(bool(inside[d]) for d in g) < len(g))
+                size = r["group_size"]
+            if n:
+                key = f"{r['kind']}/{size}"
+                calls[key] = calls.get(key, 0) + n
+        out[axis] = calls
+    return out
+
+
 def summarize(
     mod: hlo.HloModule, mesh: Mesh | None = None, *, taken: Mapping[str, int] | None = None
 ) -> dict:
@@ -131,6 +155,7 @@ def summarize(
         "by_kind": _split(counted, "kind"),
         "by_axis": _split(counted, "axes_key"),
         "crossing": {} if mesh is None else _crossing(counted, mesh),
+        "crossing_calls": {} if mesh is None else _crossing_calls(counted, mesh),
         "operand_bytes": float(sum(r["operand_bytes"] for r in counted)),
         "num_collectives": len(counted),
         "conditionals": CONDITIONALS,
@@ -256,6 +281,8 @@ def wire_bytes(
       axis in each direction, i.e. for ``'inter'`` what crosses a node's link per call:
       every replica group spanning nodes counts its bus bytes once, as a ring ordered by
       node crosses each node's link once per direction; groups side by side add up),
+      ``crossing_calls`` (``{axis: {'kind/group size': calls}}`` with a mesh: the replica
+      groups, or permute pairs, of the counted collectives that cross that boundary),
       ``operand_bytes`` and ``num_collectives`` (input bytes and number of the collectives
       that total counts), ``conditionals`` (the rule: ``'largest_branch'``), ``taken``
       (the conditionals priced at a given branch instead),
