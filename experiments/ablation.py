@@ -41,7 +41,9 @@ link bound:
 * ``sync_alone_s``: the sync alone's time per step; ``link_efficiency`` = its own bytes'
   line-rate time over it (at most 1 on a link that shapes every byte: nothing is hidden
   in a program with nothing else to run), and ``hidden_share = 1 - exposed / sync alone``:
-  the share of the sync that the step hides behind compute.
+  the share of the sync that the step hides behind compute. A driven adaptive row's sync
+  alone runs at the rung the ladder settled on before timing (``sync_alone_level``), which
+  the row may leave under load.
 * ``spine_bytes_measured`` (on a leaf-spine testbed only): bytes per step and direction that
   the spine carried while the row ran, from the ``tc`` counters of its link ends: where the
   ranks sit on the fabric, which the HLO cannot show.
@@ -353,8 +355,10 @@ class _Bench:
             self.full.run(warmup)
         self.twin = None if twins is None else twins[key]
         self.sync_only = None
+        # a driven row's sync alone runs at the rung the ladder settled on before timing
+        self.sync_level = self._settled_rung(sync) if driven and link_bps else None
         if link_bps:  # the row's sync as its own program, timed beside the row
-            only = sync if not driven else rows.pin_adaptive(sync, self._settled_rung(sync))
+            only = sync if not driven else rows.pin_adaptive(sync, self.sync_level)
             dp, state = steplib.build_step(
                 parts, _row_optimizer(only, schedule, r.local, self.period), mesh,
                 compiler_options=options, sync_only=True,
@@ -466,6 +470,8 @@ class _Bench:
             "sync_alone_s": t,
             "sync_alone_range_s": [min(self.t_sync), max(self.t_sync)],
             "sync_alone_link_bytes": crossing,
+            # a driven adaptive row: the rung its sync alone ran (the row's own may move on)
+            "sync_alone_level": self.sync_level,
             "link_efficiency": bound / t,
             "hidden_share": 1 - statistics.median(exposed) / t if exposed else None,
         }

@@ -365,7 +365,11 @@ def test_make_run_path_runs_every_row_on_two_processes(tmp_path):
     table = {r["config"]: (r["link_bound_s"], r["sync_alone_s"]) for r in rows}
     for r in rows:
         assert 0 < r["link_efficiency"] <= 1.0, (r["config"], table)
-        assert r["sync_alone_link_bytes"] == pytest.approx(r["link_bytes"], rel=0.02), r
+        # The sync alone sends the row's bytes; a driven adaptive row's, at the rung it
+        # settled on, which the ladder may leave under load before the median round.
+        rung = r["adaptive"]["median_round_levels"][-1] if r.get("adaptive") else None
+        if r.get("sync_alone_level") in (None, rung):
+            assert r["sync_alone_link_bytes"] == pytest.approx(r["link_bytes"], rel=0.02), r
         if r["link_bytes"] > 0.9 * f32_bytes:
             assert r["link_efficiency"] >= 0.5, (r["config"], table)
         # What this node sent into its link (tc's counters, TCP payload) against the HLO's
