@@ -36,17 +36,29 @@ leaf that differs.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments.checkpoint import Checkpointer, manifest
 from jaxcomm.validate import check_choice, check_int
 
-__all__ = ["RULES", "check_minimum", "per_device_batch", "resize", "restore"]
+__all__ = [
+    "RULES",
+    "agent_env",
+    "check_minimum",
+    "checkpoint_cost",
+    "parse_nodes",
+    "per_device_batch",
+    "resize",
+    "restore",
+]
 
 RULES = ("mean", "zero")
 
@@ -294,3 +306,479 @@ def restore(
     )
     saved, data = checkpointer.restore(abstract, step=data["step"])
     return resize(saved, dp, rule=rule), data
+
+
+# -- an elastic agent's processes -----------------------------------------------------------
+
+# What PyTorch's elastic agent (torchrun) gives each worker it starts.
+AGENT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def parse_nodes(text: str) -> tuple[int, int]:
+    """``'MIN:MAX'`` (or ``'N'``) node counts of ``--elastic``, as torchrun's ``--nnodes``.
+
+    Raises:
+      ValueError: not one or two positive integers with ``MIN <= MAX``.
+    """
+    parts = str(text).split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
+    except ValueError:
+        low = high = 0
+    if low < 1 or high < low:
+        raise ValueError(
+            f"--elastic {text!r} must be MIN:MAX node counts with 1 <= MIN <= MAX (as "
+            "torchrun's --nnodes), e.g. --elastic 2:3."
+        )
+    return low, high
+
+
+def agent_env(local_devices: int, environ: dict | None = None) -> dict[str, str]:
+    """The ``JAXCOMM_*`` variables of a process started by PyTorch's elastic agent.
+
+    ``torch.distributed.run`` (torchrun) starts one process per node
+    (``--nproc-per-node=1``) and gives it ``RANK``, ``WORLD_SIZE`` and the rank-0 node's
+    address (``MASTER_ADDR``, new after every restart). The agent itself listens on
+    ``MASTER_PORT`` (its store), so ``jax.distributed``'s coordinator listens on the rank-0
+    node at ``JAXCOMM_ELASTIC_PORT`` (default ``MASTER_PORT + 1``). The process then starts
+    with ``jaxcomm.init_distributed()`` as under ``jaxcomm.tools.launch``.
+
+    Args:
+      local_devices: CPU devices of this process (ignored by accelerators).
+      environ: the environment (default ``os.environ``).
+
+    Raises:
+      ValueError: a variable of the agent is missing, or the agent starts several
+        processes per node.
+    """
+    from jaxcomm import distributed
+
+    env = os.environ if environ is None else environ
+    missing = [k for k in AGENT_VARS if not env.get(k)]
+    if missing:
+        raise ValueError(
+            f"--elastic runs under an elastic agent, and {missing} are not set: start it "
+            "with torchrun --nnodes=MIN:MAX --nproc-per-node=1 --rdzv-backend=c10d ... "
+            "--no-python python -m experiments.resnet152 ... --elastic MIN:MAX "
+            "(docs/elastic.md)."
+        )
+    if env["LOCAL_WORLD_SIZE"] != "1":
+        raise ValueError(
+            f"--nproc-per-node={env['LOCAL_WORLD_SIZE']}: a JAX process drives every device "
+            "of its node; start one per node (--nproc-per-node=1)."
+        )
+    port = env.get("JAXCOMM_ELASTIC_PORT") or str(int(env["MASTER_PORT"]) + 1)
+    return {
+        distributed.ENV_COORDINATOR: f"{env['MASTER_ADDR']}:{port}",
+        distributed.ENV_NUM_PROCESSES: env["WORLD_SIZE"],
+        distributed.ENV_PROCESS_ID: env["RANK"],
+        distributed.ENV_LOCAL_DEVICES: str(check_int("local_devices", local_devices, minimum=1)),
+    }
+
+
+# -- the kill test: a node lost mid-run, the job finished on the others ---------------------
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _read_steps(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_params(folder: str) -> dict:
+    """The params of a checkpoint step folder (``ckpt/<step>``) as NumPy arrays, read on
+    the host whatever devices wrote it."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    path = epath.Path(folder) / "state"
+    tree = ocp.PyTreeCheckpointHandler().metadata(path).tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    with ocp.PyTreeCheckpointer() as ckpt:
+        return ckpt.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))["params"]
+
+
+def _agents(
+    torchrun: str,
+    nodes: int,
+    minimum: int,
+    worker: list[str],
+    *,
+    run_id: str,
+    port: int,
+    logs: str,
+    testbed: Any = None,
+) -> list[Any]:
+    """Starts ``nodes`` elastic agents (one per node; node ``i`` in the testbed's namespace
+    ``i`` when given), node 0 first: it hosts the rendezvous."""
+    import subprocess
+    import time
+
+    from jaxcomm import distributed
+
+    host = "127.0.0.1" if testbed is None else testbed.addresses[0]
+    base = {k: v for k, v in os.environ.items() if k not in distributed.ENV_VARS}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base.update(PYTHONPATH=root, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    procs = []
+    for i in range(nodes):
+        cmd = [torchrun, f"--nnodes={minimum}:{nodes}", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={run_id}",
+               "--max-restarts=3", "--monitor-interval=1",
+               "--rdzv-conf=last_call_timeout=5"]  # fmt: skip
+        env = dict(base)
+        if testbed is not None:
+            env.update({k: v for k, v in testbed.env(i).items() if k.startswith("JAXCOMM_TESTBED")})
+            cmd = ["ip", "netns", "exec", testbed.namespaces[i], *cmd]
+            cmd.append(f"--local-addr={testbed.addresses[i]}")
+        cmd += ["--no-python", sys.executable, "-m", "experiments.resnet152", *worker]
+        log = open(os.path.join(logs, f"{run_id}-node{i}.log"), "w")  # noqa: SIM115
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True, cwd=root))  # fmt: skip
+        time.sleep(2.0 if i == 0 else 0.5)
+    return procs
+
+
+def _wait(procs: list[Any], timeout_s: float, on_poll: Any = None) -> list[int | None]:
+    import time
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and any(p.poll() is None for p in procs):
+        if on_poll is not None:
+            on_poll()
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [p.wait() for p in procs]
+
+
+def kill_test(
+    out: str,
+    *,
+    torchrun: str,
+    nodes: int = 3,
+    kill_at: int = 8,
+    steps: int = 20,
+    every: int = 5,
+    devices_per_node: int = 2,
+    port: int = 29555,
+    testbed: Any = None,
+    timeout_s: float = 1200,
+) -> dict:
+    """Kills the last node (its agent and its JAX process) once step ``kill_at`` ended; the
+    others finish on ``nodes - 1`` nodes. Then the reference: the same job without a kill
+    stopped at the checkpoint the survivors restored, resumed on ``nodes - 1`` nodes.
+
+    Returns:
+      The kill's step, the step restored, the steps lost, seconds from the kill to the
+      first step after it, exit codes, and the final params against the reference.
+    """
+    import shutil
+    import time
+
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    minimum = nodes - 1
+    common = ["--preset", "cpu-smoke", "--train", "--elastic", f"{minimum}:{nodes}",
+              "--steps", str(steps), "--checkpoint-every", str(every),
+              "--devices-per-node", str(devices_per_node), "--no-progress",
+              "--image-size", "16", "--per-device-batch", "2"]  # fmt: skip
+    run = {"ckpt": os.path.join(out, "kill", "ckpt"), "out": os.path.join(out, "kill", "out")}
+    worker = [*common, "--checkpoint-dir", run["ckpt"], "--out", run["out"]]
+    t0 = time.time()
+    procs = _agents(torchrun, nodes, minimum, worker, run_id="kill", port=port, logs=out,
+                    testbed=testbed)  # fmt: skip
+    killed: dict = {}
+    steps_file = os.path.join(run["out"], "steps.jsonl")
+
+    def poll():
+        done = _read_steps(steps_file)
+        if not killed and done and done[-1]["step"] >= kill_at:
+            victim = procs[-1]
+            for pid in [*_descendants(victim.pid), victim.pid]:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            killed.update(time=time.time(), step=done[-1]["step"])
+
+    codes = _wait(procs, timeout_s, poll)
+    log = _read_steps(steps_file)
+    after = [x for x in log if killed and x["time"] > killed["time"]]
+    restored = after[0]["step"] - 1 if after else None
+    result = {
+        "nodes": nodes,
+        "devices_per_node": devices_per_node,
+        "every": every,
+        "steps": steps,
+        "where": "testbed" if testbed is not None else "localhost",
+        "kill_step": killed.get("step"),
+        "restored_step": restored,
+        "steps_lost": None if restored is None else killed["step"] - restored,
+        "kill_to_next_step_s": after[0]["time"] - killed["time"] if after else None,
+        "devices_after": after[0]["devices"] if after else None,
+        "final_step": log[-1]["step"] if log else None,
+        "exit_codes": codes,
+        "seconds": time.time() - t0,
+    }
+    if restored is None or result["final_step"] != steps:
+        return result
+    # The reference: no kill; the same checkpoint step, then the nodes left.
+    ref = os.path.join(out, "reference", "ckpt")
+    worker = [*common, "--checkpoint-dir", ref, "--out", os.path.join(out, "reference", "out")]
+    first = _agents(torchrun, nodes, nodes, [*worker, "--stop-at", str(restored)],
+                    run_id="ref", port=port + 10, logs=out, testbed=testbed)  # fmt: skip
+    second_codes = None
+    first_codes = _wait(first, timeout_s)
+    if not any(first_codes):
+        second = _agents(torchrun, minimum, minimum, worker, run_id="ref", port=port + 20,
+                         logs=out, testbed=testbed)  # fmt: skip
+        second_codes = _wait(second, timeout_s)
+    result["reference_exit_codes"] = [first_codes, second_codes]
+    if second_codes is None or any(second_codes):
+        return result
+    a = read_params(os.path.join(run["ckpt"], str(steps)))
+    b = read_params(os.path.join(ref, str(steps)))
+    diffs = [
+        float(np.max(np.abs(x - y)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    ]
+    result["params_max_abs_diff"] = max(diffs)
+    result["params_bitwise_equal"] = all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+    return result
+
+
+# -- the cost of asynchronous checkpoints on the step ---------------------------------------
+
+
+def checkpoint_cost(
+    directory: str,
+    *,
+    model: str = "resnet-tiny",
+    image_size: int = 32,
+    per_device_batch: int = 4,
+    every: int = 10,
+    steps: int = 40,
+    rounds: int = 3,
+) -> dict:
+    """Step time with no checkpoint, asynchronous and synchronous checkpoints every
+    ``every`` steps, in ``rounds`` paired rounds of ``steps`` steps (medians and ranges).
+
+    Each checkpoint is what the training loop does: ``jaxcomm.check_replicas`` and
+    :meth:`Checkpointer.save` of the whole state (int8 with error feedback: per-device
+    residuals included), after one of each outside the timing (the replica check's
+    compilation and orbax's start). The rounds' saves land at steps ``every, 2 every, ...`` below
+    ``steps``; the write still running at the end of a round is waited for outside the
+    timed window (it would overlap the next steps of a longer run).
+    """
+    import shutil
+    import time
+
+    import jaxcomm
+    from experiments import step as steplib
+    from experiments.data import SyntheticImages
+
+    mesh = jaxcomm.make_mesh(intra=max(1, jax.device_count() // 2))
+    global_batch = per_device_batch * mesh.devices.size
+    parts = steplib.make_model(model, 10, seed=0)
+    schedule = steplib.learning_rate(lr=0.1, global_batch=global_batch, warmup=2, total_steps=1000)
+    sync = {
+        "algorithm": "hierarchical",
+        "compression": jaxcomm.compression.int8(error_feedback=True),
+    }
+    dp, state = steplib.build_step(parts, steplib.make_optimizer(sync, schedule), mesh)
+    data = SyntheticImages(
+        dp.batch_sharding, global_batch=global_batch, image_size=image_size, num_classes=10
+    )
+    state_mib = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
+    for _, batch in data.iterate(0, 3):  # compile and settle
+        state, _ = dp(state, batch)
+    jax.block_until_ready(state)
+    for mode in (False, True):  # compile the replica check, start orbax's threads
+        warm = Checkpointer(os.path.join(directory, "warm-up"), async_save=mode)
+        jaxcomm.check_replicas(state, mesh=mesh, what="warm-up")
+        warm.save(state, position=0)
+        warm.close()
+        shutil.rmtree(os.path.join(directory, "warm-up"), ignore_errors=True)
+    times: dict[str, list[float]] = {"none": [], "async": [], "sync": []}
+    blocking: dict[str, list[float]] = {"async": [], "sync": []}  # save() until it returns
+    checking: dict[str, list[float]] = {"async": [], "sync": []}  # check_replicas
+    position = 3
+    for r in range(rounds):
+        for mode in times:
+            folder = os.path.join(directory, f"{mode}-{r}")
+            shutil.rmtree(folder, ignore_errors=True)
+            ckpt = None if mode == "none" else Checkpointer(folder, async_save=mode == "async")
+            t0 = time.perf_counter()
+            for i in range(1, steps + 1):
+                state, _ = dp(state, data.batch(position))
+                position += 1
+                jax.block_until_ready(state)
+                if ckpt is not None and i % every == 0 and i < steps:
+                    t = time.perf_counter()
+                    jaxcomm.check_replicas(state, mesh=mesh, what=f"step {i}")
+                    t1 = time.perf_counter()
+                    ckpt.save(state, position=position)
+                    checking[mode].append(t1 - t)
+                    blocking[mode].append(time.perf_counter() - t1)
+            times[mode].append((time.perf_counter() - t0) / steps)
+            if ckpt is not None:
+                ckpt.close()
+            shutil.rmtree(folder, ignore_errors=True)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    rows = []
+    for mode, v in times.items():
+        rows.append({
+            "mode": mode,
+            "step_s": med[mode],
+            "range_s": [min(v), max(v)],
+            "overhead": med[mode] / med["none"] - 1,
+            "save_s": float(np.median(blocking[mode])) if mode in blocking else 0.0,
+            "replica_check_s": float(np.median(checking[mode])) if mode in checking else 0.0,
+        })  # fmt: skip
+    return {
+        "model": model,
+        "image_size": image_size,
+        "devices": int(mesh.devices.size),
+        "global_batch": global_batch,
+        "state_mib": state_mib,
+        "every": every,
+        "steps": steps,
+        "rounds": rounds,
+        "rows": rows,
+        "load_average": os.getloadavg(),
+        "jax": jax.__version__,
+    }
+
+
+def format_cost(result: dict) -> str:
+    """The table of :func:`checkpoint_cost`."""
+    head = (
+        f"{result['model']} {result['image_size']}px, {result['devices']} devices, global "
+        f"batch {result['global_batch']}, state {result['state_mib']:.1f} MiB, a checkpoint "
+        f"every {result['every']} steps ({result['rounds']} rounds of {result['steps']} steps; "
+        f"load {result['load_average'][0]:.2f})"
+    )
+    lines = [
+        head,
+        f"{'checkpoints':<12} {'s/step':>9} {'range':>19} {'overhead':>9} "
+        f"{'save s':>8} {'check s':>8}",
+    ]
+    for r in result["rows"]:
+        lo, hi = r["range_s"]
+        lines.append(
+            f"{r['mode']:<12} {r['step_s']:>9.4f} {f'[{lo:.4f}-{hi:.4f}]':>19} "
+            f"{100 * r['overhead']:>8.1f}% {r['save_s']:>8.4f} {r['replica_check_s']:>8.4f}"
+        )
+    return "\n".join(lines)
+
+
+def _kill_test_main(args) -> int:
+    import contextlib
+    import json
+
+    from jaxcomm.tools.testbed import Testbed
+
+    with contextlib.ExitStack() as stack:
+        testbed = None
+        if args.testbed:
+            testbed = stack.enter_context(Testbed(nodes=args.nodes, devices_per_node=2,
+                                                  link=args.link))  # fmt: skip
+        load = os.getloadavg()
+        result = kill_test(
+            os.path.abspath(os.path.join(args.out, "kill-test")),
+            torchrun=args.torchrun,
+            nodes=args.nodes,
+            kill_at=args.kill_at,
+            steps=args.steps,
+            every=args.every,
+            testbed=testbed,
+        )
+    result["load_average"] = [load, os.getloadavg()]
+    for k, v in result.items():
+        print(f"{k:<24} {v}")
+    with open(os.path.join(args.out, "kill_test.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    ok = result.get("params_max_abs_diff") is not None and result["final_step"] == args.steps
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m experiments.elastic checkpoint-cost | kill-test``: a table and JSON."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.elastic",
+        description="The cost of asynchronous orbax checkpoints on the train step.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("command", choices=["checkpoint-cost", "kill-test"])
+    p.add_argument("--torchrun", default="torchrun", help="kill-test: PyTorch's torchrun")
+    p.add_argument("--nodes", type=int, default=3, help="kill-test: nodes at the start")
+    p.add_argument("--kill-at", type=int, default=8, help="kill-test: kill after this step")
+    p.add_argument("--testbed", action="store_true", help="kill-test: nodes in the testbed")
+    p.add_argument("--link", default="1gbit", help="kill-test --testbed: link rate")
+    p.add_argument("--model", default="resnet-tiny", help="ResNet name")
+    p.add_argument("--image-size", type=int, default=32, help="square image side")
+    p.add_argument("--per-device-batch", type=int, default=4, help="images per device")
+    p.add_argument("--every", type=int, default=None,
+                   help="checkpoint period in steps (default 10; kill-test 5)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per timed round (default 40; kill-test: the job's, 20)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3, help="paired rounds")
+    p.add_argument("--cpu-devices", type=int, default=8, help="fake CPU devices")
+    p.add_argument("--out", default="runs/checkpoint-cost", help="folder for the JSON")
+    args = p.parse_args(argv)
+    from experiments import runtime
+
+    runtime.ensure_cpu_devices(args.cpu_devices)  # read when the backend starts, below
+    os.makedirs(args.out, exist_ok=True)
+    if args.command == "kill-test":
+        args.every, args.steps = args.every or 5, args.steps or 20
+        return _kill_test_main(args)
+    args.every, args.steps = args.every or 10, args.steps or 40
+    result = checkpoint_cost(
+        os.path.join(os.path.abspath(args.out), "ckpt"),
+        model=args.model,
+        image_size=args.image_size,
+        per_device_batch=args.per_device_batch,
+        every=args.every,
+        steps=args.steps,
+        rounds=args.rounds,
+    )
+    print(format_cost(result))
+    with open(os.path.join(args.out, f"checkpoint_cost_{args.model}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -125,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue --train from the newest checkpoint in --checkpoint-dir",
     )
     d.add_argument(
+        "--elastic",
+        default=None,
+        metavar="MIN:MAX",
+        help="--train under PyTorch's elastic agent (torchrun --nnodes=MIN:MAX "
+        "--nproc-per-node=1 --no-python python -m experiments.resnet152 ...): one JAX "
+        "process per node, the global batch of MAX nodes kept on fewer, resumed from the "
+        "newest complete checkpoint in --checkpoint-dir (written asynchronously) on "
+        "whatever nodes are left, refused below MIN; docs/elastic.md",
+    )
+    d.add_argument(
         "--stop-at",
         type=int,
         default=None,
@@ -230,6 +240,15 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     sync, options, mesh_kwargs = chosen.build()
     mesh = jaxcomm.make_mesh(intra=preset.intra, **mesh_kwargs)
     global_batch = preset.per_device_batch * mesh.devices.size
+    if args.elastic is not None:  # the batch of MAX nodes, on however many are left
+        from experiments import elastic
+
+        global_batch = preset.per_device_batch * elastic.parse_nodes(args.elastic)[1]
+        global_batch *= jax.local_device_count()
+        try:
+            elastic.per_device_batch(global_batch, mesh.devices.size)
+        except ValueError as e:
+            raise SystemExit(f"--elastic: {e}") from None
     folder = _image_folder(args, preset, global_batch)
     num_classes = preset.num_classes if folder is None else folder.num_classes
     parts = steplib.make_model(preset.model, num_classes, dtype=preset.dtype, seed=args.seed)
@@ -260,10 +279,13 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
         "data": args.data_dir or "synthetic",
         "global_batch": global_batch,
     }
-    ckpt = Checkpointer(args.checkpoint_dir) if args.checkpoint_dir else None
+    ckpt = None
+    if args.checkpoint_dir:  # an elastic job claims its folder under the agent's run id
+        job = os.environ.get("TORCHELASTIC_RUN_ID") if args.elastic is not None else None
+        ckpt = Checkpointer(args.checkpoint_dir, async_save=True, job=job)
     start = 0
-    if args.resume:
-        state, start = _resume(ckpt, state, meta)
+    if args.resume or (args.elastic is not None and ckpt.latest_step() is not None):
+        state, start = _resume(ckpt, state, meta, dp=dp if args.elastic is not None else None)
     stop = preset.steps if args.stop_at is None else min(args.stop_at, preset.steps)
     if driven:  # the adaptive compressor follows the measured network (adapt.jsonl: its log)
         os.makedirs(args.out, exist_ok=True)
@@ -286,6 +308,7 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
         meta=meta,
         progress=is_main and not args.no_progress,
         log_every=1 if preset.steps <= 100 else 10,
+        step_log=os.path.join(args.out, "steps.jsonl") if is_main and args.elastic else None,
     )
     if ckpt is not None:
         ckpt.close()
@@ -295,6 +318,8 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     losses = summary["losses"]
     result = {
         **meta,
+        "devices": int(mesh.devices.size),
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "start": start,
         "position": position,
         "step": int(jax.device_get(state.step)),
@@ -331,18 +356,45 @@ def _image_folder(args, preset, global_batch: int):
     )
 
 
-def _resume(ckpt, state, meta: dict):
+def _resume(ckpt, state, meta: dict, dp=None):
     """``--resume``: the latest checkpoint's state and position, checked against ``meta``
-    (a checkpoint of another run is refused)."""
+    (a checkpoint of another run is refused); with ``dp`` (``--elastic``) on this run's
+    device count, whatever it was written on (``experiments.elastic.restore``)."""
     if ckpt is None:
         raise SystemExit("--resume needs --checkpoint-dir.")
     if ckpt.latest_step() is None:
         raise SystemExit(f"--resume: no checkpoint in {ckpt.directory}.")
-    state, saved = ckpt.restore(state)
+    if dp is not None:
+        from experiments import elastic
+
+        try:
+            state, saved = elastic.restore(ckpt, dp, state, global_batch=meta["global_batch"])
+        except ValueError as e:
+            raise SystemExit(f"--elastic: {e}") from None
+    else:
+        state, saved = ckpt.restore(state)
     clash = {k: (saved.get(k), v) for k, v in meta.items() if saved.get(k) != v}
     if clash:
         raise SystemExit(f"--resume: the checkpoint is of another run: {clash}")
     return state, int(saved["position"])
+
+
+def _elastic_setup(parser: argparse.ArgumentParser, args) -> None:
+    """``--elastic``: checks the flags, joins the agent's job (``JAXCOMM_*`` variables)."""
+    from experiments import elastic
+
+    try:
+        elastic.parse_nodes(args.elastic)
+        env = elastic.agent_env(args.devices_per_node)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.ablation or args.accuracy or not args.train:
+        parser.error("--elastic runs --train only: add --train (and no --ablation/--accuracy).")
+    if not args.checkpoint_dir:
+        parser.error("--elastic needs --checkpoint-dir (a folder every node can read).")
+    if args.resume:
+        parser.error("--elastic resumes by itself from the newest complete checkpoint.")
+    os.environ.update(env)
 
 
 def _testbed_status(jax) -> tuple[bool, str]:
@@ -359,11 +411,21 @@ def _testbed_status(jax) -> tuple[bool, str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.elastic is not None:
+        _elastic_setup(parser, args)
     runtime.ensure_cpu_devices(args.cpu_devices)  # before JAX is imported
     import jax
 
     runtime.init_distributed()
+    if args.elastic is not None:
+        from experiments import elastic
+
+        try:
+            elastic.check_minimum(jax.process_count(), elastic.parse_nodes(args.elastic)[0])
+        except ValueError as e:
+            raise SystemExit(f"--elastic: {e}") from None
     from experiments import ablation, report
     from experiments.rows import resolve_rows
 

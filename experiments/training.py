@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ def train(
     meta: dict | None = None,
     progress: bool = False,
     log_every: int = 1,
+    step_log: str | None = None,
 ) -> tuple[Any, int, dict]:
     """Runs steps on the batches ``start .. stop-1`` of ``data``.
 
@@ -44,6 +46,8 @@ def train(
       progress: show a tqdm progress bar (loss, accuracy, images/s).
       log_every: fetch metrics to the host every this many steps (each fetch waits for
         the device).
+      step_log: append one JSON line per step here (``step``, wall-clock ``time``,
+        ``devices``): when each step ended, e.g. across an elastic restart.
 
     Returns:
       ``(state, position, summary)``: ``position`` is the next batch to read; ``summary``
@@ -84,6 +88,10 @@ def train(
                 jaxcomm.check_replicas(state, mesh=getattr(dp, "mesh", None), what=f"step {done}")
                 checkpointer.save(state, position=done, meta=meta)
                 saving += time.perf_counter() - t_save
+            if step_log is not None:
+                with open(step_log, "a") as f:
+                    line = {"step": done, "time": time.time(), "devices": jax.device_count()}
+                    f.write(json.dumps(line) + "\n")
             if bar is not None:
                 bar.update(1)
             position = done

@@ -281,3 +281,59 @@ def test_async_save_writes_the_state_it_was_given(mesh, tmp_path):
     assert data["position"] == 2 and data["devices"] == 8 and len(data["leaves"]) > 0
     assert_trees_bitwise_equal(restored, saved)
     assert assert_replicas_equal(restored) > 0
+
+
+def test_the_agent_environment_becomes_jaxcomm_variables():
+    """torchrun's RANK/WORLD_SIZE/MASTER_ADDR become the JAXCOMM_* variables (the
+    coordinator one port above the agent's store); a missing variable or several
+    processes per node are refused."""
+    agent = {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "10.0.0.1",
+             "MASTER_PORT": "29400"}  # fmt: skip
+    env = elastic.agent_env(2, agent)
+    assert env == {
+        "JAXCOMM_COORDINATOR": "10.0.0.1:29401",
+        "JAXCOMM_NUM_PROCESSES": "3",
+        "JAXCOMM_PROCESS_ID": "2",
+        "JAXCOMM_LOCAL_DEVICES": "2",
+    }
+    assert (
+        elastic.agent_env(2, {**agent, "JAXCOMM_ELASTIC_PORT": "5000"})["JAXCOMM_COORDINATOR"]
+        == "10.0.0.1:5000"
+    )
+    with pytest.raises(ValueError, match=r"\['RANK'\] are not set.*torchrun"):
+        elastic.agent_env(2, {k: v for k, v in agent.items() if k != "RANK"})
+    with pytest.raises(ValueError, match="--nproc-per-node=2: a JAX process drives every"):
+        elastic.agent_env(2, {**agent, "LOCAL_WORLD_SIZE": "2"})
+    assert elastic.parse_nodes("2:3") == (2, 3) and elastic.parse_nodes("4") == (4, 4)
+    for bad in ("3:2", "0:2", "a:b", "1:2:3"):
+        with pytest.raises(ValueError, match="must be MIN:MAX node counts"):
+            elastic.parse_nodes(bad)
+
+
+def test_elastic_flag_refusals(tmp_path, monkeypatch, capsys):
+    """Each refusal of --elastic is named before anything starts (no JAX runtime, no
+    JAXCOMM_* variable set)."""
+    from experiments import resnet152
+    from jaxcomm import distributed
+
+    agent = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "h",
+             "MASTER_PORT": "1"}  # fmt: skip
+    for k in (*agent, *distributed.ENV_VARS):
+        monkeypatch.setenv(k, "")  # undone at the end, whatever the test sets
+        monkeypatch.delenv(k)
+    base = ["--train", "--checkpoint-dir", str(tmp_path), "--elastic", "2:3"]
+    cases = [
+        (base, "are not set"),
+        (["--elastic", "5:3", "--train"], "must be MIN:MAX"),
+        ([*base, "--ablation"], "--elastic runs --train only"),
+        (["--train", "--elastic", "2:3"], "--elastic needs --checkpoint-dir"),
+        ([*base, "--resume"], "resumes by itself"),
+    ]
+    for i, (argv, message) in enumerate(cases):
+        if i == 1:
+            for k, v in agent.items():
+                monkeypatch.setenv(k, v)
+        with pytest.raises(SystemExit):
+            resnet152.main(argv)
+        assert message in capsys.readouterr().err, argv
+        assert not any(os.environ.get(k) for k in distributed.ENV_VARS)
