@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -54,6 +55,7 @@ __all__ = [
     "agent_env",
     "check_minimum",
     "checkpoint_cost",
+    "digits_restart",
     "parse_nodes",
     "per_device_batch",
     "resize",
@@ -306,6 +308,78 @@ def restore(
     )
     saved, data = checkpointer.restore(abstract, step=data["step"])
     return resize(saved, dp, rule=rule), data
+
+
+# -- the digits quality guard across a restart -------------------------------------------
+
+
+def digits_restart(
+    directory: str,
+    sync_kwargs: dict | None = None,
+    *,
+    steps: int = 300,
+    restart_at: int = 150,
+    devices: tuple[int, int] = (8, 4),
+    rule: str = "mean",
+    seed: int = 0,
+) -> dict:
+    """The digits quality guard (``experiments.bench.digits``: a 64-256-10 MLP, Adam, global
+    batch 120) run straight on ``devices[0]`` devices, and stopped at ``restart_at`` with a
+    checkpoint restored onto ``devices[1]`` (:func:`restore` with ``rule``) to go on to
+    ``steps`` with the same data order.
+
+    Returns:
+      ``accuracy`` (straight), ``restarted_accuracy``, their ``difference_points``
+      (percentage points), and the test set size.
+    """
+    import jaxcomm
+    from experiments.bench import digits
+
+    x_tr, y_tr, x_te, y_te = digits.load_split()
+    order = digits.data_order(seed, steps, digits.BATCH)
+
+    def batch(i):
+        idx = order[i * digits.BATCH : (i + 1) * digits.BATCH]
+        return {"x": x_tr[idx], "y": y_tr[idx]}
+
+    def build(n):
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(2, n // 2), ("inter", "intra"))
+        tx = optax.chain(
+            jaxcomm.sync_gradients(**(sync_kwargs or {})), optax.adam(digits.LEARNING_RATE)
+        )
+        dp = jaxcomm.data_parallel(digits._loss, tx, mesh)
+        return dp, dp.init(digits._init(seed))
+
+    def run(dp, state, start, stop):
+        for i in range(start, stop):
+            state, _ = dp(state, dp.shard_batch(batch(i)))
+            jax.block_until_ready(state)  # one step in flight (XLA:CPU's rendezvous)
+        return state
+
+    def accuracy(state):
+        params = jax.device_get(state.params)
+        return float(np.mean(np.asarray(jnp.argmax(digits._logits(params, x_te), -1)) == y_te))
+
+    per_device_batch(digits.BATCH, devices[1])
+    dp, state = build(devices[0])
+    half = run(dp, state, 0, restart_at)
+    ckpt = Checkpointer(directory)
+    ckpt.save(half, position=restart_at, meta={"global_batch": digits.BATCH})
+    straight = accuracy(run(dp, half, restart_at, steps))
+    dp2, like = build(devices[1])
+    restored, data = restore(ckpt, dp2, like, rule=rule, global_batch=digits.BATCH)
+    ckpt.close()
+    restarted = accuracy(run(dp2, restored, data["position"], steps))
+    return {
+        "accuracy": straight,
+        "restarted_accuracy": restarted,
+        "difference_points": 100 * (restarted - straight),
+        "test_images": int(len(y_te)),
+        "devices": list(devices),
+        "restart_at": restart_at,
+        "steps": steps,
+        "rule": rule,
+    }
 
 
 # -- an elastic agent's processes -----------------------------------------------------------

@@ -140,10 +140,11 @@ def test_error_feedback_residuals_are_relaid_by_the_stated_rule(mesh, tmp_path, 
                 assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), path
         moved = elastic.resize(state, dp4, rule=rule)
         assert_trees_bitwise_equal(restored, moved)
-        a, _ = train(dp4, restored, batches[SAVE_AT:])
-        b, _ = train(dp4, moved, batches[SAVE_AT:])
-        assert_trees_bitwise_equal(a, b)
-        assert int(a.step) == STEPS
+        if rule == "mean":  # one rule trained on: the same program, the same bits
+            a, _ = train(dp4, restored, batches[SAVE_AT:])
+            b, _ = train(dp4, moved, batches[SAVE_AT:])
+            assert_trees_bitwise_equal(a, b)
+            assert int(a.step) == STEPS
     if kind == "adaptive":
         (ad,) = jaxcomm.compression.adaptive_states(restored.opt_state)
         (ad8,) = jaxcomm.compression.adaptive_states(state.opt_state)
@@ -337,3 +338,13 @@ def test_elastic_flag_refusals(tmp_path, monkeypatch, capsys):
             resnet152.main(argv)
         assert message in capsys.readouterr().err, argv
         assert not any(os.environ.get(k) for k in distributed.ENV_VARS)
+
+
+def test_digits_accuracy_after_a_restart_on_fewer_devices(tmp_path):
+    """The digits quality guard (int8 with error feedback, 300 steps) stopped at step 150
+    and restored from 8 devices onto 4 (residuals by 'mean'): its test accuracy is the
+    straight run's within 0.3 points (one test image is 0.28)."""
+    int8 = jaxcomm.compression.int8(error_feedback=True)
+    r = elastic.digits_restart(str(tmp_path / "ckpt"), {"compression": int8})
+    assert r["test_images"] == 357 and r["accuracy"] > 0.9
+    assert abs(r["difference_points"]) <= 0.3, r
