@@ -237,7 +237,8 @@ os._exit(0)  # the process dies while step 4 is written
 
 def test_a_checkpoint_cut_short_is_never_restored(tmp_path):
     """An asynchronous save whose process dies before the write is finished leaves a
-    temporary folder; the newest complete checkpoint is the one restored."""
+    temporary folder; the newest complete checkpoint is the one restored, and the same
+    step saved again after the restart replaces the unfinished write."""
     folder = tmp_path / "ckpt"
     env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
@@ -262,6 +263,10 @@ def test_a_checkpoint_cut_short_is_never_restored(tmp_path):
     state, data = ckpt.restore(like)
     assert data["position"] == 2 and int(state.step) == 2
     assert float(state.params["w"][0, 0]) == 2.0 and float(state.params["w"][-1, -1]) == 2.0
+    # the restarted run reaches step 4 again: its write replaces the unfinished one
+    ckpt.save(jax.tree.map(lambda x: x + 1, state)._replace(step=np.int32(4)), position=4)
+    assert ckpt.all_steps() == [2, 4] and sorted(os.listdir(folder))[:2] == ["2", "4"]
+    assert float(ckpt.restore(like)[0].params["w"][0, 0]) == 3.0
     ckpt.close()
 
 
