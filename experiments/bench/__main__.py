@@ -1,6 +1,7 @@
 """``python -m experiments.bench <name> [args]``: dispatch to ``experiments.bench.<name>.main``.
 
 Every module of this package with a ``main(argv) -> int`` function is a benchmark.
+``peers``: PyTorch DDP and its hooks beside jaxcomm (its torch ranks: ``peers_torch``).
 """
 
 from __future__ import annotations
