@@ -59,8 +59,9 @@ JAX_ROWS: dict[str, str] = {  # key (--rows) -> name in the table
 }
 # Rows left out of the default --rows, with the reason (they run when named in --rows).
 LEFT_OUT: dict[str, str] = {
-    "jax-powersgd": "hangs on the 2-process testbed: both processes idle in the first step "
-    "(a collective that never completes), ResNet-18 with batch statistics, 2026-12-06",
+    "jax-powersgd": "deadlocks in its first step on ResNet-18's gradient shapes: every device "
+    "thread waits in jax's batched QR (jnp.linalg.qr, LAPACK FFI ParallelBatchMap), on the "
+    "testbed and on 4 fake devices in one process (jaxlib 0.10.2, 2026-12-06)",
 }
 BASELINES = {"jaxcomm": "jax-f32", "torch": "torch-f32"}
 TWINS = {"jaxcomm": "jax-compute", "torch": "torch-compute"}
