@@ -494,54 +494,101 @@ def read_params(folder: str) -> dict:
         return ckpt.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))["params"]
 
 
-def _agents(
-    torchrun: str,
-    nodes: int,
-    minimum: int,
-    worker: list[str],
-    *,
-    run_id: str,
-    port: int,
-    logs: str,
-    testbed: Any = None,
-) -> list[Any]:
-    """Starts ``nodes`` elastic agents (one per node; node ``i`` in the testbed's namespace
-    ``i`` when given), node 0 first: it hosts the rendezvous."""
+# The bound the project states for survivors of a dead peer: the coordinator's heartbeat
+# (20 s) or the collective timeout (45 s) ends every survivor within a minute.
+STOP_BOUND_S = 60.0
+
+
+def _clean_env() -> dict[str, str]:
+    """This environment without a job's variables (jaxcomm's, the agent's, a test's 8 fake
+    devices): the processes of a kill test get their own."""
+    from jaxcomm import distributed
+
+    agent = {*AGENT_VARS, "LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID",
+             "TORCHELASTIC_RESTART_COUNT", "JAXCOMM_ELASTIC_PORT"}  # fmt: skip
+    base = {k: v for k, v in os.environ.items() if k not in {*distributed.ENV_VARS, *agent}}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base.update(PYTHONPATH=root, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return base
+
+
+def _start(commands: list[list[str]], envs: list[dict], logs: str, name: str, testbed: Any,
+           pause: bool = False):  # fmt: skip
+    """Starts one process per node (node ``i`` in the testbed's namespace ``i`` when given),
+    node 0 first; ``pause``: a moment after each (the agents' rendezvous is hosted by the
+    first; JAX processes wait for their coordinator by themselves)."""
     import subprocess
     import time
 
-    from jaxcomm import distributed
-
-    host = "127.0.0.1" if testbed is None else testbed.addresses[0]
-    base = {k: v for k, v in os.environ.items() if k not in distributed.ENV_VARS}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    base.update(PYTHONPATH=root, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     procs = []
+    for i, (cmd, env) in enumerate(zip(commands, envs, strict=True)):
+        if testbed is not None:
+            env = {**env, **{k: v for k, v in testbed.env(i).items()
+                             if k.startswith("JAXCOMM_TESTBED")}}  # fmt: skip
+            cmd = ["ip", "netns", "exec", testbed.namespaces[i], *cmd]
+        log = open(os.path.join(logs, f"{name}-node{i}.log"), "w")  # noqa: SIM115
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True, cwd=root))  # fmt: skip
+        if pause:
+            time.sleep(2.0 if i == 0 else 0.5)
+    return procs
+
+
+def _agents(torchrun: str, nodes: int, minimum: int, worker: list[str], *, run_id: str,
+            port: int, logs: str, testbed: Any = None) -> list[Any]:  # fmt: skip
+    """Starts ``nodes`` elastic agents (torchrun), one per node, each starting
+    ``python -m experiments.resnet152 WORKER`` and restarting it on the nodes left."""
+    host = "127.0.0.1" if testbed is None else testbed.addresses[0]
+    commands = []
     for i in range(nodes):
         cmd = [torchrun, f"--nnodes={minimum}:{nodes}", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={run_id}",
                "--max-restarts=3", "--monitor-interval=1",
                "--rdzv-conf=last_call_timeout=5"]  # fmt: skip
-        env = dict(base)
         if testbed is not None:
-            env.update({k: v for k, v in testbed.env(i).items() if k.startswith("JAXCOMM_TESTBED")})
-            cmd = ["ip", "netns", "exec", testbed.namespaces[i], *cmd]
             cmd.append(f"--local-addr={testbed.addresses[i]}")
-        cmd += ["--no-python", sys.executable, "-m", "experiments.resnet152", *worker]
-        log = open(os.path.join(logs, f"{run_id}-node{i}.log"), "w")  # noqa: SIM115
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True, cwd=root))  # fmt: skip
-        time.sleep(2.0 if i == 0 else 0.5)
-    return procs
+        commands.append([*cmd, "--no-python", sys.executable, "-m", "experiments.resnet152",
+                         *worker])  # fmt: skip
+    return _start(commands, [_clean_env()] * nodes, logs, run_id, testbed, pause=True)
 
 
-def _wait(procs: list[Any], timeout_s: float, on_poll: Any = None) -> list[int | None]:
+def _workers(nodes: int, worker: list[str], *, run_id: str, restart: int, logs: str,
+             testbed: Any = None) -> list[Any]:  # fmt: skip
+    """Plays the elastic agent's part where torch is not installed (the test suite): starts
+    ``nodes`` processes of ``python -m experiments.resnet152 WORKER`` with the variables
+    torchrun gives the workers of one rendezvous round (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE=1``, ``MASTER_ADDR``, ``TORCHELASTIC_RUN_ID``,
+    ``TORCHELASTIC_RESTART_COUNT``), which ``--elastic`` reads through :func:`agent_env`.
+    Nothing listens on ``MASTER_PORT`` (there is no agent's store); the coordinator's port
+    is a free one (``JAXCOMM_ELASTIC_PORT``)."""
+    from jaxcomm.tools.launch import free_port
+
+    host = "127.0.0.1" if testbed is None else testbed.addresses[0]
+    agent = {"WORLD_SIZE": str(nodes), "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0",
+             "MASTER_ADDR": host, "MASTER_PORT": "1", "JAXCOMM_ELASTIC_PORT": str(free_port()),
+             "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": str(restart)}  # fmt: skip
+    envs = [{**_clean_env(), **agent, "RANK": str(i), "GROUP_RANK": str(i)} for i in range(nodes)]
+    command = [sys.executable, "-m", "experiments.resnet152", *worker]
+    return _start([command] * nodes, envs, logs, f"{run_id}-{restart}", testbed)
+
+
+def _wait(
+    procs: list[Any], timeout_s: float, on_poll: Any = None, ended: dict | None = None
+) -> list[int | None]:
+    """Waits for ``procs`` for at most ``timeout_s`` (or until ``on_poll()`` returns true),
+    then kills those still running; their exit codes. ``ended`` (when given) receives
+    ``index: time.time()`` of each process seen ended on its own."""
     import time
 
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end and any(p.poll() is None for p in procs):
-        if on_poll is not None:
-            on_poll()
+    end, ended = time.monotonic() + timeout_s, {} if ended is None else ended
+    while time.monotonic() < end:
+        now = time.time()
+        ended.update(
+            {i: now for i, p in enumerate(procs) if i not in ended and p.poll() is not None}
+        )
+        if len(ended) == len(procs) or (on_poll is not None and on_poll()):
+            break
         time.sleep(0.2)
     for p in procs:
         if p.poll() is None:
@@ -549,10 +596,18 @@ def _wait(procs: list[Any], timeout_s: float, on_poll: Any = None) -> list[int |
     return [p.wait() for p in procs]
 
 
+def _complete_steps(folder: str) -> list[int]:
+    """The complete checkpoint steps in ``folder`` (orbax renames a step's folder to its
+    number once every process has written it)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(name) for name in os.listdir(folder) if name.isdigit())
+
+
 def kill_test(
     out: str,
     *,
-    torchrun: str,
+    torchrun: str | None = None,
     nodes: int = 3,
     kill_at: int = 8,
     steps: int = 20,
@@ -561,14 +616,36 @@ def kill_test(
     port: int = 29555,
     testbed: Any = None,
     timeout_s: float = 1200,
+    image_size: int = 16,
+    per_device_batch: int = 2,
+    config: str | None = None,
+    overlap_reference: bool = False,
 ) -> dict:
-    """Kills the last node (its agent and its JAX process) once step ``kill_at`` ended; the
-    others finish on ``nodes - 1`` nodes. Then the reference: the same job without a kill
+    """Kills the last node (its agent, or its JAX process) once step ``kill_at`` ended; the
+    job finishes on ``nodes - 1`` nodes. Then the reference: the same job without a kill
     stopped at the checkpoint the survivors restored, resumed on ``nodes - 1`` nodes.
 
+    Every process is ``python -m experiments.resnet152 --preset cpu-smoke --train
+    --elastic MIN:MAX`` (ResNet-tiny, ``image_size`` px, asynchronous checkpoints every
+    ``every`` steps). With ``torchrun``, PyTorch's elastic agents notice the failure and
+    restart the job on the nodes left; without, this function plays the agent
+    (:func:`_workers`): it waits for the survivors to end on their own (at most
+    :data:`STOP_BOUND_S`, then they are killed and counted as hung) and starts the job
+    again on ``nodes - 1`` processes, as the agent would after its new rendezvous.
+
+    ``config`` picks the experiment's row (default its last, every technique);
+    ``overlap_reference`` starts the reference while the survivors wait for the heartbeat,
+    stopped at the last checkpoint step before the kill (what the survivors must restore:
+    the suite's test asserts that they did), instead of after the restart.
+
     Returns:
-      The kill's step, the step restored, the steps lost, seconds from the kill to the
-      first step after it, exit codes, and the final params against the reference.
+      The kill's step, the complete checkpoints at the kill, the step restored, the steps
+      lost, seconds from the kill to the first step after it, the exit codes, and the final
+      params against the reference (``params_bitwise_equal``, ``params_max_abs_diff``);
+      without ``torchrun`` also the survivors' exit codes, seconds from the kill to the
+      last survivor's end (``survivors_stopped_s``, None if one had to be killed) and the
+      complete checkpoints when the job was started again (``complete_at_restart``);
+      ``reference_stop`` and the two ``final_checkpoints`` folders.
     """
     import shutil
     import time
@@ -579,13 +656,33 @@ def kill_test(
     common = ["--preset", "cpu-smoke", "--train", "--elastic", f"{minimum}:{nodes}",
               "--steps", str(steps), "--checkpoint-every", str(every),
               "--devices-per-node", str(devices_per_node), "--no-progress",
-              "--image-size", "16", "--per-device-batch", "2"]  # fmt: skip
+              "--image-size", str(image_size),
+              "--per-device-batch", str(per_device_batch)]  # fmt: skip
+    common += [] if config is None else ["--config", config]
     run = {"ckpt": os.path.join(out, "kill", "ckpt"), "out": os.path.join(out, "kill", "out")}
     worker = [*common, "--checkpoint-dir", run["ckpt"], "--out", run["out"]]
+
+    def job(count, low, argv, run_id, restart, agent_port):
+        """``count`` nodes: agents that accept ``low`` or more, or the processes of the
+        agent's round ``restart``."""
+        if torchrun is None:
+            return _workers(count, argv, run_id=run_id, restart=restart, logs=out,
+                            testbed=testbed)  # fmt: skip
+        return _agents(torchrun, count, low, argv, run_id=run_id, port=agent_port, logs=out,
+                       testbed=testbed)  # fmt: skip
+
+    ref = os.path.join(out, "reference", "ckpt")
+    ref_worker = [*common, "--checkpoint-dir", ref, "--out", os.path.join(out, "reference", "out")]
+
+    def reference(stop):  # the same job without a kill, stopped at checkpoint ``stop``
+        argv = [*ref_worker, "--stop-at", str(stop)]
+        return {"stop": stop, "procs": job(nodes, nodes, argv, "ref", 0, port + 10)}
+
     t0 = time.time()
-    procs = _agents(torchrun, nodes, minimum, worker, run_id="kill", port=port, logs=out,
-                    testbed=testbed)  # fmt: skip
+    procs = job(nodes, minimum, worker, "kill", 0, port)
     killed: dict = {}
+    ended: dict[int, float] = {}
+    early: dict = {}
     steps_file = os.path.join(run["out"], "steps.jsonl")
 
     def poll():
@@ -597,9 +694,25 @@ def kill_test(
                     os.kill(pid, 9)
                 except ProcessLookupError:
                     pass
-            killed.update(time=time.time(), step=done[-1]["step"])
+            killed.update(time=time.time(), step=done[-1]["step"],
+                          complete=_complete_steps(run["ckpt"]))  # fmt: skip
+            if overlap_reference:  # while the survivors wait for the heartbeat
+                early.update(reference(every * (killed["step"] // every)))
+        # playing the agent: the survivors must end on their own within the bound
+        return torchrun is None and killed and time.time() - killed["time"] > STOP_BOUND_S
 
-    codes = _wait(procs, timeout_s, poll)
+    codes = _wait(procs, timeout_s, poll, ended)
+    result: dict[str, Any] = {}
+    if torchrun is None:
+        survivors = range(nodes - 1)
+        on_their_own = bool(killed) and all(i in ended for i in survivors)
+        result["survivors_exit_codes"] = [codes[i] for i in survivors]
+        result["survivors_stopped_s"] = (
+            max(ended[i] for i in survivors) - killed["time"] if on_their_own else None
+        )
+        result["complete_at_restart"] = _complete_steps(run["ckpt"])
+        if on_their_own and all(codes[i] for i in survivors):  # the agent's restart
+            codes = _wait(job(minimum, minimum, worker, "kill", 1, port), timeout_s)
     log = _read_steps(steps_file)
     after = [x for x in log if killed and x["time"] > killed["time"]]
     restored = after[0]["step"] - 1 if after else None
@@ -609,33 +722,37 @@ def kill_test(
         "every": every,
         "steps": steps,
         "where": "testbed" if testbed is not None else "localhost",
+        "agent": "torchrun" if torchrun is not None else "this process",
         "kill_step": killed.get("step"),
+        "complete_at_kill": killed.get("complete"),
         "restored_step": restored,
         "steps_lost": None if restored is None else killed["step"] - restored,
         "kill_to_next_step_s": after[0]["time"] - killed["time"] if after else None,
         "devices_after": after[0]["devices"] if after else None,
         "final_step": log[-1]["step"] if log else None,
+        **result,
         "exit_codes": codes,
         "seconds": time.time() - t0,
     }
+    if early:
+        first_codes = _wait(early["procs"], timeout_s)
     if restored is None or result["final_step"] != steps:
         return result
-    # The reference: no kill; the same checkpoint step, then the nodes left.
-    ref = os.path.join(out, "reference", "ckpt")
-    worker = [*common, "--checkpoint-dir", ref, "--out", os.path.join(out, "reference", "out")]
-    first = _agents(torchrun, nodes, nodes, [*worker, "--stop-at", str(restored)],
-                    run_id="ref", port=port + 10, logs=out, testbed=testbed)  # fmt: skip
+    # The reference: no kill; the checkpoint the survivors restored, then the nodes left.
+    if not early:
+        early = reference(restored)
+        first_codes = _wait(early["procs"], timeout_s)
+    result["reference_stop"] = early["stop"]
     second_codes = None
-    first_codes = _wait(first, timeout_s)
     if not any(first_codes):
-        second = _agents(torchrun, minimum, minimum, worker, run_id="ref", port=port + 20,
-                         logs=out, testbed=testbed)  # fmt: skip
-        second_codes = _wait(second, timeout_s)
+        second_codes = _wait(job(minimum, minimum, ref_worker, "ref", 1, port + 20), timeout_s)
     result["reference_exit_codes"] = [first_codes, second_codes]
+    result["seconds"] = time.time() - t0
     if second_codes is None or any(second_codes):
         return result
-    a = read_params(os.path.join(run["ckpt"], str(steps)))
-    b = read_params(os.path.join(ref, str(steps)))
+    result["final_checkpoints"] = [os.path.join(run["ckpt"], str(steps)),
+                                   os.path.join(ref, str(steps))]  # fmt: skip
+    a, b = (read_params(folder) for folder in result["final_checkpoints"])
     diffs = [
         float(np.max(np.abs(x - y)))
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
@@ -813,7 +930,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("command", choices=["checkpoint-cost", "kill-test"])
-    p.add_argument("--torchrun", default="torchrun", help="kill-test: PyTorch's torchrun")
+    p.add_argument("--torchrun", default=None,
+                   help="kill-test: PyTorch's torchrun as the agent (default: this process "
+                   "plays the agent's restart)")  # fmt: skip
     p.add_argument("--nodes", type=int, default=3, help="kill-test: nodes at the start")
     p.add_argument("--kill-at", type=int, default=8, help="kill-test: kill after this step")
     p.add_argument("--testbed", action="store_true", help="kill-test: nodes in the testbed")
