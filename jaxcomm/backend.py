@@ -106,9 +106,16 @@ constant offsets, a plain all-to-all, a bf16 all-reduce, asynchronous dispatch):
    then chooses the fewest buckets (``jaxcomm.buckets.AutoBuckets.choose``,
    ``overlap=False``), where buckets sized for overlap would only add collectives, each
    paying the link's latency.
+9. *QR one at a time* (``qr_one_at_a_time``). XLA:CPU's batched LAPACK call splits a
+   batch of QRs into tasks on the intra-op thread pool that runs the devices' programs
+   and waits for them there: with several fake devices on few cores every pool thread
+   can be such a waiter, and the step deadlocks (PowerSGD on ResNet-18's gradient
+   shapes, 4 devices on 2 cores, jaxlib 0.10.2). ``jaxcomm.compression.powersgd``'s
+   orthogonalization then runs its batch as a loop of single QRs (``lax.map``): the
+   same Householder QR per matrix.
 
 Only 1 to 3 are about compile time; 4 to 6 are about what reaches the wire; 7 about
-dispatch; 8 about how the gradient is cut.
+dispatch; 8 about how the gradient is cut; 9 about a deadlock of the CPU runtime.
 """
 
 from __future__ import annotations
@@ -175,6 +182,8 @@ class Backend:
       one_step_in_flight: the host waits for each step before dispatching the next.
       synchronous_collectives: a collective blocks the step's compute until it ends, so
         nothing hides it (``bucket_bytes='auto'`` then chooses the fewest buckets).
+      qr_one_at_a_time: a batch of QRs as a loop of single QRs (``lax.map``), not one
+        batched LAPACK call.
     """
 
     platform: str
@@ -188,6 +197,7 @@ class Backend:
     check_collective_order: bool = False
     one_step_in_flight: bool = False
     synchronous_collectives: bool = False
+    qr_one_at_a_time: bool = False
 
     def __post_init__(self):
         if self.bf16_route not in ("allreduce", "all_to_all"):
@@ -211,6 +221,7 @@ CPU = Backend(
     check_collective_order=True,
     one_step_in_flight=True,
     synchronous_collectives=True,
+    qr_one_at_a_time=True,
 )
 #: GPU (NCCL sums bf16 natively; a GPU conditional reads its predicate on the host, and
 #: its kernels index cheaply): the plain program.

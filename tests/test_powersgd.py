@@ -2,11 +2,15 @@
 what the algorithm gives one matrix at a time (a float64 numpy reference), and the padding
 stays exactly zero in the state."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import AX, per_device, sharded, state_specs
+from helpers import AX, ROOT, per_device, sharded, state_specs
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -103,3 +107,35 @@ def test_shape_groups_merge_within_the_padding_budget():
     assert shape_groups([(4, 3, 2), (4, 3, 1)], max_padding=10.0) == [[0], [1]]
     with pytest.raises(ValueError, match="max_padding=-1"):
         C.powersgd(max_padding=-1)
+
+
+_RESNET18_STEP = """
+import jax, jax.numpy as jnp, numpy as np, optax
+import jaxcomm
+from jaxcomm.models.resnet import gradient_shapes
+rng = np.random.default_rng(0)
+shapes = [x.shape for x in jax.tree.leaves(gradient_shapes("resnet18", 10))]
+params = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+def loss(p, b):
+    return sum(jnp.sum(v * jnp.mean(b)) + jnp.sum(v * v) for v in p)
+tx = optax.chain(jaxcomm.sync_gradients(compression=jaxcomm.compression.powersgd(rank=4)),
+                 optax.sgd(1e-3))
+dp = jaxcomm.data_parallel(loss, tx, jaxcomm.make_mesh(intra=2))
+state = dp.init(params)
+for _ in range(2):
+    state, _ = dp(state, dp.shard_batch(np.arange(16, dtype=np.float32).reshape(4, 4)))
+print("finite", all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(state.params)))
+"""
+
+
+def test_resnet18_shapes_on_four_cpu_devices_do_not_deadlock():
+    """ResNet-18's 62 gradient matrices, stacked into batches of QRs, on 4 fake CPU
+    devices: XLA:CPU's batched LAPACK QR deadlocked its thread pool there (jaxlib 0.10.2,
+    2 cores); the CPU row orthogonalizes a batch one QR at a time (backend item 9)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    p = subprocess.run(
+        [sys.executable, "-c", _RESNET18_STEP], env=env, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert p.returncode == 0 and "finite True" in p.stdout, (p.stdout + p.stderr)[-3000:]

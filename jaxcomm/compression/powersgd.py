@@ -92,7 +92,12 @@ def orthogonalize(p: jax.Array) -> jax.Array:
     Example:
       >>> p_hat = orthogonalize(m @ q)   # PowerSGD's step 3
     """
-    q, r = jnp.linalg.qr(p)
+    if p.ndim > 2 and backend.current().qr_one_at_a_time:  # a CPU deadlock (backend 9)
+        flat = p.reshape(-1, *p.shape[-2:])
+        q, r = jax.lax.map(jnp.linalg.qr, flat)
+        q, r = q.reshape(*p.shape[:-2], *q.shape[-2:]), r.reshape(*p.shape[:-2], *r.shape[-2:])
+    else:
+        q, r = jnp.linalg.qr(p)
     # A zero column (e.g. a zero gradient) gives a zero diagonal; keep it zero, not NaN.
     # The diagonal as a strided slice (not jnp.diagonal's gather), which XLA fuses into
     # the masking: one kernel fewer per batch.
