@@ -58,11 +58,7 @@ JAX_ROWS: dict[str, str] = {  # key (--rows) -> name in the table
     "jax-local": "jaxcomm local steps, int8 outer sync",
 }
 # Rows left out of the default --rows, with the reason (they run when named in --rows).
-LEFT_OUT: dict[str, str] = {
-    "jax-powersgd": "deadlocks in its first step on ResNet-18's gradient shapes: every device "
-    "thread waits in jax's batched QR (jnp.linalg.qr, LAPACK FFI ParallelBatchMap), on the "
-    "testbed and on 4 fake devices in one process (jaxlib 0.10.2, 2026-12-06)",
-}
+LEFT_OUT: dict[str, str] = {}
 BASELINES = {"jaxcomm": "jax-f32", "torch": "torch-f32"}
 TWINS = {"jaxcomm": "jax-compute", "torch": "torch-compute"}
 TORCH_PORT = 23457
@@ -556,7 +552,7 @@ def _parser() -> argparse.ArgumentParser:
         "--rows",
         default=",".join(_interleave([r for r in JAX_ROWS if r not in LEFT_OUT], torch_names)),
         help=f"comma-separated row keys, in the order each round runs them: {keys} "
-        f"(default: all but {', '.join(LEFT_OUT)}, see LEFT_OUT)",
+        "(default: all but those in LEFT_OUT)",
     )
     p.add_argument("--json", default="runs/peers.json", help="output JSON path")
     p.add_argument("--plot", default=None, help="write the plot (PNG) here")
