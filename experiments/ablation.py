@@ -563,7 +563,6 @@ def run_speed(
       holds the message).
     """
     results = [_base_result(r) for r in resolved]
-    framing = _framing(intra)
     benches: dict[int, _Bench] = {}
     twin_steps: dict[str, _Step] | None = {} if twins else None
     for i, r in enumerate(progress(resolved)):
@@ -585,6 +584,8 @@ def run_speed(
                     raise ProcessesBroken(row, f"timing round {k + 1}", e) from e
                 _error(results[i], e)
                 del benches[i]
+    # after the timing: the probes' own collectives and connections stay out of the rounds
+    framing = _framing(intra)
     for i, bench in benches.items():
         results[i].update(bench.result(link_bps, framing))
     base = next((x for x in results if x["config"] == "baseline" and x["step_time_s"]), None)
