@@ -35,7 +35,7 @@ link bound:
   them).
 * ``link_bytes_framing``: the transport's framing those calls add, which no HLO shows: the
   row's crossing calls per step (``wire_bytes(...)['crossing_calls']``) times the framing
-  per call measured at the start of the run (``jaxcomm.tools.testbed.framing_per_call``);
+  per call measured after the timing rounds (``jaxcomm.tools.testbed.framing_per_call``);
   ``link_bytes_expected = link_bytes + link_bytes_framing``, what the counters should read.
 * ``link_bound_s = link_bytes / (link_bps / 8)``: the time those bytes need at line rate.
 * ``sync_alone_s``: the sync alone's time per step; ``link_efficiency`` = its own bytes'
