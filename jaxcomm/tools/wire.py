@@ -20,7 +20,7 @@ collective inside a loop body (``lax.scan``) is counted once, i.e. per iteration
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -75,6 +75,22 @@ def _split(records: list[dict], key: str) -> dict[str, float]:
     return dict(out)
 
 
+def _slices(mesh: Mesh) -> Iterator[tuple[str, np.ndarray]]:
+    """Each mesh axis with its slice: which devices sit at coordinate 0 of that axis (a
+    node, for ``'inter'``)."""
+    coords = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape), -1)
+    for i, axis in enumerate(mesh.axis_names):
+        yield axis, coords[:, i] == 0
+
+
+def _crossings(r: dict, inside: np.ndarray) -> int:
+    """How many of a collective's replica groups have members both inside and outside the
+    slice; for a collective-permute, how many of its pairs send from inside to outside."""
+    if r["kind"] == "collective-permute":
+        return sum(bool(inside[s] and not inside[t]) for s, t in r["pairs"])
+    return sum(1 for g in r["groups"] if 0 < sum(bool(inside[d]) for d in g) < len(g))
+
+
 def _crossing(counted: list[dict], mesh: Mesh) -> dict[str, float]:
     """Bytes per call that leave one slice of each mesh axis (a node, for ``'inter'``), in
     each direction.
@@ -89,44 +105,35 @@ def _crossing(counted: list[dict], mesh: Mesh) -> dict[str, float]:
     collective that run side by side (e.g. one per intra-node device, each over
     ``'inter'``) share the link, so each counts.
     """
-    coords = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape), -1)
     out = {}
-    for i, axis in enumerate(mesh.axis_names):
-        inside = coords[:, i] == 0
+    for axis, inside in _slices(mesh):
         total = 0.0
         for r in counted:
-            if r["kind"] == "collective-permute":
-                n = sum(bool(inside[s] and not inside[t]) for s, t in r["pairs"])
-                total += n * float(r["operand_bytes"])  # each pair sends its whole operand
+            if r["kind"] == "collective-permute":  # each pair sends its whole operand
+                total += _crossings(r, inside) * float(r["operand_bytes"])
             elif r["kind"] == "all-to-all":
                 for g in r["groups"]:
                     k = sum(bool(inside[d]) for d in g)
                     total += k * (len(g) - k) / len(g) * float(r["operand_bytes"])
             else:
-                n = sum(1 for g in r["groups"] if 0 < sum(bool(inside[d]) for d in g) < len(g))
-                total += n * r["bytes"]
+                total += _crossings(r, inside) * r["bytes"]
         out[axis] = total
     return out
 
 
 def _crossing_calls(counted: list[dict], mesh: Mesh) -> dict[str, dict[str, int]]:
-    """Calls per step that cross one slice of each mesh axis, by ``'kind/group size'``:
-    the replica groups (collective-permute: the source-target pairs) of each collective
-    with members both inside and outside the slice. What a transport's per-message
-    framing, which no HLO shows, scales with (:func:`jaxcomm.tools.testbed.framing_per_call`).
+    """Calls per step that cross one slice of each mesh axis, by ``'kind/group size'``
+    (:func:`_crossings`; a collective-permute's pairs count as groups of 2). What a
+    transport's per-message framing, which no HLO shows, scales with
+    (:func:`jaxcomm.tools.testbed.framing_per_call`).
     """
-    coords = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape), -1)
     out: dict[str, dict[str, int]] = {}
-    for i, axis in enumerate(mesh.axis_names):
-        inside = coords[:, i] == 0
+    for axis, inside in _slices(mesh):
         calls: dict[str, int] = {}
         for r in counted:
-            if r["kind"] == "collective-permute":
-                n, size = sum(bool(inside[s] and not inside[t]) for s, t in r["pairs"]), 2
-            else:
-                n = sum(1 for g in r["groups"] if 0 < sum(bool(inside[d]) for d in g) < len(g))
-                size = r["group_size"]
+            n = _crossings(r, inside)
             if n:
+                size = 2 if r["kind"] == "collective-permute" else r["group_size"]
                 key = f"{r['kind']}/{size}"
                 calls[key] = calls.get(key, 0) + n
         out[axis] = calls
