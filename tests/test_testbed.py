@@ -392,3 +392,9 @@ def test_make_run_path_runs_every_row_on_two_processes(tmp_path):
     assert local["link_bytes"] > 1.75 * int8_bytes / h
     assert f"+local steps: a sync every {h} steps" in p.stdout
     assert f"+compression: adaptive timed at {ad['timed_levels'][0]}" in p.stdout
+
+
+@pytest.mark.parametrize("key", ["all-reduce", "all-reduce/four", "/4"])
+def test_framing_probe_refuses_a_key_that_is_not_kind_and_group_size(mesh, key):
+    with pytest.raises(ValueError, match=r"is not 'kind/group size'.*'all-reduce/4'.*all-gather"):
+        testbed.framing_per_call(mesh, ["all-reduce/4", key])

@@ -253,6 +253,9 @@ def framing_per_call(
     Returns:
       ``{key: bytes per crossing call}``; ``None`` for a key with no probe (another kind,
       a group size that is no set of mesh axes) or outside a testbed.
+
+    Raises:
+      ValueError: a key that is not ``'kind/group size'``.
     """
     import jax
     import numpy as np
@@ -270,6 +273,14 @@ def framing_per_call(
             x, "inter", [(i, (i + 1) % nodes) for i in range(nodes)]
         ),
     }
+    for key in keys:
+        kind, _, size = key.rpartition("/")
+        if not kind or not size.isdigit():
+            raise ValueError(
+                f"framing_per_call: key {key!r} is not 'kind/group size'; use e.g. "
+                f"'all-reduce/4', a kind of {sorted(probes)} and a group size in devices "
+                "(the keys of jaxcomm.wire_bytes(...)['crossing_calls'])."
+            )
     out: dict[str, float | None] = {}
     nodes = mesh.shape["inter"]
     sizes = {mesh.devices.size: tuple(mesh.axis_names), nodes: ("inter",)}
