@@ -22,9 +22,8 @@ the row (``fix``):
   waits for its own future before DDP hands over the next bucket (:func:`waiting`): the
   bucket's communication no longer overlaps the rest of the backward pass.
 * ``batched_powerSGD_hook`` in torch 2.14 passes a 2-D Q to ``_orthogonalize``, which
-  asserts a 3-D batch of matrices (``AssertionError`` at the first compressed step). The
-  patch (:func:`patch_orthogonalize`) gives it the matrix as a batch of one, a view, so the
-  in-place orthogonalisation writes through.
+  asserts a 3-D batch of matrices (``AssertionError`` at the first compressed step): the
+  row is reported with that error. torch's module is not patched.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import time
 import traceback
 from typing import Any
 
-__all__ = ["ROWS", "TorchRow", "TorchRows", "patch_orthogonalize", "rank_main", "waiting"]
+__all__ = ["ROWS", "TorchRow", "TorchRows", "rank_main", "waiting"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,28 +95,6 @@ def waiting(hook: Any) -> Any:
     return wrapped
 
 
-def patch_orthogonalize() -> bool:
-    """Lets ``batched_powerSGD_hook`` orthogonalise its 2-D matrices (torch 2.14's assertion).
-
-    Returns:
-      True if the patch was applied now, False if it already was.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
-    original = ps._orthogonalize
-    if getattr(original, "_peers_patched", False):
-        return False
-
-    def orthogonalize(matrices, epsilon=0):
-        if matrices.dim() == 2:  # a batch of one, as a view: the result writes through
-            return original(matrices.unsqueeze(0), epsilon)
-        return original(matrices, epsilon)
-
-    orthogonalize._peers_patched = True
-    ps._orthogonalize = orthogonalize
-    return True
-
-
 class TorchRows:
     """This rank's rows: models, optimizers, the data, the step counters.
 
@@ -149,7 +126,7 @@ class TorchRows:
         self.torch.manual_seed(self.cfg["seed"])
         return torchvision.models.resnet18(num_classes=10)
 
-    def _build(self, spec: TorchRow, *, fix: bool = False) -> dict[str, Any]:
+    def _build(self, spec: TorchRow) -> dict[str, Any]:
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
@@ -197,9 +174,6 @@ class TorchRows:
                 if spec.hook == "powersgd":
                     net.register_comm_hook(state, waiting(ps.powerSGD_hook))
                 else:
-                    if fix:
-                        patch_orthogonalize()
-                        row["fix"] += "; 2-D Q given to _orthogonalize as a batch of one"
                     net.register_comm_hook(state, waiting(ps.batched_powerSGD_hook))
             row["group"] = group
         else:
@@ -234,9 +208,7 @@ class TorchRows:
         two barriers over all ranks.
 
         Returns:
-          ``{'time_s': seconds per step}``, or ``{'error': text}`` if the row failed (a
-          failed batched PowerSGD row is rebuilt once with :func:`patch_orthogonalize` and
-          run again from its first step; its stock error is kept as ``stock_error``).
+          ``{'time_s': seconds per step}``, or ``{'error': text}`` if the row failed.
         """
         import torch.distributed as dist
 
@@ -245,20 +217,9 @@ class TorchRows:
         try:
             if name not in self.rows:
                 self.rows[name] = self._build(spec)
-            before = self.rows[name]["steps"]
             dist.barrier()
             t0 = time.perf_counter()
-            try:
-                self._steps(self.rows[name], n)
-            except Exception as e:  # noqa: BLE001 - reported with the row
-                if spec.hook != "batched_powersgd" or "_orthogonalize" in self.rows[name]["fix"]:
-                    raise
-                where = traceback.extract_tb(e.__traceback__)[-1]
-                out["stock_error"] = f"{type(e).__name__} in {where.name}: {e}".strip(": ")
-                self.rows[name] = self._build(spec, fix=True)
-                self._steps(self.rows[name], before + n)  # from step 0, as every other row
-                dist.barrier()
-                t0 = time.perf_counter()  # not timed: a warm-up window
+            self._steps(self.rows[name], n)
             dist.barrier()
             out["time_s"] = (time.perf_counter() - t0) / n
             out["fix"] = self.rows[name]["fix"]
