@@ -21,6 +21,7 @@ from jaxcomm import (
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.diloco import LocalSGDState, local_sgd
 from jaxcomm.distributed import init_distributed
+from jaxcomm.lift import lift_opt_state
 from jaxcomm.mesh import DATA_AXES, make_mesh
 from jaxcomm.nnx import (
     LinenDataParallel,
@@ -80,6 +81,7 @@ __all__ = [
     "hlo",
     "host_memory",
     "init_distributed",
+    "lift_opt_state",
     "linen_data_parallel",
     "local_sgd",
     "make_mesh",
