@@ -36,6 +36,21 @@ and a state whose tokens the step object cannot match (a checkpoint restored in 
 process without them, an older state) is refused with that fix, never trained on with the
 per-device state reset.
 
+**The optax form.** A script without a ``TrainState`` (``update_fn(params, opt_state, batch,
+rng)``, its optimizer ``tx`` closed over) gets the same guarantees. Its state arguments are
+named with ``state_argnums=`` or found: the argument holding a ``sync_gradients`` state (the
+optimizer state) and every other argument of floating leaves whose rows are the same (as
+``jax_utils.replicate`` makes them); each must come back in its own output place. A pmap
+step in which no state is seen is refused with that fix. The params are the first of them
+(the others, e.g. batch statistics, are model state); they travel through the engine as one
+:class:`OptaxState` in the place of a ``TrainState``. The step calls its own ``tx``, so
+what the ``TrainState`` form sees through its recording ``tx`` is read here from the state
+and the step's jaxpr: an optimizer state with no sync, or with the sync not first in its
+chain (after ``clip_by_global_norm``, or last), is refused, and so is a step that keeps its
+own ``lax.pmean`` of the gradients. A checkpoint of the unported script resumes through
+:func:`jaxcomm.lift_opt_state`. ``donate_argnums`` frees the donated arguments' buffers,
+these only, as ``jax.pmap`` does.
+
 The gradient mean is ``jaxcomm.sync_gradients``'s, first in the ``TrainState``'s ``tx``: a
 step that still averages the gradients itself (``lax.pmean(grads, 'batch')``) is refused
 with that line to delete. Flax's ``DynamicScale`` is kept: inside the step it runs as
@@ -52,27 +67,96 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from flax.training.train_state import TrainState
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.axis_names import check_axis_name
 from jaxcomm.flax_step import FlaxFrontEnd, FlaxStep, check_decorator_args, key_data
-from jaxcomm.linen import LinenAdapter
+from jaxcomm.linen import LinenAdapter, _Slot
 from jaxcomm.mesh import DATA_AXES
 from jaxcomm.replicas import check_replicas as compare_replicas
 from jaxcomm.sharded import shard_options
 from jaxcomm.state import varying_axes
+from jaxcomm.sync import SyncGradientsState
 from jaxcomm.validate import check_int
 
-__all__ = ["PmapDataParallel", "pmap_data_parallel"]
+__all__ = ["OptaxState", "PmapDataParallel", "pmap_data_parallel"]
 
 # The first word of a token that stands for per-device state the step object holds.
 TOKEN_MARK = 0x6A78434D  # "jxCM"
 
 
+@struct.dataclass
+class OptaxState:
+    """The optax form's state arguments (``update_fn(params, opt_state, batch, rng)``, the
+    optimizer ``tx`` closed over), held together as one node of the engine, in the place of
+    a ``TrainState``: ``params`` are differentiated per device and proven the same on every
+    device after the update, ``opt_state`` is replicated but for per-device state (held by
+    the step object), ``model_state`` (other state arguments, e.g. batch statistics) is
+    averaged where a step makes it differ per device."""
+
+    params: Any
+    opt_state: Any
+    model_state: tuple = ()
+
+
+class _Form(NamedTuple):
+    """Where the optax form's state arguments are among the step's arguments and outputs."""
+
+    params: int
+    opt: int
+    model: tuple[int, ...]
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        return tuple(sorted((self.params, self.opt, *self.model)))
+
+
+# Flax's ``restore_checkpoint`` may hand the state back as the same node types; the optax
+# form adds OptaxState to what is state.
 def _is_state(x: Any) -> bool:
-    return isinstance(x, TrainState)
+    return isinstance(x, (TrainState, OptaxState))
+
+
+def _is_sync(x: Any) -> bool:
+    return isinstance(x, SyncGradientsState)
+
+
+def _holds_sync(tree: Any) -> bool:
+    return any(_is_sync(x) for x in jax.tree.leaves(tree, is_leaf=_is_sync))
+
+
+OPTAX_FIX = "tx = optax.chain(jaxcomm.sync_gradients(), tx) (the tx the step closes over)"
+
+
+class PmapAdapter(LinenAdapter):
+    """The pmap entry's state for the engine: ``TrainState`` s (through the Linen
+    adapter's recording ``tx``), or the optax form's :class:`OptaxState` (the step calls
+    the ``tx`` it closes over: no recording; its sync is seen in its state, and what the
+    step makes of the gradients in its jaxpr, :meth:`PmapDataParallel._check_optax_step`)."""
+
+    @staticmethod
+    def is_node(a: Any) -> bool:
+        return _is_state(a)
+
+    @staticmethod
+    def enter(graphdef: Any, states: Any, hooks: Any) -> tuple:
+        if any(isinstance(s, OptaxState) for s in states):
+            return states, lambda: None, False
+        return LinenAdapter.enter(graphdef, states, hooks)
+
+    def exit(self, objs: tuple, out: Any) -> tuple[list, Any]:
+        new = [x for x in jax.tree.leaves(out, is_leaf=_is_state) if _is_state(x)]
+        if len(new) != len(objs):
+            raise ValueError(
+                f"{self.name}: the step takes {len(objs)} TrainState(s) and returns "
+                f"{len(new)}; return each new state, e.g. (state, metrics)."
+            )
+        rest = jax.tree.map(lambda x: _Slot() if _is_state(x) else x, out, is_leaf=_is_state)
+        return jax.tree.leaves(tuple(new)), rest
 
 
 def _rows_hint() -> str:
@@ -126,6 +210,72 @@ def _argnums(value: Any, what: str) -> tuple[int, ...]:
     return tuple(check_int(name, i, minimum=0, fix="pass argument positions") for i in nums)
 
 
+def _rows_equal(x: jax.Array) -> jax.Array:
+    """Whether every row of ``x`` holds row 0's bits (NaNs included)."""
+    if jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+    return jnp.all(x == x[:1])
+
+
+def _floating(tree: Any) -> bool:
+    """Whether ``tree`` has leaves and every one is a floating-point array."""
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in leaves)
+
+
+_MEANS = frozenset({"psum", "psum_invariant", "pmean"})
+
+
+def _reduced_operands(jaxpr: Any, axes: set, seen: set) -> None:
+    """Adds to ``seen`` the ``(shape, dtype)`` of every operand of a sum over all of
+    ``axes`` in ``jaxpr`` and the jaxprs nested in it (loops, conditionals, calls)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _MEANS:
+            reduced = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+            reduced = set(reduced if isinstance(reduced, (tuple, list)) else (reduced,))
+            if axes <= reduced:
+                seen.update((tuple(v.aval.shape), v.aval.dtype) for v in eqn.invars)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _reduced_operands(inner, axes, seen)
+
+
+def _refuse_sync_not_first(name: str, opt_state: Any) -> None:
+    """Refuses an optimizer state whose ``sync_gradients`` state is not first in its
+    chain (``optax.chain``'s state is a tuple, ``named_chain``'s a dict; a wrapper's
+    NamedTuple, e.g. ``inject_hyperparams``', is looked into): what runs before the sync
+    runs on each device's own gradients. The step calls the ``tx`` it closes over, so the
+    entry cannot probe whether a transform before the sync commutes with the mean, as the
+    ``TrainState`` form does; the sync goes first."""
+
+    def walk(node: Any, path: str) -> None:
+        if _is_sync(node):
+            return
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            for f in node._fields:
+                walk(getattr(node, f), f"{path}.{f}")
+            return
+        if isinstance(node, (tuple, list, dict)):
+            items = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
+            for j, (k, x) in enumerate(items):
+                if j > 0 and _holds_sync(x):
+                    where = "last" if j == len(items) - 1 else f"entry {j}"
+                    raise ValueError(
+                        f"{name}: jaxcomm.sync_gradients is {where} of the chain at "
+                        f"opt_state{path}, not first: the transforms before it (e.g. "
+                        "optax.clip_by_global_norm, a momentum) run on each device's own "
+                        "gradients, so each device would clip (or accumulate) its own share "
+                        "and the result would differ from jax.pmap's. Put the sync first: "
+                        f"{OPTAX_FIX}, e.g. optax.chain(jaxcomm.sync_gradients(), "
+                        "optax.clip_by_global_norm(1.0), optax.sgd(...))."
+                    )
+                walk(x, f"{path}[{k!r}]")
+
+    walk(opt_state, "")
+
+
 class _Held(NamedTuple):
     """The per-device leaves of one ``TrainState`` argument, held by the step object."""
 
@@ -158,16 +308,20 @@ class PmapDataParallel(FlaxFrontEnd):
         out_axes: Any = 0,
         donate_argnums: tuple[int, ...] = (),
         shard: dict | None = None,
+        state_argnums: tuple[int, ...] | None = None,
     ):
         _check_axes(in_axes, "in_axes")
         _check_axes(out_axes, "out_axes")
         self._user_fn = fn
         self._in_axes, self._out_axes = in_axes, out_axes
         self._donate = donate_argnums
+        self._state_argnums = state_argnums
+        self._form: _Form | None = None  # the optax form's places, found at the first call
+        self._optax_checked = False  # the optax form's step was read for a kept mean
         engine = FlaxStep(
             self._body,
             mesh,
-            LinenAdapter(self._name, check_batch=_check_rows),
+            PmapAdapter(self._name, check_batch=_check_rows),
             axes=axes,
             check_replicas=check_replicas,
             axis_name=axis_name,
@@ -188,6 +342,7 @@ class PmapDataParallel(FlaxFrontEnd):
         self._rows_to_replicas = self._per_device(lambda xs: [x[0] for x in xs], stacked, rep)
         self._replicas_to_rows = self._per_device(lambda xs: [x[None] for x in xs], rep, stacked)
         self._row0 = jax.jit(lambda xs: [x[0] for x in xs], out_shardings=NamedSharding(mesh, rep))
+        self._same_rows = jax.jit(lambda xs: jnp.all(jnp.stack([_rows_equal(x) for x in xs])))
 
     def _per_device(self, fn: Callable, in_spec: P, out_spec: P) -> Callable:
         """``fn`` on each device's own part of a list of arrays, jitted (no data moves)."""
@@ -230,7 +385,13 @@ class PmapDataParallel(FlaxFrontEnd):
         """The user's step on this device's row of each batch argument; its outputs as
         ``out_axes`` says (one row per device, or once)."""
         local = [a if _is_state(a) else jax.tree.map(lambda x: x[0], a) for a in args]
-        out = self._user_fn(*local)
+        if self._form is None:
+            out = self._user_fn(*local)
+        else:  # the optax form: the state arguments in their places, back in one node
+            user = self._user_args(local)
+            if not self._optax_checked:
+                self._check_optax_step(user)
+            out = self._pack_outputs(self._user_fn(*user), user)
         flat, treedef = jax.tree.flatten(out, is_leaf=_is_state)
 
         def row(x, axis):
@@ -249,6 +410,183 @@ class PmapDataParallel(FlaxFrontEnd):
 
         axes = self._flat_out_axes(out)
         return jax.tree.unflatten(treedef, [row(x, a) for x, a in zip(flat, axes, strict=True)])
+
+    # -- the optax form ------------------------------------------------------------------
+    def _user_args(self, args: list) -> list:
+        """The step's arguments from the engine's (the node first, then the others)."""
+        f = self._form
+        node, rest = args[0], iter(args[1:])
+        places = {f.params: node.params, f.opt: node.opt_state}
+        places.update(zip(f.model, node.model_state, strict=True))
+        n = len(args) - 1 + len(f.positions)
+        return [places[i] if i in places else next(rest) for i in range(n)]
+
+    def _pack_outputs(self, out: Any, user: list) -> tuple:
+        """The step's outputs with its new state in one node at the first state place
+        (None at the others); refuses a state argument not returned in its own place."""
+        f = self._form
+        if not isinstance(out, (tuple, list)) or len(out) <= max(f.positions):
+            raise ValueError(
+                f"{self._name}: the step takes its state as arguments {list(f.positions)} "
+                f"and must return the new state in the same places (as "
+                "update_fn(params, opt_state, batch, rng) -> (params, opt_state, ...)); it "
+                f"returns {type(out).__name__}. Name the state arguments with "
+                "state_argnums=, or return them in their places."
+            )
+        for i in f.positions:
+            got = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), out[i])
+            want = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), user[i])
+            if got != want:
+                raise ValueError(
+                    f"{self._name}: argument {i} was taken as state (params, optimizer "
+                    "state or model state: its rows are the same and its optimizer holds "
+                    "jaxcomm.sync_gradients), but output {i} is not its new value (another "
+                    f"structure, shape or dtype). Name the state arguments: "
+                    f"pmap_data_parallel(mesh)(step, state_argnums=...), e.g. (0, 1) for "
+                    "update_fn(params, opt_state, batch, rng)."
+                )
+        node = OptaxState(out[f.params], out[f.opt], tuple(out[i] for i in f.model))
+        first = f.positions[0]
+        packed = [
+            node if i == first else None if i in f.positions else x for i, x in enumerate(out)
+        ]
+        return type(out)(packed) if isinstance(out, list) else tuple(packed)
+
+    def _unpack_outputs(self, out: Any) -> Any:
+        """The call's outputs with the node's state back in the step's places."""
+        f = self._form
+        node = out[f.positions[0]]
+        out = list(out)
+        out[f.params], out[f.opt] = node.params, node.opt_state
+        for i, x in zip(f.model, node.model_state, strict=True):
+            out[i] = x
+        return tuple(out)
+
+    def _check_optax_step(self, user: list) -> None:
+        """Refuses, from the step's jaxpr, a step that still averages the gradients
+        itself: a ``psum`` over every data axis of arrays shaped as each of the params'
+        matrices (as ``lax.pmean(grads, 'batch')`` leaves it; ``sync_gradients`` reduces
+        flat buffers, never a param's own shape)."""
+        self._optax_checked = True
+        params = jax.tree.leaves(user[self._form.params])
+        want = [(np.shape(p), jnp.result_type(p)) for p in params if np.ndim(p) >= 2]
+        want = want or [(np.shape(p), jnp.result_type(p)) for p in params if np.ndim(p) >= 1]
+        if not want:
+            return
+        seen = set()
+        _reduced_operands(jax.make_jaxpr(self._user_fn)(*user).jaxpr, set(self.axes), seen)
+        if all(w in seen for w in want):
+            raise ValueError(
+                f"{self._name}: the step averages the gradients itself: delete "
+                f"lax.pmean(grads, {self.axis_name!r}) (or its jax.tree.map) from the step: "
+                "jaxcomm.sync_gradients in the optimizer does the mean (hierarchical, "
+                "compressed); with both, a flat all-reduce of the gradients runs on top of "
+                "the sync's."
+            )
+
+    def _classify(self, args: tuple, arg_axes: list) -> _Form:
+        """The optax form's state arguments: those ``state_argnums`` names, or those
+        found (the one holding a ``sync_gradients`` state, and every other argument of
+        floating leaves whose rows are the same, as ``jax_utils.replicate`` makes them);
+        the optimizer state is the one holding the sync, the params the first other one.
+        """
+        n = len(args)
+        named = self._state_argnums
+        if named is not None:
+            bad = [i for i in named if i >= n]
+            if bad:
+                raise ValueError(
+                    f"{self._name}: state_argnums={named} names arguments {bad} but the step "
+                    f"was called with {n}."
+                )
+            positions = sorted(set(named))
+            opt = [i for i in positions if _holds_sync(args[i])]
+            if not opt:
+                raise ValueError(
+                    f"{self._name}: none of the state arguments {positions} holds a "
+                    "jaxcomm.sync_gradients state: the optimizer never synchronises the "
+                    "gradients, so every device would train on its own share. Put the sync "
+                    f"first in the optimizer the step closes over: {OPTAX_FIX}, and pass "
+                    "its opt_state (tx.init(params))."
+                )
+        else:
+            opt = [i for i, a in enumerate(args) if _holds_sync(a)]
+            if not opt:
+                raise ValueError(
+                    f"{self._name}: the step takes no TrainState and no argument holding a "
+                    "jaxcomm.sync_gradients state, so jaxcomm cannot see its state (params, "
+                    "optimizer state): it would treat every argument as batch rows and "
+                    "check nothing. Put the sync first in the optimizer the step closes "
+                    f"over ({OPTAX_FIX}) and pass its opt_state, or name the state "
+                    "arguments: pmap_data_parallel(mesh)(update_fn, state_argnums=(0, 1), "
+                    "...) for update_fn(params, opt_state, batch, rng)."
+                )
+            positions = sorted(
+                {*opt}
+                | {
+                    i
+                    for i, a in enumerate(args)
+                    if i not in opt
+                    and _floating(a)
+                    and (arg_axes[i] is None or self._rows_identical(a))
+                }
+            )
+        if len(opt) > 1:
+            raise NotImplementedError(
+                f"{self._name}: arguments {opt} each hold a jaxcomm.sync_gradients state; "
+                "the optax form takes one optimizer state."
+            )
+        others = [i for i in positions if i != opt[0]]
+        if not others:
+            raise ValueError(
+                f"{self._name}: found the optimizer state (argument {opt[0]}) but no params "
+                "argument (floating leaves, the same rows on every device); name them: "
+                "state_argnums=(0, 1) for update_fn(params, opt_state, batch, rng)."
+            )
+        for i in others:
+            if not _floating(args[i]):
+                raise ValueError(
+                    f"{self._name}: state argument {i} holds leaves that are not floating "
+                    "point (a random key, a count): state other than the optimizer's is "
+                    "params or model state; pass keys and other values as ordinary "
+                    "arguments (leave them out of state_argnums)."
+                )
+        if len({arg_axes[i] for i in positions}) > 1:
+            raise NotImplementedError(
+                f"{self._name}: the state arguments {positions} have in_axes "
+                f"{[arg_axes[i] for i in positions]}; give them all 0 (rows) or all None."
+            )
+        if self.engine._shard_args is not None:
+            raise NotImplementedError(
+                f"{self._name}(shard_optimizer=True): the optax form (tx closed over) is not "
+                "implemented sharded: the sharded step runs the optimizer's chain itself. "
+                "Use a TrainState, or shard_optimizer=False."
+            )
+        _refuse_sync_not_first(self._name, args[opt[0]])
+        self.engine.adapter.fix = OPTAX_FIX
+        return _Form(others[0], opt[0], tuple(others[1:]))
+
+    def _rows_identical(self, a: Any) -> bool:
+        """Whether every leaf of ``a`` is in pmap's rows and its rows hold the same bits."""
+        leaves = jax.tree.leaves(a)
+        if not leaves or any(not np.shape(x) or np.shape(x)[0] != self.num_devices for x in leaves):
+            return False
+        return bool(self._same_rows(leaves))
+
+    def _group(self, args: tuple, arg_axes: list) -> tuple[list, list]:
+        """The engine's arguments (the state's node first) and their ``in_axes``."""
+        f = self._form
+        if len(args) <= max(f.positions):
+            raise ValueError(
+                f"{self._name}: the step's state is arguments {list(f.positions)} but it "
+                f"was called with {len(args)} arguments."
+            )
+        node = OptaxState(args[f.params], args[f.opt], tuple(args[i] for i in f.model))
+        rest = [i for i in range(len(args)) if i not in f.positions]
+        return [node, *[args[i] for i in rest]], [
+            arg_axes[f.positions[0]],
+            *[arg_axes[i] for i in rest],
+        ]
 
     # -- the TrainState arguments ---------------------------------------------------------
     def _from_rows(self, state: TrainState, per: list[bool]) -> TrainState:
@@ -441,7 +779,10 @@ class PmapDataParallel(FlaxFrontEnd):
                 "checkpoint restore kept the params and the step but not the optimizer state "
                 "(flax.training.checkpoints logs that at INFO level). Restore into a target "
                 "state whose opt_state has the saved structure (the same tx, "
-                "jaxcomm.sync_gradients() first), or start from step 0."
+                "jaxcomm.sync_gradients() first), or start from step 0. A checkpoint of the "
+                "unported script (its tx without the sync) has another structure: restore "
+                "it without a target and lift its optimizer state into tx's, "
+                "jaxcomm.lift_opt_state(old_opt_state, tx, params)."
             )
 
     def drive_inputs(self, *args):
@@ -458,6 +799,11 @@ class PmapDataParallel(FlaxFrontEnd):
         """Runs the step on arguments laid out as ``in_axes`` says; returns the outputs laid
         out as ``out_axes`` says."""
         arg_axes = self._arg_axes(len(args))
+        user_args = args
+        if self._form is None and not any(_is_state(a) for a in args):
+            self._form = self._classify(args, arg_axes)
+        if self._form is not None:
+            args, arg_axes = self._group(args, arg_axes)
         layouts = iter(self._layouts([a for a in args if _is_state(a)]))
         inputs = []
         k = 0
@@ -478,12 +824,12 @@ class PmapDataParallel(FlaxFrontEnd):
                     compare_replicas(
                         key_data(a), mesh=self.mesh, what=f"{self._name}: the TrainState rows "
                     )
-            if not self._restore_checked:
+            if not self._restore_checked and isinstance(a, TrainState):
                 self._refuse_dropped_optimizer_state(a)
             inputs.append(a)
             k += 1
         self._restore_checked = True
-        self._set_donation(args, arg_axes)
+        deleted = self._set_donation(user_args, args)
         out = self.engine(*inputs)
         self._replica_of = {}  # a later call takes only these rows without a launch
         flat, treedef = jax.tree.flatten(out, is_leaf=_is_state)
@@ -498,7 +844,16 @@ class PmapDataParallel(FlaxFrontEnd):
             if _is_state(x):
                 flat[i] = self._keep_held(k, x, next(layouts), rows=a == 0)
                 k += 1
-        return jax.tree.unflatten(treedef, flat)
+        out = jax.tree.unflatten(treedef, flat)
+        if self._form is not None:
+            out = self._unpack_outputs(out)
+        # Donated state arguments the engine did not take over (the optax form donating
+        # some of its state arguments): invalid after the call, as under jax.pmap.
+        returned = {id(x) for x in jax.tree.leaves(out)}
+        for x in deleted:
+            if id(x) not in returned and not x.is_deleted():
+                x.delete()
+        return out
 
     def _layouts(self, states: list) -> list:
         """Per ``TrainState``: which of its leaves the compiled step stores per device
@@ -515,19 +870,37 @@ class PmapDataParallel(FlaxFrontEnd):
         """An ``in_axes=None`` value as pmap's rows: each device takes it whole."""
         return np.broadcast_to(np.asarray(x), (self.num_devices, *np.shape(x)))
 
-    def _set_donation(self, args: tuple, arg_axes: list) -> None:
+    def _set_donation(self, user_args: tuple, args: tuple) -> list:
         """Tells the engine which of its inputs (the state's leaves, the batch) are
-        donated, from ``donate_argnums``."""
+        donated, from ``donate_argnums``; returns the arrays of donated state arguments
+        the engine does not take (some of the optax form's state arguments), to delete
+        after the call."""
         if not self._donate:
-            return
-        states = {i for i, a in enumerate(args) if _is_state(a)}
-        batch = set(range(len(args))) - states
+            return []
         donated = set(self._donate)
-        if donated - set(range(len(args))):
+        if donated - set(range(len(user_args))):
             raise ValueError(
                 f"pmap_data_parallel: donate_argnums={self._donate} names arguments the step "
-                f"was not called with ({len(args)} arguments)."
+                f"was not called with ({len(user_args)} arguments)."
             )
+        later: list = []
+        if self._form is not None:  # the engine's arguments: the node, then the others
+            places = self._form.positions
+            rest = [i for i in range(len(user_args)) if i not in places]
+            mine = donated & set(places)
+            # jax.pmap frees the donated arguments' buffers, these and no others: so do
+            # we after the call (the engine runs on replicas read from rows); the engine
+            # donates the node's leaves only when every state argument is donated.
+            later = [
+                x
+                for i in sorted(mine)
+                for x in jax.tree.leaves(user_args[i])
+                if isinstance(x, jax.Array)
+            ]
+            donated = {0} if mine == set(places) else set()
+            donated |= {1 + rest.index(i) for i in set(self._donate) & set(rest)}
+        states = {i for i, a in enumerate(args) if _is_state(a)}
+        batch = set(range(len(args))) - states
         parts = []
         for group, what in ((states, "TrainState"), (batch, "batch")):
             if donated & group and not group <= donated:
@@ -537,6 +910,7 @@ class PmapDataParallel(FlaxFrontEnd):
                 )
             parts.append(bool(group) and group <= donated)
         self.engine.donate = tuple(parts)
+        return later
 
 
 class _StaticArgs:
@@ -550,9 +924,10 @@ class _StaticArgs:
         make: Callable,
         in_axes: Any,
         donate: tuple[int, ...],
+        state: tuple[int, ...] | None = None,
     ):
         self._fn, self._static, self._make = fn, tuple(sorted(static)), make
-        self._in_axes, self._donate = in_axes, donate
+        self._in_axes, self._donate, self._state = in_axes, donate, state
         self._steps: dict = {}
 
     def __call__(self, *args):
@@ -583,7 +958,8 @@ class _StaticArgs:
             if isinstance(in_axes, (tuple, list)):
                 in_axes = tuple(in_axes[i] for i in keep)
             donate = tuple(keep.index(i) for i in self._donate if i in keep)
-            self._steps[key] = self._make(fn, in_axes, donate)
+            state = None if self._state is None else tuple(keep.index(i) for i in self._state)
+            self._steps[key] = self._make(fn, in_axes, donate, state)
         return self._steps[key](*[a for i, a in enumerate(args) if i not in self._static])
 
 
@@ -616,19 +992,27 @@ def pmap_data_parallel(
         by its bits; 0/None: off.
       shard_optimizer, param_gather, shard_bucket_bytes: sharded optimizer state, as
         :func:`jaxcomm.linen_data_parallel`'s; the chunks are held by the step object
-        (:meth:`PmapDataParallel.per_device_state`).
+        (:meth:`PmapDataParallel.per_device_state`). Not with the optax form.
 
     Returns:
       ``pmap(fun, axis_name=None, *, in_axes=0, out_axes=0, static_broadcasted_argnums=(),
-      donate_argnums=())``, returning a :class:`PmapDataParallel` (one per value of the
-      static arguments, if any). ``devices``, ``backend`` and ``axis_size`` are refused:
-      the mesh says them.
+      donate_argnums=(), state_argnums=None)``, returning a :class:`PmapDataParallel` (one
+      per value of the static arguments, if any). ``state_argnums``: the optax form's state
+      arguments (params, the optimizer state, other model state), each returned in its own
+      place; None: a ``TrainState`` argument, or the state found (module docstring).
+      ``devices``, ``backend`` and ``axis_size`` are refused: the mesh says them.
 
     Example:
       >>> p_train_step = jaxcomm.pmap_data_parallel(jaxcomm.make_mesh())(
       ...     functools.partial(train_step, learning_rate_fn=learning_rate_fn),
       ...     in_axes=(None, 0), out_axes=(None, 0), axis_name='batch')
       >>> state, metrics = p_train_step(state, batch)    # batch: (devices, per_device, ...)
+
+      The optax form (``tx = optax.chain(jaxcomm.sync_gradients(), tx)`` closed over):
+
+      >>> p_update = jaxcomm.pmap_data_parallel(mesh)(update_fn, axis_name='batch',
+      ...                                             donate_argnums=(0,))
+      >>> params, opt_state, loss, rng = p_update(params, opt_state, batch, rng)
     """
     n, axes = check_decorator_args("pmap_data_parallel", mesh, axes, check_replicas)
     default_name = check_axis_name(axis_name, axes, "pmap_data_parallel")
@@ -642,6 +1026,7 @@ def pmap_data_parallel(
         out_axes: Any = 0,
         static_broadcasted_argnums: int | Sequence[int] = (),
         donate_argnums: int | Sequence[int] = (),
+        state_argnums: int | Sequence[int] | None = None,
         devices: Any = None,
         backend: Any = None,
         axis_size: Any = None,
@@ -668,13 +1053,19 @@ def pmap_data_parallel(
         _check_axes(out_axes, "out_axes")
         static = _argnums(static_broadcasted_argnums, "static_broadcasted_argnums")
         donate = _argnums(donate_argnums, "donate_argnums")
+        state = None if state_argnums is None else _argnums(state_argnums, "state_argnums")
+        if state is not None and set(state) & set(static):
+            raise ValueError(
+                f"pmap_data_parallel: arguments {sorted(set(state) & set(static))} are both "
+                "static and state; state is arrays."
+            )
         if set(static) & set(donate):
             raise ValueError(
                 f"pmap_data_parallel: arguments {sorted(set(static) & set(donate))} are both "
                 "static and donated; a static argument has no buffer to donate."
             )
 
-        def make(fn, fn_in_axes, fn_donate):
+        def make(fn, fn_in_axes, fn_donate, fn_state=state):
             return PmapDataParallel(
                 fn,
                 mesh,
@@ -685,10 +1076,11 @@ def pmap_data_parallel(
                 out_axes=out_axes,
                 donate_argnums=fn_donate,
                 shard=shard,
+                state_argnums=fn_state,
             )
 
         if static:
-            return _StaticArgs(fun, static, make, in_axes, donate)
+            return _StaticArgs(fun, static, make, in_axes, donate, state)
         return make(fun, in_axes, donate)
 
     return pmap
