@@ -207,10 +207,26 @@ def test_case_2_the_sync_after_a_transform_is_refused(mesh, chain):
 
 
 def test_case_3_the_scripts_own_gradient_mean_is_refused(mesh):
-    tx = optax.chain(sync(), optax.sgd(0.1))
+    """The kept pmean is refused; a flat sync alone (one psum per flat buffer, never a
+    param's shape) is not taken for it."""
+    tx = optax.chain(sync(algorithm="flat"), optax.sgd(0.1))
     p = jaxcomm.pmap_data_parallel(mesh)(make_step(tx, mean_grads=True), axis_name="batch")
     with pytest.raises(ValueError, match=r"delete lax.pmean\(grads, 'batch'\)"):
         p(*start(tx)[:2], batch(), start(tx)[2])
+    p = jaxcomm.pmap_data_parallel(mesh)(make_step(tx), axis_name="batch")
+    assert np.all(np.isfinite(p(*start(tx)[:2], batch(), start(tx)[2])[2]))
+
+
+def test_a_trainstate_restore_that_dropped_the_optimizer_state_names_the_lift(mesh):
+    from test_pmap import make_state, pmap_batch, step
+
+    tx = optax.chain(sync(), optax.sgd(0.1, momentum=0.9))
+    dropped = make_state(tx).replace(step=3)  # params and step restored, tx.init's momentum
+    p = jaxcomm.pmap_data_parallel(mesh, axis_name="batch")(
+        step, in_axes=(None, 0), out_axes=(None, 0)
+    )
+    with pytest.raises(ValueError, match=r"jaxcomm.lift_opt_state\(old_opt_state, tx, params\)"):
+        p(dropped, pmap_batch())
 
 
 def test_case_4_error_feedback_residuals_are_held_by_the_step_object(mesh, tmp_path):
