@@ -115,8 +115,7 @@ class _Form(NamedTuple):
         return tuple(sorted((self.params, self.opt, *self.model)))
 
 
-# Flax's ``restore_checkpoint`` may hand the state back as the same node types; the optax
-# form adds OptaxState to what is state.
+# What the engine takes as state: a TrainState, or the optax form's node.
 def _is_state(x: Any) -> bool:
     return isinstance(x, (TrainState, OptaxState))
 
@@ -467,15 +466,13 @@ class PmapDataParallel(FlaxFrontEnd):
         itself: a ``psum`` over every data axis of arrays shaped as each of the params'
         matrices (as ``lax.pmean(grads, 'batch')`` leaves it; ``sync_gradients`` reduces
         flat buffers, never a param's own shape)."""
-        self._optax_checked = True
         params = jax.tree.leaves(user[self._form.params])
         want = [(np.shape(p), jnp.result_type(p)) for p in params if np.ndim(p) >= 2]
         want = want or [(np.shape(p), jnp.result_type(p)) for p in params if np.ndim(p) >= 1]
-        if not want:
-            return
         seen = set()
-        _reduced_operands(jax.make_jaxpr(self._user_fn)(*user).jaxpr, set(self.axes), seen)
-        if all(w in seen for w in want):
+        if want:
+            _reduced_operands(jax.make_jaxpr(self._user_fn)(*user).jaxpr, set(self.axes), seen)
+        if want and all(w in seen for w in want):
             raise ValueError(
                 f"{self._name}: the step averages the gradients itself: delete "
                 f"lax.pmean(grads, {self.axis_name!r}) (or its jax.tree.map) from the step: "
@@ -483,6 +480,7 @@ class PmapDataParallel(FlaxFrontEnd):
                 "compressed); with both, a flat all-reduce of the gradients runs on top of "
                 "the sync's."
             )
+        self._optax_checked = True  # (a refused step is read again at the next call)
 
     def _classify(self, args: tuple, arg_axes: list) -> _Form:
         """The optax form's state arguments: those ``state_argnums`` names, or those

@@ -5,6 +5,8 @@ the state (or is told it with ``state_argnums=``) and gives it the ``TrainState`
 guarantees: the five ways such a port went wrong silently are each refused by name or
 train as ``jax.pmap`` does."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,10 +62,12 @@ def test_resume_from_the_pmap_scripts_checkpoint_keeps_momentum_and_count(tmp_pa
     its optimizer state): lift_opt_state carries the momentum and the schedule's count
     over, so the resumed run equals the unported run that never stopped."""
     small = {**SMALL, "dropout": 0.0}  # the script's resumed run draws other dropout keys
-    config = {**small, "workdir": str(tmp_path), "checkpoint_every": 2}
-    pmap_optax_script.train({**config, "num_steps": 2})  # writes checkpoint_2
-    resumed = pmap_optax_script_ported.train(config)  # steps 3 and 4 from it
-    straight = pmap_optax_script.train(small)
+    straight = pmap_optax_script.train(
+        {**small, "workdir": str(tmp_path / "a"), "checkpoint_every": 2}
+    )
+    shutil.copytree(tmp_path / "a" / "checkpoint_2", tmp_path / "b" / "checkpoint_2")
+    config = {**small, "workdir": str(tmp_path / "b"), "checkpoint_every": 2}
+    resumed = pmap_optax_script_ported.train(config)  # steps 3 and 4 from checkpoint_2
     np.testing.assert_allclose(resumed[2], straight[2][2:], rtol=1e-6)
     for x, y in zip(jax.tree.leaves(resumed[0]), jax.tree.leaves(straight[0]), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-6, rtol=0)
