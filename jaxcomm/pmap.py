@@ -315,6 +315,7 @@ class PmapDataParallel(FlaxFrontEnd):
         self._in_axes, self._out_axes = in_axes, out_axes
         self._donate = donate_argnums
         self._state_argnums = state_argnums
+        self._sharded = shard is not None
         self._form: _Form | None = None  # the optax form's places, found at the first call
         self._optax_checked = False  # the optax form's step was read for a kept mean
         engine = FlaxStep(
@@ -439,7 +440,7 @@ class PmapDataParallel(FlaxFrontEnd):
                 raise ValueError(
                     f"{self._name}: argument {i} was taken as state (params, optimizer "
                     "state or model state: its rows are the same and its optimizer holds "
-                    "jaxcomm.sync_gradients), but output {i} is not its new value (another "
+                    f"jaxcomm.sync_gradients), but output {i} is not its new value (another "
                     f"structure, shape or dtype). Name the state arguments: "
                     f"pmap_data_parallel(mesh)(step, state_argnums=...), e.g. (0, 1) for "
                     "update_fn(params, opt_state, batch, rng)."
@@ -554,7 +555,15 @@ class PmapDataParallel(FlaxFrontEnd):
                 f"{self._name}: the state arguments {positions} have in_axes "
                 f"{[arg_axes[i] for i in positions]}; give them all 0 (rows) or all None."
             )
-        if self.engine._shard_args is not None:
+        if isinstance(self._out_axes, (tuple, list)):
+            outs = {self._out_axes[i] for i in positions if i < len(self._out_axes)}
+            if len(outs) > 1:
+                raise NotImplementedError(
+                    f"{self._name}: the state arguments {positions} have out_axes "
+                    f"{[self._out_axes[i] for i in positions]}; give their outputs all 0 "
+                    "(rows) or all None."
+                )
+        if self._sharded:
             raise NotImplementedError(
                 f"{self._name}(shard_optimizer=True): the optax form (tx closed over) is not "
                 "implemented sharded: the sharded step runs the optimizer's chain itself. "
