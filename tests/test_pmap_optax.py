@@ -300,3 +300,47 @@ def test_state_the_entry_cannot_place_is_refused(mesh):
         jaxcomm.pmap_data_parallel(mesh)(make_step(tx), axis_name="batch", state_argnums=(0, 1))(
             params, opt_state, batch(), rng
         )
+
+
+def test_model_state_beside_the_params_is_found(mesh):
+    """update_fn(params, batch_stats, opt_state, batch): the batch statistics (the same
+    rows, returned in place) are model state; SyncBatchNorm over 'batch'; as jax.pmap."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.BatchNorm(use_running_average=False, axis_name="batch")(nn.Dense(8)(x))
+            return nn.Dense(3)(x)
+
+    model = Net()
+    v = model.init(jax.random.key(0), jnp.ones((2, 5)))
+
+    def make(tx, mean_grads):
+        def update(params, batch_stats, opt_state, batch):
+            def loss_fn(p):
+                out, upd = model.apply(
+                    {"params": p, "batch_stats": batch_stats}, batch["x"], mutable=["batch_stats"]
+                )
+                loss = optax.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean()
+                return loss, upd
+
+            (loss, upd), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            if mean_grads:
+                g = lax.pmean(g, "batch")
+            updates, opt_state = tx.update(g, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            return params, upd["batch_stats"], opt_state, lax.pmean(loss, "batch")
+
+        return update
+
+    inner = optax.sgd(0.1, momentum=0.9)
+    tx = optax.chain(sync(), inner)
+    want = jax.pmap(make(inner, True), axis_name="batch")(
+        *jax_utils.replicate((v["params"], v["batch_stats"], inner.init(v["params"]))), batch()
+    )
+    p = jaxcomm.pmap_data_parallel(mesh)(make(tx, False), axis_name="batch")
+    got = p(*jax_utils.replicate((v["params"], v["batch_stats"], tx.init(v["params"]))), batch())
+    for x, y in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2]), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6, rtol=0)
+    assert_rows_equal(got[:3])
