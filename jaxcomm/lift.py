@@ -43,7 +43,7 @@ def _rebuild(node: Any, values: list) -> Any:
         return type(node)(*values)
     if isinstance(node, (tuple, list)):
         return type(node)(values)
-    return dict(zip(node.keys(), values, strict=True))
+    return type(node)(zip(node.keys(), values, strict=True))
 
 
 def _fits(new: Any, old: Any) -> bool:
@@ -53,7 +53,7 @@ def _fits(new: Any, old: Any) -> bool:
     if kids is None:
         return not isinstance(old, dict) and np.shape(old) == np.shape(new)
     if not kids:  # an EmptyState: Flax restores it without a target as None
-        return old is None or old == {}
+        return _empty(old)
     if not isinstance(old, dict):
         return False
     kept = [(k, x) for k, x in kids if not _is_sync(x)]
@@ -69,6 +69,8 @@ def _pairings(kept: list[tuple[str, Any]], old: dict):
     if len(old) == len(kept) and all(str(i) in old for i in range(len(kept))):
         if all(_fits(x, old[str(i)]) for i, (_, x) in enumerate(kept)):
             yield [old[str(i)] for i in range(len(kept))]
+    if set(old) == {k for k, _ in kept} and all(_fits(x, old[k]) for k, x in kept):
+        yield [old[k] for k, _ in kept]  # optax.named_chain: by name
     if len(kept) == 1 and _fits(kept[0][1], old):
         yield [old]
 
@@ -112,8 +114,34 @@ def _mismatch(path: str) -> str:
     )
 
 
+def _state_dict(x: Any) -> Any:
+    """``x`` as nested dicts keyed as Flax's state dicts (field names, indices as strings,
+    dict keys), at every level (an ``OrderedDict``, ``named_chain``'s state, too)."""
+    kids = _children(x)
+    if kids is None:
+        return serialization.to_state_dict(x)
+    return {k: _state_dict(v) for k, v in kids}
+
+
+def _fill(new: Any, old: Any) -> Any:
+    """``new``'s structure holding ``old``'s leaves (same keys)."""
+    kids = _children(new)
+    if kids is None:
+        return jnp.asarray(old)
+    if not kids:
+        return new
+    return _rebuild(new, [_fill(x, old[k]) for k, x in kids])
+
+
+def _empty(x: Any) -> bool:
+    return x is None or (isinstance(x, dict) and not x)
+
+
 def _same_keys(a: Any, b: Any) -> bool:
-    """Whether two state dicts have the same keys at every level."""
+    """Whether two state dicts have the same keys at every level (an empty container is
+    restored without a target as None)."""
+    if _empty(a) and _empty(b):
+        return True
     if isinstance(a, dict) != isinstance(b, dict):
         return False
     if not isinstance(a, dict):
@@ -176,11 +204,11 @@ def lift_opt_state(old_opt_state: Any, tx: optax.GradientTransformation, params:
             "lift_opt_state: tx holds no jaxcomm.sync_gradients(); pass the ported "
             "optimizer, optax.chain(jaxcomm.sync_gradients(), old_tx)."
         )
-    old = serialization.to_state_dict(old_opt_state)
-    if _same_keys(serialization.to_state_dict(fresh), old):
+    old = _state_dict(old_opt_state)
+    if _same_keys(_state_dict(fresh), old):
         # tx's own structure (a checkpoint of the ported run): as it is. Leaf shapes are
         # not compared: a pmap step's token stands in for per-device state.
-        return serialization.from_state_dict(fresh, old)
+        return _fill(fresh, old)
     if step is None:
         step = max(_counts(old), default=0)
     return _lift(fresh, old, jnp.asarray(step, jnp.int32), "")

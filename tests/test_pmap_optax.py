@@ -15,6 +15,7 @@ import pmap_optax_script
 import pmap_optax_script_ported
 import pytest
 from flax import jax_utils
+from flax.training import checkpoints
 from helpers import assert_rows_equal
 from jax import lax
 from test_pmap import HERE, changed_lines
@@ -76,7 +77,7 @@ def test_resume_from_the_pmap_scripts_checkpoint_keeps_momentum_and_count(tmp_pa
     assert int(resumed[1][1][1][1].count) == 4  # the schedule did not start again
 
 
-def test_lift_opt_state_from_the_old_chain():
+def test_lift_opt_state_from_the_old_chain(tmp_path):
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
     old_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
     old = old_tx.init(params)
@@ -96,12 +97,21 @@ def test_lift_opt_state_from_the_old_chain():
             np.array_equal(a, b)
             for a, b in zip(moments, [x for x in jax.tree.leaves(old) if np.ndim(x)], strict=True)
         )
-        # A state of tx's own structure (the ported run's checkpoint) comes back as it is.
-        again = jaxcomm.lift_opt_state(lifted, tx, params)
-        assert all(
-            np.array_equal(a, b)
-            for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(lifted), strict=True)
-        )
+    # A state of tx's own structure (the ported run's checkpoint, restored without a
+    # target: dicts, its EmptyStates None) comes back as it is.
+    checkpoints.save_checkpoint(str(tmp_path), lifted, 3)
+    again = jaxcomm.lift_opt_state(checkpoints.restore_checkpoint(str(tmp_path), None), tx, params)
+    assert jax.tree.structure(again) == jax.tree.structure(lifted)
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(lifted), strict=True)
+    )
+    # optax.named_chain: paired by name.
+    clip, adam = ("clip", optax.clip_by_global_norm(1.0)), ("adam", optax.adam(1e-2))
+    named = optax.named_chain(clip, adam)
+    old = named.update(g, named.init(params), params)[1]
+    lifted = jaxcomm.lift_opt_state(old, optax.named_chain(("sync", sync), clip, adam), params)
+    assert int(lifted["sync"].count) == int(lifted["adam"][0].count) == 1
     with pytest.raises(ValueError, match=r"does not fit tx"):
         jaxcomm.lift_opt_state(old, optax.chain(sync, optax.sgd(0.1, momentum=0.9)), params)
     with pytest.raises(ValueError, match=r"tx holds no jaxcomm.sync_gradients"):
@@ -236,8 +246,6 @@ def test_case_4_error_feedback_residuals_are_held_by_the_step_object(mesh, tmp_p
     opt_state the script sees (and checkpoints with its unchanged code) holds a token; a
     restore into a new step object is refused until per_device_state() is loaded, then
     trains on bit for bit."""
-    from flax.training import checkpoints
-
     tx = optax.chain(
         sync(compression=jaxcomm.compression.int8(error_feedback=True)),
         optax.sgd(0.1, momentum=0.9),
