@@ -17,12 +17,14 @@ One step, inside the step core's ``jax.shard_map`` over the data axes (every axi
 ``check_vma=True``: what is stored replicated over ``'inter'`` is proven so):
 
 1. **gather**: the loss sees each leaf all-gathered over ``'intra'``
-   (``lax.all_gather(..., tiled=True)``), where the model uses it; the gathered values
-   are named (``checkpoint_name``) and left out of what the backward pass keeps
-   (``jax.checkpoint`` with ``save_anything_except_these_names``), so they are gathered
-   again where the backward pass needs them, as FSDP re-gathers after the forward pass,
-   instead of the whole model's gathered params living from the forward to the backward
-   pass.
+   (``lax.all_gather(..., tiled=True)``, one per leaf, which XLA schedules). The gathered
+   params are what the backward pass keeps for the matmuls' gradients, so a device holds
+   one gathered copy of the params during the step (besides its ``1/intra`` of params,
+   gradients and optimizer state); gathering per layer (peak near one layer's params, as
+   FSDP's re-gather after the forward pass) would need the gather inside rematerialised
+   layers (``jax.checkpoint`` around each, or a scan over layers): not implemented. A
+   remat policy around the whole loss does not do it: the values computed from the
+   gathered params (a transposed weight) are saved in their place.
 2. **reduce-scatter**: the gradient of an all-gather is a reduce-scatter (JAX transposes
    one into the other), so each device gets the sum over its node of its block's gradient,
    inside the node; divided by ``intra`` it is the node's mean. Leaves kept whole (no
@@ -47,8 +49,8 @@ is one more :class:`~jaxcomm.layout.OptimizerLayout` and not a second step core;
 collectives the sync issues over ``'inter'`` act on this device's block (in
 partial-manual mode every collective but ``psum`` over ``'inter'`` first gathers its
 operand inside the node: 4x the bytes across the link, ``shared/REFERENCE.md``). The
-price is that the gathers are one per leaf, issued where XLA schedules them, and the
-backward pass re-gathers (step 1); a model axis (tensor parallelism) is not this layout's.
+price is that the gathers are one per leaf, issued where XLA schedules them, not per
+layer (step 1); a model axis (tensor parallelism) is not this layout's.
 
 Not implemented (refused at build time, with the reason): compressors that decide from
 all the devices' values (``fp16``'s overflow skip, ``adaptive``: their decisions would
@@ -68,7 +70,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -84,11 +85,7 @@ from jaxcomm.sync import (
     accepting_requests,
 )
 
-__all__ = ["GATHERED", "MIN_SHARD_ELEMENTS", "HybridOptimizer", "param_dims", "param_specs"]
-
-#: The name of the gathered params in the loss (``jax.ad_checkpoint.checkpoint_name``):
-#: what the backward pass gathers again instead of keeping.
-GATHERED = "jaxcomm_gathered_params"
+__all__ = ["MIN_SHARD_ELEMENTS", "HybridOptimizer", "param_dims", "param_specs"]
 
 #: A param leaf with no dimension that ``intra`` divides is kept whole on every device of
 #: a node if it has fewer elements than this (a bias of 10 classes), else refused: kept
@@ -342,28 +339,24 @@ class HybridOptimizer:
         return jax.tree.map(vary, params)
 
     def gather(self, params: Any) -> Any:
-        """Step 1: each block all-gathered over the node (inside ``jax.shard_map``), named
-        :data:`GATHERED`."""
+        """Step 1: each block all-gathered over the node (inside ``jax.shard_map``)."""
         leaves, treedef = jax.tree.flatten(params)
         dims = self.dims or param_dims(params, self.intra, self.where)
         out = [
-            x
-            if d is None
-            else checkpoint_name(lax.all_gather(x, self.inner, axis=d, tiled=True), GATHERED)
+            x if d is None else lax.all_gather(x, self.inner, axis=d, tiled=True)
             for x, d in zip(leaves, dims, strict=True)
         ]
         return jax.tree.unflatten(treedef, out)
 
     def loss(self, loss_fn: Callable) -> Callable:
-        """``loss_fn`` of the stored blocks: the params gathered (step 1), the gathered
-        values not kept for the backward pass (gathered again there)."""
-        policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+        """``loss_fn`` of the stored blocks: the params gathered (step 1); its gradient
+        with respect to the blocks is the reduce-scatter of step 2."""
 
         @functools.wraps(loss_fn)
         def of_blocks(params, *args):
             return loss_fn(self.gather(params), *args)
 
-        return jax.checkpoint(of_blocks, policy=policy)
+        return of_blocks
 
     # -- the optimizer state's layout --------------------------------------------------
     def opt_specs(self, opt_state: Any, per: list[bool]) -> Any:

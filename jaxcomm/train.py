@@ -1039,8 +1039,8 @@ def data_parallel(
       shard_params: hybrid sharding (``jaxcomm.hybrid``, as FSDP2's HSDP): params,
         gradients and optimizer state split over the devices of a node (``'intra'``,
         each leaf along the largest dimension ``intra`` divides), replicated over
-        ``'inter'``. The loss sees each leaf gathered inside the node (and gathered again
-        in the backward pass), the gradients are reduce-scattered inside the node, and
+        ``'inter'``. The loss sees each leaf gathered inside the node (the whole params
+        at once, not per layer), the gradients are reduce-scattered inside the node, and
         the optimizer's ``sync_gradients`` reduces each device's block across nodes
         only: ``1/intra`` of the model's bytes on a node's link, compressed as the sync
         says (elementwise compressors, error feedback, warm-up, every algorithm). The
