@@ -73,6 +73,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm.diloco import gradient_params
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.sharded import _agree, _probe_gradients, split_state
 from jaxcomm.state import marked_per_device, stack_leaves, unstack_leaves, varying_axes
@@ -401,6 +402,12 @@ class HybridOptimizer:
     def _find_sync(self, blocks: Any) -> None:
         found: list[GradientSync] = []
         state = self.optimizer.init(blocks)
+        if gradient_params(state) is not None:
+            raise NotImplementedError(
+                f"{self.where}(shard_params=True) with jaxcomm.local_sgd is not implemented "
+                "(its local params would be per device, whole or split); use "
+                "optax.chain(jaxcomm.sync_gradients(...), ...), or shard_params=False."
+            )
         split_state(state, self.where)
         update = functools.partial(
             self.optimizer.update, sync_request=self._request(blocks, found.append)

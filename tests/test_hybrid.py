@@ -185,13 +185,49 @@ def test_refusals_at_construction(mesh):
         (_tx(optax.sgd(0.1), axes=("inter",)), ValueError, r"axes=\('inter',\)\) differs"),
         (_tx(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))), ValueError,
          "another update on each device's block.*clip_by_global_norm"),
+        (jaxcomm.local_sgd(optax.sgd(0.1), sync_every=2), NotImplementedError,
+         "local_sgd is not implemented"),
     ],
-    ids=["no-sync", "powersgd", "fp16", "sync-axes", "optax-clip"],
+    ids=["no-sync", "powersgd", "fp16", "sync-axes", "optax-clip", "local_sgd"],
 )  # fmt: skip
 def test_refusals_at_init(mesh, params, tx, error, match):
     dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_params=True)
     with pytest.raises(error, match=match):
         dp.init(params)
+
+
+@pytest.mark.parametrize(
+    "sync, error",
+    [
+        ({"compression": jaxcomm.compression.topk(0.25, error_feedback=True), "min_size": 0},
+         2.0),
+        ({"compression": jaxcomm.compression.int4(), "algorithm": "ring",
+          "compress_stage": "inter", "min_size": 0}, 1.0),
+        ({"compression": jaxcomm.compression.int8(), "warmup_steps": 1, "min_size": 0}, 0.1),
+    ],
+    ids=["topk-error-feedback", "int4-ring-inter", "int8-warmup"],
+)  # fmt: skip
+def test_sync_options(runs, mesh, params, sync, error):
+    """Two SGD steps with a lossy sync: copies across 'inter' bitwise equal after each, the
+    params within ``error`` (relative to how far the f32 step moved them: top-k drops 3/4
+    of each block, int4 rounds twice to 15 levels per block) of the f32 hybrid step; a warm-up step
+    (f32 on the wire) equals the f32 hybrid step."""
+    batches = runs["batches"][:2]
+    dp = jaxcomm.data_parallel(mlp_loss, _tx(optax.sgd(0.5), **sync), mesh, shard_params=True)
+    f32 = jaxcomm.data_parallel(mlp_loss, _tx(optax.sgd(0.5)), mesh, shard_params=True)
+    state, f32_state = dp.init(params), f32.init(params)
+    for i, b in enumerate(batches):
+        state, metrics = dp(state, b)
+        f32_state, _ = f32(f32_state, b)
+        assert assert_copies_equal(state) > 0
+        tol = 1e-6 if i < sync.get("warmup_steps", 0) else error
+        for x, y, p0 in zip(
+            jax.tree.leaves(state.params), jax.tree.leaves(f32_state.params),
+            jax.tree.leaves(params), strict=True,
+        ):  # fmt: skip
+            moved = np.abs(np.asarray(y) - np.asarray(p0)).max()
+            assert np.abs(np.asarray(x) - np.asarray(y)).max() <= tol * moved + 1e-7
+    assert np.isfinite(metrics["loss"])
 
 
 def test_clip_by_global_norm_over_the_node(mesh):
