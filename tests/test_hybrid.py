@@ -230,6 +230,27 @@ def test_sync_options(runs, mesh, params, sync, error):
     assert np.isfinite(metrics["loss"])
 
 
+def _stateful_loss(params, model_state, batch):
+    """mlp_loss, and a running mean of the inputs as model state (batch statistics)."""
+    mean = 0.9 * model_state["mean"] + 0.1 * batch["x"].mean(0)
+    return mlp_loss(params, batch), ({"mean": mean}, {})
+
+
+def test_model_state_equals_replicated(mesh, params, runs):
+    """with_model_state=True: model state averaged over all devices, as replicated."""
+    ms = {"mean": np.zeros(SIZES[0], np.float32)}
+    out = []
+    for kw in ({}, {"shard_params": True}):
+        dp = jaxcomm.data_parallel(
+            _stateful_loss, _tx(optax.sgd(0.5)), mesh, with_model_state=True, **kw
+        )
+        state, _ = dp(dp.init(params, ms), runs["batches"][0])
+        assert assert_copies_equal(state) > 0
+        out.append(state)
+    for x, y in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
 def test_clip_by_global_norm_over_the_node(mesh):
     """jaxcomm.sharded.clip_by_global_norm sums the squared norm over 'intra' (every leaf
     split): accepted by the probe, and equal to the replicated step with optax's clip."""
