@@ -22,7 +22,7 @@ from jaxcomm.distributed import agree, check_same_on_processes
 from jaxcomm.hlo import ordering_hazards
 from jaxcomm.hybrid import HybridOptimizer
 from jaxcomm.layout import OptimizerLayout, ReplicatedOptimizer
-from jaxcomm.mesh import DATA_AXES, check_mesh_axes
+from jaxcomm.mesh import DATA_AXES, MODEL, check_mesh_axes
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
 from jaxcomm.phase_clock import PhaseClock
 from jaxcomm.replicas import check_replicas as _check_replicas
@@ -310,6 +310,15 @@ class DataParallel:
         )
         self.mesh = mesh
         self.axes = axes
+        # Mesh axes besides the data axes (make_mesh(model=M)'s 'model'): left to the
+        # compiler, the step's shard_map manual over the data axes only.
+        self.model_axes = tuple(a for a in mesh.axis_names if a not in axes)
+        if MODEL in axes:
+            raise ValueError(
+                f"data_parallel(axes={axes}): {MODEL!r} is the model axis of "
+                "jaxcomm.make_mesh(model=...), over which a model shards its params; it "
+                "cannot also be a data axis. Pass axes=('inter', 'intra')."
+            )
         self.optimizer = accepting_requests(optimizer)
         self._loss_fn = _axis_names_checked(loss_fn, axes)
         self._has_aux = has_aux
@@ -340,6 +349,7 @@ class DataParallel:
         (``shard_params``: :class:`jaxcomm.hybrid.HybridOptimizer`)."""
         if shard_params:
             return self._hybrid_layout(shard)
+        self._refuse_model_axes_options(shard)
         if shard is None:
             return ReplicatedOptimizer(
                 self.optimizer,
@@ -362,6 +372,20 @@ class DataParallel:
             )
         return ShardedOptimizer(self.optimizer, self.mesh, self.axes, **shard)
 
+    def _refuse_model_axes_options(self, shard: Mapping[str, Any] | None) -> None:
+        """Refuses, on a mesh with a model axis, the options not implemented there."""
+        options = (
+            ("shard_optimizer=True", shard is not None),
+            (f"microbatches={self.microbatches}", self.microbatches > 1),
+        )
+        for name, given in options:
+            if given and self.model_axes:
+                raise NotImplementedError(
+                    f"data_parallel({name}) on a mesh with the model axes {self.model_axes} "
+                    "is not implemented; use a mesh of the data axes "
+                    "(jaxcomm.make_mesh(intra=...)) for it."
+                )
+
     def _hybrid_layout(self, shard: Mapping[str, Any] | None) -> HybridOptimizer:
         """``shard_params=True``'s layout, after refusing the options it does not run."""
         if shard is not None:
@@ -379,6 +403,12 @@ class DataParallel:
             raise NotImplementedError(
                 f"data_parallel(shard_params=True, microbatches={self.microbatches}) is not "
                 "implemented; use microbatches=1 (a smaller batch per step)."
+            )
+        if self.model_axes:
+            raise NotImplementedError(
+                f"data_parallel(shard_params=True) on a mesh with axes {self.model_axes} "
+                "besides the data axes (a model axis) is not implemented; use a mesh of "
+                "the data axes (jaxcomm.make_mesh(intra=...)) or shard_params=False."
             )
         return HybridOptimizer(self.optimizer, self.mesh, self.axes, where="data_parallel")
 
@@ -404,7 +434,28 @@ class DataParallel:
         the layout (:meth:`jaxcomm.layout.OptimizerLayout.infer_layout`)."""
         if self._opt_layout is None:
             self._opt_layout = self.layout.infer_layout(params)
+            self._refuse_with_model_axes()
         return self._opt_layout
+
+    def _refuse_with_model_axes(self) -> None:
+        """On a mesh with a model axis, refuses what is not implemented there: in a
+        partial-manual shard_map every collective but ``psum`` first gathers its operand
+        over the automatic axes, and the compressors' all-to-alls and all-gathers (and
+        their per-device state) are not written for that."""
+        if not self.model_axes:
+            return
+        what = None
+        if any(s.compression is not None for s in self.syncs):
+            what = "a compressed sync_gradients"
+        elif self.layout.local_sgd:
+            what = "jaxcomm.local_sgd"
+        if what is not None:
+            raise NotImplementedError(
+                f"data_parallel on a mesh with the model axes {self.model_axes}: {what} is "
+                "not implemented (only the f32 sync: sync_gradients() with any algorithm; "
+                "'flat' keeps each device's model shard, the others gather it over the "
+                "model axis first). Use a mesh of the data axes for it."
+            )
 
     @property
     def syncs(self) -> list[GradientSync]:
@@ -414,12 +465,37 @@ class DataParallel:
 
     def param_shardings(self, params: Any) -> Any:
         """The ``NamedSharding`` of each param leaf as the step stores it (replicated, or
-        with ``shard_params=True`` split over ``'intra'``)."""
-        return jax.tree.map(
-            lambda s: NamedSharding(self.mesh, s),
-            self.layout.param_specs(params),
-            is_leaf=lambda x: isinstance(x, P),
-        )
+        with ``shard_params=True`` split over ``'intra'``); on a mesh with a model axis
+        (``make_mesh(model=M)``), a leaf's own sharding over it is kept.
+
+        Raises:
+          ValueError: a param leaf is sharded over a data axis (the data axes split the
+            batch; a model shards its params over the model axis).
+        """
+        specs = self.layout.param_specs(params)
+        if not self.model_axes:
+            return jax.tree.map(
+                lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+            )
+        return jax.tree_util.tree_map_with_path(self._model_sharding, params)
+
+    def _model_sharding(self, path: Any, x: Any) -> NamedSharding:
+        """A replicated param leaf's sharding over the model axes: its own, if it has one
+        on this mesh; refused if that names a data axis."""
+        sharding = getattr(x, "sharding", None)
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+        named = {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+        clash = sorted(named & set(self.axes))
+        if clash:
+            raise ValueError(
+                f"data_parallel: params{jax.tree_util.keystr(path)} is sharded {spec}, over "
+                f"{clash}, data axes of this step (they split the batch, and every data-"
+                f"parallel replica holds the whole params). Shard params over the model axis "
+                f"{self.model_axes} (jaxcomm.make_mesh(model=M), "
+                f"NamedSharding(mesh, P(None, {MODEL!r}))), or use shard_params=True on a "
+                "mesh of the data axes to split them over 'intra'."
+            )
+        return NamedSharding(self.mesh, spec)
 
     @property
     def sharded(self) -> ShardedOptimizer | None:
@@ -772,9 +848,13 @@ class DataParallel:
         local_step = functools.partial(
             self._local_step, feedback=feedback, communicate=communicate, phase=phase
         )
+        # A model axis is left to the compiler (partial-manual shard_map): the params keep
+        # their sharding over it, and what is not sharded over it is replicated.
+        manual = {"axis_names": frozenset(self.axes)} if self.model_axes else {}
         mapped = jax.shard_map(
             local_step,
             mesh=self.mesh,
+            **manual,
             in_specs=(specs, P(self.axes), *((P(self.axes),) if feedback else ())),
             out_specs=(specs, P(self.axes) if self.layout.local_sgd else P()),
             # Off only where params are meant to drift: require_sync=False (the user's own

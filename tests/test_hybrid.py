@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_copies_equal, assert_trees_bitwise_equal
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mlp import mlp_init, mlp_loss
 
@@ -196,6 +196,17 @@ def test_refusals_at_init(mesh, params, tx, error, match):
         dp.init(params)
 
 
+@pytest.fixture(scope="module")
+def f32_sgd_steps(runs, mesh, params):
+    """The f32 hybrid SGD step's params after each of two steps (the options' reference)."""
+    dp = jaxcomm.data_parallel(mlp_loss, _tx(optax.sgd(0.5)), mesh, shard_params=True)
+    state, out = dp.init(params), []
+    for b in runs["batches"][:2]:
+        state, _ = dp(state, b)
+        out.append(state.params)
+    return out
+
+
 @pytest.mark.parametrize(
     "sync, error",
     [
@@ -207,22 +218,19 @@ def test_refusals_at_init(mesh, params, tx, error, match):
     ],
     ids=["topk-error-feedback", "int4-ring-inter", "int8-warmup"],
 )  # fmt: skip
-def test_sync_options(runs, mesh, params, sync, error):
+def test_sync_options(runs, mesh, params, f32_sgd_steps, sync, error):
     """Two SGD steps with a lossy sync: copies across 'inter' bitwise equal after each, the
     params within ``error`` (relative to how far the f32 step moved them: top-k drops 3/4
     of each block, int4 rounds twice to 15 levels per block) of the f32 hybrid step; a warm-up step
     (f32 on the wire) equals the f32 hybrid step."""
-    batches = runs["batches"][:2]
     dp = jaxcomm.data_parallel(mlp_loss, _tx(optax.sgd(0.5), **sync), mesh, shard_params=True)
-    f32 = jaxcomm.data_parallel(mlp_loss, _tx(optax.sgd(0.5)), mesh, shard_params=True)
-    state, f32_state = dp.init(params), f32.init(params)
-    for i, b in enumerate(batches):
+    state = dp.init(params)
+    for i, (b, f32_params) in enumerate(zip(runs["batches"][:2], f32_sgd_steps, strict=True)):
         state, metrics = dp(state, b)
-        f32_state, _ = f32(f32_state, b)
         assert assert_copies_equal(state) > 0
         tol = 1e-6 if i < sync.get("warmup_steps", 0) else error
         for x, y, p0 in zip(
-            jax.tree.leaves(state.params), jax.tree.leaves(f32_state.params),
+            jax.tree.leaves(state.params), jax.tree.leaves(f32_params),
             jax.tree.leaves(params), strict=True,
         ):  # fmt: skip
             moved = np.abs(np.asarray(y) - np.asarray(p0)).max()
@@ -315,3 +323,64 @@ def test_checkpoint_round_trip_and_onto_four_devices(runs, tmp_path):
     _, straight, _ = runs["hyb"]
     for x, y in zip(jax.tree.leaves(state4), jax.tree.leaves(straight), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+# -- a model axis left to the compiler (make_mesh(model=M)) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_mesh():
+    return jaxcomm.make_mesh(intra=2, model=2)
+
+
+def _model_sharded(params, mesh):
+    """The MLP's first layer split by columns, the second by rows, over 'model' (the last
+    bias replicated): tensor parallelism as a model states it with jax.sharding."""
+    specs = [{"w": P(None, "model"), "b": P("model")}, {"w": P("model", None), "b": P()}]
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+        params,
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def test_make_mesh_with_a_model_axis(model_mesh):
+    assert model_mesh.axis_names == ("inter", "intra", "model")
+    assert dict(model_mesh.shape) == {"inter": 2, "intra": 2, "model": 2}
+    assert model_mesh.axis_types[-1] == AxisType.Auto
+    with pytest.raises(ValueError, match=r"model=3.*Valid choices"):
+        jaxcomm.make_mesh(intra=2, model=3)
+
+
+def test_model_axis_left_to_the_compiler(runs, model_mesh, params):
+    """Data parallelism over ('inter', 'intra') with each param's 'model' sharding kept:
+    equal to the 2 x 4 data-parallel step within f32 rounding, copies bitwise equal."""
+    dp = jaxcomm.data_parallel(mlp_loss, _tx(optax.adamw(1e-2, weight_decay=0.1)), model_mesh)
+    state = dp.init(_model_sharded(params, model_mesh))
+    for b in runs["batches"]:
+        state, metrics = dp(state, b)
+        assert assert_copies_equal(state) > 0
+    assert state.params[0]["w"].sharding.spec == P(None, "model")
+    assert state.params[0]["w"].addressable_shards[0].data.shape == (SIZES[0], SIZES[1] // 2)
+    _, ref, m_ref = runs["ref"]
+    np.testing.assert_allclose(metrics["loss"], m_ref["loss"], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref.params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_model_axis_refusals(model_mesh, mesh, params):
+    tx = _tx(optax.sgd(0.1))
+    with pytest.raises(ValueError, match="'model' is the model axis"):
+        jaxcomm.data_parallel(mlp_loss, tx, model_mesh, axes=("inter", "model"))
+    with pytest.raises(NotImplementedError, match="shard_params=True\\) on a mesh with axes"):
+        jaxcomm.data_parallel(mlp_loss, tx, model_mesh, shard_params=True)
+    with pytest.raises(NotImplementedError, match="shard_optimizer=True\\) on a mesh"):
+        jaxcomm.data_parallel(mlp_loss, tx, model_mesh, shard_optimizer=True)
+    clash = jax.tree.map(lambda x: x, params)
+    clash[0]["w"] = jax.device_put(params[0]["w"], NamedSharding(model_mesh, P(None, "intra")))
+    with pytest.raises(ValueError, match=r"params\[0\]\['w'\] is sharded.*\['intra'\], data axes"):
+        jaxcomm.data_parallel(mlp_loss, tx, model_mesh).init(clash)
+    int8 = _tx(optax.sgd(0.1), compression=jaxcomm.compression.int8())
+    with pytest.raises(NotImplementedError, match="a compressed sync_gradients is not implemented"):
+        jaxcomm.data_parallel(mlp_loss, int8, model_mesh).init(_model_sharded(params, model_mesh))
