@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import backend, ordering, outputs
-from jaxcomm.axis_names import bind
+from jaxcomm.axis_names import call_step
 from jaxcomm.collectives import allreduce_floats, check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import agree, check_same_on_processes
@@ -150,13 +150,14 @@ _DATA_PARALLEL_FIX = (
 
 def _axis_names_checked(loss_fn: Callable, axes: tuple[str, ...]) -> Callable:
     """``loss_fn`` whose collectives over an axis name that the mesh does not bind raise
-    ``jaxcomm.axis_names.UnboundAxisError`` (the names in scope, the fix), where JAX would
-    raise a bare ``AssertionError`` (``lax.pmean``)."""
+    ``jaxcomm.axis_names.UnboundAxisError`` (the names in scope, the fix) from JAX's own
+    error (a bare ``AssertionError`` for ``lax.pmean``); ``jax.lax`` is left as it is."""
 
     @functools.wraps(loss_fn)
-    def checked(*args, **kwargs):
-        with bind({}, axes=axes, where="data_parallel", fix=_DATA_PARALLEL_FIX):
-            return loss_fn(*args, **kwargs)
+    def checked(*args):
+        return call_step(
+            loss_fn, args, aliases={}, axes=axes, where="data_parallel", fix=_DATA_PARALLEL_FIX
+        )
 
     return checked
 
