@@ -75,12 +75,11 @@ def linen_step(seen, mean_over):
 
 class NnxNet(nnx.Module):
     def __init__(self, rngs, axis_name=None):
-        self.linear = nnx.Linear(5, 4, rngs=rngs)
-        self.bn = nnx.BatchNorm(4, axis_name=axis_name, rngs=rngs)
-        self.out = nnx.Linear(4, 3, rngs=rngs)
+        bn = nnx.BatchNorm(3, axis_name=axis_name, rngs=rngs)
+        self.layers = nnx.Sequential(nnx.Linear(5, 3, rngs=rngs), bn)
 
     def __call__(self, x):
-        return self.out(self.bn(self.linear(x)))
+        return self.layers(x)
 
 
 def nnx_step(seen):
