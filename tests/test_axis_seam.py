@@ -3,6 +3,9 @@ while it traces; every other step leaves the module as JAX made it (checked insi
 user's code, while it traces), and an axis name bound nowhere still gets
 ``UnboundAxisError`` (the names in scope, the fix), raised from JAX's own error."""
 
+import re
+from pathlib import Path
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -202,3 +205,13 @@ def test_another_error_of_the_users_code_is_not_renamed(mesh):
     with pytest.raises(AssertionError, match="the user's own check") as e:
         dp(dp.init({"w": jnp.ones((5, 3))}), xy())
     assert not isinstance(e.value, UnboundAxisError)
+
+
+def test_no_module_of_jaxcomm_imports_jax_internals():
+    root = Path(jaxcomm.__file__).parent
+    found = [
+        str(path.relative_to(root))
+        for path in sorted(root.rglob("*.py"))
+        if re.search(r"^\s*(from|import) jax\._src", path.read_text(), re.M)
+    ]
+    assert found == []
