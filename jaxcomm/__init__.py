@@ -6,6 +6,7 @@ from jaxcomm import (
     collectives,
     compression,
     cost,
+    deprecated,
     diloco,
     distributed,
     dynamic_scale,
@@ -46,7 +47,16 @@ from jaxcomm.tools.profiler import CommProfiler
 from jaxcomm.tools.wire import wire_bytes
 from jaxcomm.train import DataParallel, TrainState, data_parallel
 
-__version__ = "0.1.0"
+#: The release: the minor number changes with the public API (a name added, moved or
+#: removed), the patch number otherwise; CHANGELOG.md lists each release's changes.
+__version__ = "0.2.0"
+
+
+def __getattr__(name: str):
+    """The names moved in 0.2.0 (``jaxcomm.testbed``, ``jaxcomm.ShardedDataParallel``, ...):
+    the new object, with a ``DeprecationWarning`` naming it (``jaxcomm.deprecated``)."""
+    return deprecated.moved_attribute(name)
+
 
 __all__ = [
     "CommProfiler",
@@ -72,6 +82,7 @@ __all__ = [
     "compression",
     "cost",
     "data_parallel",
+    "deprecated",
     "diloco",
     "distributed",
     "dynamic_scale",

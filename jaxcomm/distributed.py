@@ -10,13 +10,27 @@ a dead peer becomes an error within a minute, not a hang. Known exception
 (jax-ml/jax#40831, jaxlib 0.10-0.12): a CPU reduce-scatter ignores the flag and fails after
 30 s, so processes that reach one more than 30 s apart (a long compile on one of them)
 fail there.
+
+Barriers and exchanges between processes (:func:`barrier`, :func:`agree`, :func:`exchange`)
+go through jaxcomm's own coordination store, not a collective: a process that is still
+compiling is waited for (up to ``timeout_s``), while one that died is reported at once
+(its connection closes) or within the heartbeat timeout (TCP keepalive, for a lost node).
+JAX's own coordination client is not public API (``jax.distributed`` exposes only
+``initialize``, ``is_initialized`` and ``shutdown``), so :func:`init_distributed` starts
+the store: process 0 serves it on a free port, whose address every process learns from one
+broadcast (``jax.experimental.multihost_utils.broadcast_one_to_all``) while all of them
+are still together, right after ``jax.distributed.initialize``.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
+import socket
+import threading
+import time
 from typing import Any
 
 from jaxcomm.validate import check_int
@@ -148,6 +162,7 @@ def init_distributed(
         )
     else:
         jax.distributed.initialize(**kwargs)
+    _start_store(env[ENV_COORDINATOR] if env else None, heartbeat_timeout_s)
     return {
         "process_id": jax.process_index(),
         "num_processes": jax.process_count(),
@@ -166,19 +181,178 @@ def _unique(name: str) -> str:
     return f"jaxcomm/{name}/{_USES[name]}"
 
 
-def _client() -> Any:
-    """The ``jax.distributed`` coordination client, or ``None`` in a one-process job.
+# The coordination store of this process's jax.distributed job (None: one process, or
+# jax.distributed started by another caller than init_distributed).
+_STORE: _StoreClient | None = None
 
-    JAX keeps it in ``jax._src.distributed.global_state`` (its own checkpointing reaches
-    it the same way); jaxcomm reads it here only.
+
+class _StoreServer:
+    """Process 0's key-value store and barriers, one thread per connected process.
+
+    Each request is a line of JSON, answered with one line: ``{"ok": value}`` or
+    ``{"error": message}``. A process whose connection closes is gone: every wait that is
+    not complete fails, naming it (a process that exited after the last barrier it took
+    part in is waited for by no one)."""
+
+    def __init__(self, num_processes: int, host: str):
+        self.num_processes = num_processes
+        self.values: dict[str, str] = {}
+        self.arrived: dict[str, set[int]] = collections.defaultdict(set)
+        self.dead: set[int] = set()
+        self.cond = threading.Condition()
+        self.sock = socket.create_server((host, 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, name="jaxcomm-store", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            conn, _ = self.sock.accept()
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _wait(self, ready, what: str, timeout_s: float) -> str | None:
+        """Waits (holding ``cond``) until ``ready()``; the error if a process died first
+        or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if self.dead:
+                return f"{what}: processes {sorted(self.dead)} are gone (exited or lost)"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return f"{what}: not every process arrived within {timeout_s:.0f} s"
+            self.cond.wait(left)
+        return None
+
+    def _answer(self, req: dict) -> dict:
+        op, key, timeout_s = req["op"], req["key"], req.get("timeout_s", 0.0)
+        with self.cond:
+            if op == "set":
+                self.values[key] = req["value"]
+                self.cond.notify_all()
+                return {"ok": None}
+            if op == "get":
+                error = self._wait(lambda: key in self.values, f"reading {key!r}", timeout_s)
+                return {"error": error} if error else {"ok": self.values[key]}
+            if op == "barrier":
+                self.arrived[key].add(req["process"])
+                self.cond.notify_all()
+                error = self._wait(
+                    lambda: len(self.arrived[key]) >= self.num_processes,
+                    f"barrier {key!r}",
+                    timeout_s,
+                )
+                return {"error": error} if error else {"ok": None}
+        return {"error": f"unknown request {op!r}"}
+
+    def _serve(self, conn: socket.socket) -> None:
+        process = None
+        try:
+            with conn, conn.makefile("rw", encoding="utf-8") as f:
+                for line in f:
+                    req = json.loads(line)
+                    if req["op"] == "hello":
+                        process, reply = req["process"], {"ok": None}
+                    else:
+                        reply = self._answer(req)
+                    f.write(json.dumps(reply) + "\n")
+                    f.flush()
+        except OSError:
+            pass
+        finally:  # a process that exited (or was lost) fails every wait that needs it
+            if process is not None:
+                with self.cond:
+                    self.dead.add(process)
+                    self.cond.notify_all()
+
+
+class _StoreClient:
+    """One process's connection to the store: one request at a time."""
+
+    def __init__(self, address: tuple[str, int], process: int, heartbeat_timeout_s: int):
+        self.process = process
+        self.sock = socket.create_connection(address, timeout=heartbeat_timeout_s * 3)
+        self.sock.settimeout(None)
+        # A lost node closes nothing: keepalive probes find it within the heartbeat timeout.
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        probe = max(1, heartbeat_timeout_s // 4)
+        for option, value in (
+            ("TCP_KEEPIDLE", probe),
+            ("TCP_KEEPINTVL", probe),
+            ("TCP_KEEPCNT", 3),
+        ):
+            if hasattr(socket, option):
+                self.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        self.file = self.sock.makefile("rw", encoding="utf-8")
+        self.lock = threading.Lock()
+        self.request({"op": "hello", "process": process})
+
+    def request(self, req: dict) -> Any:
+        """Sends ``req`` and returns its value; raises RuntimeError for an error or a
+        store that is gone (process 0 exited or was lost)."""
+        with self.lock:
+            try:
+                self.file.write(json.dumps(req) + "\n")
+                self.file.flush()
+                line = self.file.readline()
+            except OSError as e:
+                line = ""
+                cause: Exception | None = e
+            else:
+                cause = None
+        if not line:
+            raise RuntimeError(
+                "jaxcomm.distributed: process 0, which serves the coordination store, is gone "
+                "(exited or lost)"
+            ) from cause
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"jaxcomm.distributed: {reply['error']}")
+        return reply["ok"]
+
+
+def _start_store(coordinator: str | None, heartbeat_timeout_s: int) -> None:
+    """Starts the coordination store of this job (process 0 serves it) and connects this
+    process to it; every process calls it, right after ``jax.distributed.initialize``.
+
+    The address is process 0's: the host of ``coordinator`` (the launcher's), or its own
+    host name's address, with a free port; one broadcast hands it to every process."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    global _STORE
+    if jax.process_count() == 1:
+        return
+    address = np.zeros(256, np.uint8)
+    if jax.process_index() == 0:
+        host = coordinator.rsplit(":", 1)[0] if coordinator else socket.gethostname()
+        host = socket.gethostbyname(host.strip("[]"))
+        server = _StoreServer(jax.process_count(), host)
+        text = f"{host}:{server.port}".encode()
+        address[: len(text)] = np.frombuffer(text, np.uint8)
+    address = np.asarray(multihost_utils.broadcast_one_to_all(address))
+    host, port = bytes(address[address > 0].tolist()).decode().rsplit(":", 1)
+    _STORE = _StoreClient((host, int(port)), jax.process_index(), heartbeat_timeout_s)
+
+
+def _client() -> _StoreClient | None:
+    """This process's connection to the coordination store, or ``None`` in a one-process
+    job.
+
+    Raises:
+      RuntimeError: several processes, but ``jax.distributed`` was not started by
+        :func:`init_distributed` (which starts the store).
     """
     import jax
 
     if jax.process_count() == 1:
         return None
-    from jax._src import distributed
-
-    return distributed.global_state.client
+    if _STORE is None:
+        raise RuntimeError(
+            "jaxcomm.distributed: several processes but no coordination store: start "
+            "jax.distributed with jaxcomm.init_distributed() (it calls "
+            "jax.distributed.initialize and starts the store barriers and exchanges use)."
+        )
+    return _STORE
 
 
 def barrier(name: str, *, timeout_s: int = 1800) -> None:
@@ -203,7 +377,11 @@ def barrier(name: str, *, timeout_s: int = 1800) -> None:
     """
     client = _client()
     if client is not None:
-        client.wait_at_barrier(_unique(f"barrier/{name}"), timeout_in_ms=int(timeout_s * 1000))
+        _barrier(client, _unique(f"barrier/{name}"), timeout_s)
+
+
+def _barrier(client: _StoreClient, key: str, timeout_s: float) -> None:
+    client.request({"op": "barrier", "key": key, "process": client.process, "timeout_s": timeout_s})
 
 
 def agree(name: str, error: str | None, *, timeout_s: int = 1800) -> list[str | None]:
@@ -247,10 +425,10 @@ def exchange(name: str, value: str, *, timeout_s: int = 1800) -> list[str]:
     if client is None:
         return [value]
     key = _unique(name)
-    client.key_value_set(f"{key}/{jax.process_index()}", value)
-    client.wait_at_barrier(f"{key}/posted", timeout_in_ms=int(timeout_s * 1000))
+    client.request({"op": "set", "key": f"{key}/{jax.process_index()}", "value": value})
+    _barrier(client, f"{key}/posted", timeout_s)
     return [
-        client.blocking_key_value_get(f"{key}/{i}", int(timeout_s * 1000))
+        client.request({"op": "get", "key": f"{key}/{i}", "timeout_s": timeout_s})
         for i in range(jax.process_count())
     ]
 
@@ -301,7 +479,7 @@ def check_same_on_processes(name: str, tree: Any, *, fix: str) -> None:
     """
     import jax
 
-    if jax.process_count() == 1 or _client() is None:
+    if jax.process_count() == 1:
         return
     mine = fingerprint(tree)
     digests = exchange(f"same/{name}", mine)

@@ -45,7 +45,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import backend, ordering, outputs
-from jaxcomm.axis_names import bind, bound_names
+from jaxcomm.axis_names import bound_names, call_step
 from jaxcomm.collectives import check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes, exchange, fingerprint
@@ -561,8 +561,10 @@ class FlaxStep:
         )
         token = _PARAMS_AT_START.set(hooks.old)
         try:
-            with bind(self._aliases, axes=self.axes, where=self.name):
-                out = self.fn(*self._fill(plan.nodes, objs, args))
+            user_args = self._fill(plan.nodes, objs, args)
+            out = call_step(
+                self.fn, user_args, aliases=self._aliases, axes=self.axes, where=self.name
+            )
         finally:
             _PARAMS_AT_START.reset(token)
             restore()

@@ -135,6 +135,40 @@ def _check_metrics(objs: Any) -> None:
             )
 
 
+class _Structure:
+    """One graph structure of a step's objects (Flax's ``GraphDef``), interned: equal
+    structures are one object, hashed by identity. The engine keys its plans by the
+    structure on every call; a ``GraphDef`` hashes and compares its whole node list each
+    time, the interned one once per call (here). Holds what depends on the structure
+    alone: each state leaf's kind (the Variable types are in the graphdef), checked
+    metrics."""
+
+    __slots__ = ("graphdef", "kinds")
+
+    def __init__(self, graphdef: Any, kinds: tuple[str, ...]):
+        self.graphdef = graphdef
+        self.kinds = kinds
+
+
+# Every structure seen, by its GraphDef (a few per program; reset if a program makes many).
+_STRUCTURES: dict[Any, _Structure] = {}
+_MAX_STRUCTURES = 256
+
+
+def _structure(objs: tuple, graphdef: Any, state: Any) -> _Structure:
+    """The interned structure of ``objs`` (split into ``graphdef`` and ``state``); its
+    metrics checked and its kinds read at the first sight of the structure."""
+    found = _STRUCTURES.get(graphdef)
+    if found is None:
+        _check_metrics(objs)
+        is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        kinds = jax.tree.leaves(jax.tree.map(lambda v: _kind(type(v)), state, is_leaf=is_var))
+        if len(_STRUCTURES) >= _MAX_STRUCTURES:
+            _STRUCTURES.clear()
+        found = _STRUCTURES[graphdef] = _Structure(graphdef, tuple(kinds))
+    return found
+
+
 def _optimizers_in(objs: Any) -> list[nnx.Optimizer]:
     return [o for _, o in nnx.iter_graph(objs) if isinstance(o, nnx.Optimizer)]
 
@@ -178,19 +212,20 @@ class NnxAdapter:
         return isinstance(a, nnx.Pytree)
 
     @staticmethod
-    def split(objs: tuple) -> tuple[Any, Any, tuple[str, ...]]:
-        _check_metrics(objs)
+    def split(objs: tuple) -> tuple[_Structure, Any, tuple[str, ...]]:
+        """The objects' interned structure (the engine's "graphdef"), their state and each
+        state leaf's kind. Per call only Flax's split runs: the checks and kinds are the
+        structure's, read once."""
         graphdef, state = nnx.split(objs)
-        is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-        kinds = jax.tree.leaves(jax.tree.map(lambda v: _kind(type(v)), state, is_leaf=is_var))
-        return graphdef, state, tuple(kinds)
+        structure = _structure(objs, graphdef, state)
+        return structure, state, structure.kinds
 
     @staticmethod
-    def enter(graphdef: Any, state: Any, hooks: TraceHooks) -> tuple:
+    def enter(graphdef: _Structure, state: Any, hooks: TraceHooks) -> tuple:
         """The objects merged from ``state``; each ``nnx.Optimizer`` records through
         ``hooks`` (its ``tx``) and updates the model from the invariant old params (its
         ``update``, unless its class overrides it)."""
-        objs = nnx.merge(graphdef, state)
+        objs = nnx.merge(graphdef.graphdef, state)
         opts = _optimizers_in(objs)
         txs = [o.tx for o in opts]
         own = [o for o in opts if type(o).update in _FLAX_UPDATES]

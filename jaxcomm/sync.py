@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm import backend, cost, ordering
+from jaxcomm import backend, cost, deprecated, ordering
 from jaxcomm.buckets import AutoBuckets, check_bucket_bytes, plan_buckets
 from jaxcomm.collectives import (
     allreduce,
@@ -124,7 +124,7 @@ class HostPhase(NamedTuple):
 NO_HOST_PHASE = HostPhase()
 
 
-class SyncRequest(NamedTuple):
+class _SyncRequestFields(NamedTuple):
     """What a step builder asks of every ``sync_gradients`` in an optimizer.
 
     Passed as optax's extra argument: ``tx.update(grads, state, params,
@@ -167,6 +167,26 @@ class SyncRequest(NamedTuple):
     other_input: Callable[[GradientSync, Any], None] | None = None
     sharded_over: tuple[str, ...] = ()
     phase: HostPhase = NO_HOST_PHASE
+
+
+class SyncRequest(_SyncRequestFields):
+    __doc__ = _SyncRequestFields.__doc__
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, found: list | None = None, warming_up: Any = None, **kwargs):
+        """The fields of :class:`_SyncRequestFields`; ``found=`` and ``warming_up=``, the
+        names before 0.2.0, still work for one release and warn."""
+        if found is not None:
+            deprecated.warn("SyncRequest(found=[...])", "SyncRequest(on_sync=found.append)")
+            kwargs["on_sync"] = found.append
+        if warming_up is not None:
+            deprecated.warn(
+                "SyncRequest(warming_up=...)",
+                "SyncRequest(phase=jaxcomm.HostPhase(warming_up=...))",
+            )
+            phase = kwargs.get("phase", NO_HOST_PHASE)
+            kwargs["phase"] = phase._replace(warming_up=warming_up)
+        return super().__new__(cls, *args, **kwargs)
 
 
 _DEFAULT_REQUEST = SyncRequest()
@@ -222,11 +242,23 @@ class GradientSync(NamedTuple):
         return SyncGradientsState(count, vary_per_device(cstate, self.axes))
 
     def reduce(
-        self, grads: Any, state: SyncGradientsState, *, phase: HostPhase = NO_HOST_PHASE
+        self,
+        grads: Any,
+        state: SyncGradientsState,
+        *,
+        phase: HostPhase = NO_HOST_PHASE,
+        warming_up: bool | None = None,
     ) -> tuple[Any, SyncGradientsState]:
         """The mean of ``grads`` over ``axes`` (each device's own gradients in, the same
         mean on every device out) and the next state; see the module docstring's stages.
-        ``phase``: :class:`SyncRequest`'s (its None fields decided on the devices)."""
+        ``phase``: :class:`SyncRequest`'s (its None fields decided on the devices);
+        ``warming_up``: deprecated since 0.2.0 (it warns), ``phase=HostPhase(warming_up=...)``."""
+        if warming_up is not None:
+            deprecated.warn(
+                "GradientSync.reduce(..., warming_up=...)",
+                "GradientSync.reduce(..., phase=jaxcomm.HostPhase(warming_up=...))",
+            )
+            phase = phase._replace(warming_up=warming_up)
         check_bound(self.axes, "sync_gradients", _UNBOUND_FIX)
         check_float_tree(grads)
         if self.compression is None:

@@ -14,8 +14,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm import backend, ordering, outputs
-from jaxcomm.axis_names import bind
+from jaxcomm import backend, deprecated, ordering, outputs
+from jaxcomm.axis_names import call_step
 from jaxcomm.collectives import allreduce_floats, check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import agree, check_same_on_processes
@@ -152,13 +152,14 @@ _DATA_PARALLEL_FIX = (
 
 def _axis_names_checked(loss_fn: Callable, axes: tuple[str, ...]) -> Callable:
     """``loss_fn`` whose collectives over an axis name that the mesh does not bind raise
-    ``jaxcomm.axis_names.UnboundAxisError`` (the names in scope, the fix), where JAX would
-    raise a bare ``AssertionError`` (``lax.pmean``)."""
+    ``jaxcomm.axis_names.UnboundAxisError`` (the names in scope, the fix) from JAX's own
+    error (a bare ``AssertionError`` for ``lax.pmean``); ``jax.lax`` is left as it is."""
 
     @functools.wraps(loss_fn)
-    def checked(*args, **kwargs):
-        with bind({}, axes=axes, where="data_parallel", fix=_DATA_PARALLEL_FIX):
-            return loss_fn(*args, **kwargs)
+    def checked(*args):
+        return call_step(
+            loss_fn, args, aliases={}, axes=axes, where="data_parallel", fix=_DATA_PARALLEL_FIX
+        )
 
     return checked
 
@@ -815,6 +816,7 @@ class DataParallel:
         feedback: Any = None,
         communicate: bool = True,
         phase: HostPhase = NO_HOST_PHASE,
+        warming_up: bool | None = None,
     ) -> Callable:
         """The jitted ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
@@ -837,6 +839,8 @@ class DataParallel:
             SGD's branch, the compressor's choice), with no conditional for the
             decisions it fixes; ``HostPhase()`` (default): the step decides on the
             devices, one program for every step.
+          warming_up: deprecated since 0.2.0 (it warns):
+            ``phase=jaxcomm.HostPhase(warming_up=...)``.
         """
         if not isinstance(phase, HostPhase):
             raise TypeError(
@@ -844,6 +848,12 @@ class DataParallel:
                 "program for every step) or one with warming_up / local_sgd / codec_choice "
                 "set, e.g. jaxcomm.HostPhase(warming_up=False)."
             )
+        if warming_up is not None:
+            deprecated.warn(
+                "DataParallel.step_fn(state, warming_up=...)",
+                "dp.step_fn(state, phase=jaxcomm.HostPhase(warming_up=...))",
+            )
+            phase = phase._replace(warming_up=warming_up)
         specs = self.state_specs(state)
         local_step = functools.partial(
             self._local_step, feedback=feedback, communicate=communicate, phase=phase
@@ -925,6 +935,31 @@ class DataParallel:
         (``jaxcomm.FrontEnd``)."""
         (opt_state,) = opt_states
         return state._replace(opt_state=opt_state)
+
+    def adaptive_states(self, state: TrainState) -> list[Any]:
+        """Deprecated since 0.2.0 (it warns):
+        ``jaxcomm.compression.adaptive_states(dp.optimizer_states(state)[0])``."""
+        from jaxcomm.compression import adaptive_states
+
+        deprecated.warn(
+            "DataParallel.adaptive_states(state)",
+            "jaxcomm.compression.adaptive_states(dp.optimizer_states(state)[0])",
+        )
+        return adaptive_states(self.optimizer_states(state)[0])
+
+    def replace_adaptive(self, state: TrainState, fn: Callable) -> TrainState:
+        """Deprecated since 0.2.0 (it warns): ``dp.with_optimizer_states(state,
+        [jaxcomm.compression.map_adaptive(dp.optimizer_states(state)[0], fn)])``."""
+        from jaxcomm.compression import map_adaptive
+
+        deprecated.warn(
+            "DataParallel.replace_adaptive(state, fn)",
+            "dp.with_optimizer_states(state, "
+            "[jaxcomm.compression.map_adaptive(dp.optimizer_states(state)[0], fn)])",
+        )
+        return self.with_optimizer_states(
+            state, [map_adaptive(self.optimizer_states(state)[0], fn)]
+        )
 
     def compile(
         self,

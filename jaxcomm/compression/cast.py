@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomm import backend
+from jaxcomm import backend, deprecated
 from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression.base import (
     BufferCodec,
@@ -140,10 +140,14 @@ def bf16_mean(x: jax.Array, axes: tuple[str, ...], algorithm: str) -> tuple[jax.
     return as_f32(s) / axes_size(axes), as_f32(lo)
 
 
-def bf16() -> Compressor:
+def bf16(*, via: str | None = None) -> Compressor:
     """Casts to bfloat16 and sums in bfloat16 (2x fewer bytes than f32): a bf16
     all-reduce through the configured algorithm, or on a CPU mesh, whose bf16 all-reduce
     runs in f32, an all-to-all + all-gather of bf16 words (module docstring).
+
+    Args:
+      via: deprecated since 0.2.0 and ignored (it warns): the route is the platform's
+        (``jaxcomm.backend``).
 
     Returns:
       A stateless :class:`~jaxcomm.compression.Compressor`.
@@ -151,11 +155,23 @@ def bf16() -> Compressor:
     Example:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.bf16())
     """
+    _deprecated_via("bf16", via)
     return from_codec(bf16_codec())
 
 
-def bf16_codec() -> BufferCodec:
-    """:func:`bf16`'s per-buffer mean (:func:`bf16_mean`), also an adaptive rung."""
+def _deprecated_via(name: str, via: str | None) -> None:
+    if via is not None:
+        deprecated.warn(
+            f"jaxcomm.compression.{name}(via={via!r})",
+            f"jaxcomm.compression.{name}() (the route is the platform's: jaxcomm.backend)",
+            stacklevel=4,
+        )
+
+
+def bf16_codec(*, via: str | None = None) -> BufferCodec:
+    """:func:`bf16`'s per-buffer mean (:func:`bf16_mean`), also an adaptive rung.
+    ``via``: deprecated and ignored, as :func:`bf16`'s."""
+    _deprecated_via("bf16_codec", via)
 
     def mean(c, ctx, i, seed):
         return bf16_mean(c, ctx.axes, ctx.algorithm)

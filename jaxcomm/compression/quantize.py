@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm import backend
+from jaxcomm import backend, deprecated
 from jaxcomm.collectives import all_gather_invariant
 from jaxcomm.compression.base import (
     BufferCodec,
@@ -319,7 +319,9 @@ def gather_quantized(x: jax.Array, axes: tuple[str, ...], *, bits: int, block: i
     return values.reshape(enc.shape[0], -1)[:, :c].reshape(-1)
 
 
-def int_codec(bits: int, block: int, *, stochastic: bool) -> BufferCodec:
+def int_codec(
+    bits: int, block: int, *, stochastic: bool, materialize: bool | None = None
+) -> BufferCodec:
     """The per-buffer mean of :func:`int8` / :func:`int4` (:func:`two_phase_mean`), also
     an adaptive rung; its halves are the sharded step's quantized reduce-scatter
     (:func:`reduce_scatter_mean`) and param gather (:func:`gather_quantized`).
@@ -328,6 +330,8 @@ def int_codec(bits: int, block: int, *, stochastic: bool) -> BufferCodec:
       bits: 8 or 4.
       block: elements per scale (even for 4 bits).
       stochastic: stochastic rounding from the two phases' dither seeds, else nearest.
+      materialize: deprecated since 0.2.0 and ignored (it warns): the platform's row
+        (``jaxcomm.backend``) decides.
 
     Returns:
       A :class:`~jaxcomm.compression.base.BufferCodec` that gathers its encoded means.
@@ -335,6 +339,11 @@ def int_codec(bits: int, block: int, *, stochastic: bool) -> BufferCodec:
     Raises:
       ValueError: ``bits`` not in (4, 8), ``block < 1``, or odd for 4 bits.
     """
+    if materialize is not None:
+        deprecated.warn(
+            f"jaxcomm.compression.quantize.int_codec(..., materialize={materialize!r})",
+            "int_codec(bits, block, stochastic=...) (the platform's row decides: jaxcomm.backend)",
+        )
     if bits not in _QMAX:
         raise ValueError(f"bits={bits!r} is not supported; allowed: {sorted(_QMAX)} (int4, int8).")
     block = _check_block(block, bits)
