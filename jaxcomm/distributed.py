@@ -108,10 +108,13 @@ def launcher_env() -> dict[str, str] | None:
     return present
 
 
+_DEFAULT_HEARTBEAT_S = 20
+
+
 def init_distributed(
     *,
     collective_timeout_s: int = 45,
-    heartbeat_timeout_s: int = 20,
+    heartbeat_timeout_s: int = _DEFAULT_HEARTBEAT_S,
     initialization_timeout_s: int = 120,
     **initialize_kwargs: Any,
 ) -> dict[str, int]:
@@ -338,20 +341,17 @@ def _client() -> _StoreClient | None:
     """This process's connection to the coordination store, or ``None`` in a one-process
     job.
 
-    Raises:
-      RuntimeError: several processes, but ``jax.distributed`` was not started by
-        :func:`init_distributed` (which starts the store).
+    A job whose ``jax.distributed`` another caller started (``jax.distributed.initialize()``
+    in the script) gets its store here, at the first barrier or exchange: every process
+    reaches that call in the same order, so the one broadcast of the store's address
+    (a collective, under JAX's own collective timeout) pairs up.
     """
     import jax
 
     if jax.process_count() == 1:
         return None
     if _STORE is None:
-        raise RuntimeError(
-            "jaxcomm.distributed: several processes but no coordination store: start "
-            "jax.distributed with jaxcomm.init_distributed() (it calls "
-            "jax.distributed.initialize and starts the store barriers and exchanges use)."
-        )
+        _start_store(None, _DEFAULT_HEARTBEAT_S)
     return _STORE
 
 

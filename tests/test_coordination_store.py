@@ -3,6 +3,7 @@ between processes use: two clients in threads of this process, on loopback. The 
 real multi-process job: tests/test_launch.py (barrier, agree, exchange, a dead peer)."""
 
 import socket
+import sys
 import threading
 import time
 
@@ -85,3 +86,27 @@ def test_a_store_that_is_gone_is_named():
     with pytest.raises(RuntimeError, match="process 0, which serves the coordination store"):
         client.request({"op": "get", "key": "k", "timeout_s": 1})
     listener.close()
+
+
+_PLAIN_INITIALIZE = """
+import os
+import jax
+jax.config.update("jax_num_cpu_devices", int(os.environ["JAXCOMM_LOCAL_DEVICES"]))
+jax.distributed.initialize(
+    os.environ["JAXCOMM_COORDINATOR"],
+    int(os.environ["JAXCOMM_NUM_PROCESSES"]),
+    int(os.environ["JAXCOMM_PROCESS_ID"]),
+)
+from jaxcomm import distributed
+me = jax.process_index()
+distributed.barrier("plain start")
+errors = distributed.agree("plain work", None if me == 0 else "bad file")
+print("AGREED", errors, flush=True)
+"""
+
+
+def test_a_job_started_by_jax_distributed_alone_gets_the_store_at_its_first_barrier():
+    from helpers import launch_two_processes
+
+    out = launch_two_processes(sys.executable, "-c", _PLAIN_INITIALIZE, timeout=180)
+    assert out.count("AGREED [None, 'bad file']") == 2, out[-3000:]
