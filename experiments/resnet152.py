@@ -228,9 +228,9 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
 
     import jaxcomm
     from experiments import step as steplib
-    from experiments.checkpoint import Checkpointer
     from experiments.data import SyntheticImages
     from experiments.training import train
+    from jaxcomm.checkpoint import Checkpointer
 
     name = args.config or resolved[-1].row.config
     chosen = next((r for r in resolved if r.row.config == name), None)
@@ -241,7 +241,7 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     mesh = jaxcomm.make_mesh(intra=preset.intra, **mesh_kwargs)
     global_batch = preset.per_device_batch * mesh.devices.size
     if args.elastic is not None:  # the batch of MAX nodes, on however many are left
-        from experiments import elastic
+        from jaxcomm import elastic
 
         global_batch = preset.per_device_batch * elastic.parse_nodes(args.elastic)[1]
         global_batch *= jax.local_device_count()
@@ -359,13 +359,13 @@ def _image_folder(args, preset, global_batch: int):
 def _resume(ckpt, state, meta: dict, dp=None):
     """``--resume``: the latest checkpoint's state and position, checked against ``meta``
     (a checkpoint of another run is refused); with ``dp`` (``--elastic``) on this run's
-    device count, whatever it was written on (``experiments.elastic.restore``)."""
+    device count, whatever it was written on (``jaxcomm.elastic.restore``)."""
     if ckpt is None:
         raise SystemExit("--resume needs --checkpoint-dir.")
     if ckpt.latest_step() is None:
         raise SystemExit(f"--resume: no checkpoint in {ckpt.directory}.")
     if dp is not None:
-        from experiments import elastic
+        from jaxcomm import elastic
 
         try:
             state, saved = elastic.restore(ckpt, dp, state, global_batch=meta["global_batch"])
@@ -381,7 +381,7 @@ def _resume(ckpt, state, meta: dict, dp=None):
 
 def _elastic_setup(parser: argparse.ArgumentParser, args) -> None:
     """``--elastic``: checks the flags, joins the agent's job (``JAXCOMM_*`` variables)."""
-    from experiments import elastic
+    from jaxcomm import elastic
 
     try:
         elastic.parse_nodes(args.elastic)
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runtime.init_distributed()
     if args.elastic is not None:
-        from experiments import elastic
+        from jaxcomm import elastic
 
         try:
             elastic.check_minimum(jax.process_count(), elastic.parse_nodes(args.elastic)[0])

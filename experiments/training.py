@@ -10,8 +10,8 @@ from typing import Any
 import jax
 
 import jaxcomm
-from experiments.checkpoint import Checkpointer
 from experiments.step import host_mean, one_step_in_flight
+from jaxcomm.checkpoint import Checkpointer
 
 __all__ = ["train"]
 

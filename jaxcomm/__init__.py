@@ -3,12 +3,14 @@
 from jaxcomm import (
     axis_names,
     buckets,
+    checkpoint,
     collectives,
     compression,
     cost,
     diloco,
     distributed,
     dynamic_scale,
+    elastic,
     hlo,
     host_memory,
     ordering,
@@ -18,6 +20,7 @@ from jaxcomm import (
     topology,
     xla,
 )
+from jaxcomm.checkpoint import Checkpointer
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.diloco import LocalSGDState, local_sgd
 from jaxcomm.distributed import init_distributed
@@ -48,6 +51,7 @@ from jaxcomm.train import DataParallel, TrainState, data_parallel
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpointer",
     "CommProfiler",
     "DATA_AXES",
     "DataParallel",
@@ -67,6 +71,7 @@ __all__ = [
     "axis_names",
     "buckets",
     "check_replicas",
+    "checkpoint",
     "collectives",
     "compression",
     "cost",
@@ -74,6 +79,7 @@ __all__ = [
     "diloco",
     "distributed",
     "dynamic_scale",
+    "elastic",
     "flat_allreduce",
     "gradient_sync",
     "hierarchical_allreduce",
