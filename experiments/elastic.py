@@ -21,11 +21,14 @@ from jaxcomm.checkpoint import Checkpointer
 from jaxcomm.elastic import AGENT_VARS, per_device_batch, restore
 
 __all__ = [
+    "RECOVERY_PHASES",
     "STOP_BOUND_S",
     "checkpoint_cost",
     "digits_restart",
+    "format_recovery",
     "kill_test",
     "read_params",
+    "recovery_table",
 ]
 
 # -- the digits quality guard across a restart -------------------------------------------
@@ -248,6 +251,58 @@ def _wait(
     return [p.wait() for p in procs]
 
 
+# The phases of a restart, in order: (name, the phase logged at its end, its meaning).
+RECOVERY_PHASES = (
+    ("detection", None, "kill -> the last survivor's JAX process ended (heartbeat)"),
+    ("agent restart", None, "-> the agent started the processes again"),
+    ("start, imports", "main", "-> Python started, jax, flax, jaxcomm imported, main()"),
+    ("rendezvous", "distributed", "-> jax.distributed initialised (coordinator, peers)"),
+    ("build", "built", "-> model, step and fresh state built (dp.init)"),
+    ("restore", "restored", "-> the checkpoint read and re-laid (jaxcomm.elastic.restore)"),
+    ("first step", None, "-> the first step ended (its compile included)"),
+)
+
+
+def recovery_table(killed: float, result: dict, phases: list[dict], first_step: float) -> list:
+    """Where the time from the kill to the next step went: ``[name, seconds, meaning]`` per
+    phase of :data:`RECOVERY_PHASES`, from the kill test's times (the kill, the survivors'
+    end, the restart) and the restarted rank-0 process's ``phases.jsonl``. A phase whose
+    end was not logged is None (its time goes to the next one)."""
+    ends = {p["phase"]: p["time"] for p in phases if p.get("restart", 0) >= 1}
+    stopped = result.get("survivors_stopped_s")
+    restarted = result.get("restarted_s")
+    times = {
+        "detection": None if stopped is None else killed + stopped,
+        "agent restart": None if restarted is None else killed + restarted,
+        "first step": first_step,
+    }
+    rows, last = [], killed
+    for name, logged, meaning in RECOVERY_PHASES:
+        end = ends.get(logged) if logged is not None else times.get(name)
+        rows.append([name, None if end is None else end - last, meaning])
+        last = end if end is not None else last
+    return rows
+
+
+def format_recovery(rows: list) -> str:
+    """The recovery table as text."""
+    lines = [f"{'phase':<14} {'seconds':>8}  what ended it"]
+    total = 0.0
+    for name, seconds, meaning in rows:
+        total += seconds or 0.0
+        shown = "-" if seconds is None else f"{seconds:.2f}"
+        lines.append(f"{name:<14} {shown:>8}  {meaning}")
+    lines.append(f"{'total':<14} {total:>8.2f}  kill -> next step")
+    return "\n".join(lines)
+
+
+def _write_json(path: str, result: dict) -> None:
+    import json
+
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
 def _complete_steps(folder: str) -> list[int]:
     """The complete checkpoint steps in ``folder`` (orbax renames a step's folder to its
     number once every process has written it)."""
@@ -272,6 +327,7 @@ def kill_test(
     per_device_batch: int = 2,
     config: str | None = None,
     overlap_reference: bool = False,
+    heartbeat_timeout_s: int | None = None,
 ) -> dict:
     """Kills the last node (its agent, or its JAX process) once step ``kill_at`` ended; the
     job finishes on ``nodes - 1`` nodes. Then the reference: the same job without a kill
@@ -289,6 +345,9 @@ def kill_test(
     ``overlap_reference`` starts the reference while the survivors wait for the heartbeat,
     stopped at the last checkpoint step before the kill (what the survivors must restore:
     the suite's test asserts that they did), instead of after the restart.
+    ``heartbeat_timeout_s``: the processes' ``--heartbeat-timeout`` (default theirs, 20 s).
+    With the restart played here, ``recovery`` is the table of where the time from the
+    kill to the next step went (:func:`recovery_table`).
 
     Returns:
       The kill's step, the complete checkpoints at the kill, the step restored, the steps
@@ -311,6 +370,8 @@ def kill_test(
               "--image-size", str(image_size),
               "--per-device-batch", str(per_device_batch)]  # fmt: skip
     common += [] if config is None else ["--config", config]
+    if heartbeat_timeout_s is not None:
+        common += ["--heartbeat-timeout", str(heartbeat_timeout_s)]
     run = {"ckpt": os.path.join(out, "kill", "ckpt"), "out": os.path.join(out, "kill", "out")}
     worker = [*common, "--checkpoint-dir", run["ckpt"], "--out", run["out"]]
 
@@ -364,9 +425,15 @@ def kill_test(
         )
         result["complete_at_restart"] = _complete_steps(run["ckpt"])
         if on_their_own and all(codes[i] for i in survivors):  # the agent's restart
+            result["restarted_s"] = time.time() - killed["time"]
             codes = _wait(job(minimum, minimum, worker, "kill", 1, port), timeout_s)
     log = _read_steps(steps_file)
     after = [x for x in log if killed and x["time"] > killed["time"]]
+    if after:
+        result["recovery"] = recovery_table(
+            killed["time"], result, _read_steps(os.path.join(run["out"], "phases.jsonl")),
+            after[0]["time"],
+        )  # fmt: skip
     restored = after[0]["step"] - 1 if after else None
     result = {
         "nodes": nodes,
@@ -386,6 +453,7 @@ def kill_test(
         "exit_codes": codes,
         "seconds": time.time() - t0,
     }
+    _write_json(os.path.join(out, "kill_test.json"), result)  # the kill's part, already
     if early:
         first_codes = _wait(early["procs"], timeout_s)
     if restored is None or result["final_step"] != steps:
@@ -413,6 +481,7 @@ def kill_test(
     result["params_bitwise_equal"] = all(
         np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
+    _write_json(os.path.join(out, "kill_test.json"), result)
     return result
 
 
@@ -561,10 +630,14 @@ def _kill_test_main(args) -> int:
             steps=args.steps,
             every=args.every,
             testbed=testbed,
+            heartbeat_timeout_s=args.heartbeat_timeout,
         )
     result["load_average"] = [load, os.getloadavg()]
     for k, v in result.items():
-        print(f"{k:<24} {v}")
+        if k != "recovery":
+            print(f"{k:<24} {v}")
+    if result.get("recovery"):
+        print(format_recovery(result["recovery"]))
     with open(os.path.join(args.out, "kill_test.json"), "w") as f:
         json.dump(result, f, indent=2)
     ok = result.get("params_max_abs_diff") is not None and result["final_step"] == args.steps
@@ -589,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=int, default=8, help="kill-test: kill after this step")
     p.add_argument("--testbed", action="store_true", help="kill-test: nodes in the testbed")
     p.add_argument("--link", default="1gbit", help="kill-test --testbed: link rate")
+    p.add_argument("--heartbeat-timeout", type=int, default=None,
+                   help="kill-test: the processes' --heartbeat-timeout (default theirs, "
+                   "20 s)")  # fmt: skip
     p.add_argument("--model", default="resnet-tiny", help="ResNet name")
     p.add_argument("--image-size", type=int, default=32, help="square image side")
     p.add_argument("--per-device-batch", type=int, default=4, help="images per device")
