@@ -428,7 +428,8 @@ def kill_test(
             result["restarted_s"] = time.time() - killed["time"]
             codes = _wait(job(minimum, minimum, worker, "kill", 1, port), timeout_s)
     log = _read_steps(steps_file)
-    after = [x for x in log if killed and x["time"] > killed["time"]]
+    # The restarted job's steps (a step of the killed round may end just after the kill).
+    after = [x for x in log if killed and x.get("restart", 0) > 0]
     if after:
         result["recovery"] = recovery_table(
             killed["time"], result, _read_steps(os.path.join(run["out"], "phases.jsonl")),

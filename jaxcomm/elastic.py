@@ -407,7 +407,6 @@ class _View(NamedTuple):
     per: list[bool]  # stacked one entry per device along the data axes
     step: int  # the step count (the first optimizer's, or TrainState's)
     treedef: Any  # of the objects' state (NNX: nnx.state; Linen, pmap: the TrainStates)
-    states: tuple  # NNX: the nnx.State; Linen, pmap: the TrainStates
 
 
 def _stacked(train_step: Any, x: Any) -> bool:
@@ -443,7 +442,6 @@ def _flax_view(train_step: Any, kind: str, objs: tuple) -> _View:
         per=[_stacked(train_step, x) for x in leaves],
         step=steps[0] if steps else 0,
         treedef=treedef,
-        states=states,
     )
 
 
