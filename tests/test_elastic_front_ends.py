@@ -199,8 +199,9 @@ def _interrupted(fe, sync, shard, tmp_path, rule="mean"):
 
 @pytest.mark.parametrize(
     "name,shard",
-    [("nnx", False), ("nnx", True), ("linen", False), ("linen", True), ("pmap-rows", False)],
-    ids=["nnx", "nnx-sharded", "linen", "linen-sharded", "pmap-rows"],
+    # Linen's sharded state takes NNX's path (the engine's chunks, stacked in the objects)
+    [("nnx", False), ("nnx", True), ("linen", False), ("pmap-rows", False)],
+    ids=["nnx", "nnx-sharded", "linen", "pmap-rows"],
 )
 def test_restored_on_fewer_devices_goes_on_as_the_uninterrupted_run(tmp_path, name, shard):
     """f32 sync, Adam: 3 steps on 8 devices, saved, restored onto 4, 3 more steps equal
