@@ -1,37 +1,9 @@
-"""Resume a run on another device count: what a restart on the nodes left keeps.
+"""The elastic experiments: the digits guard across a restart, the kill test, the cost of
+a checkpoint (``python -m experiments.elastic checkpoint-cost | kill-test``).
 
-A checkpoint written on ``N`` devices (:class:`experiments.checkpoint.Checkpointer`) is
-restored onto the ``M`` devices of a new step (:func:`restore`), or a live state is moved
-to them (:func:`resize`, the same rule without a checkpoint). What is kept, and how:
-
-* **params, batch statistics, step count, replicated optimizer state** (Adam's moments of
-  a replicated optimizer, the adaptive compressor's level, window and hold, PowerSGD's
-  warm start): as they are, bit for bit. The learning-rate schedule is a function of the
-  step count, so it goes on where it was.
-* **sharded optimizer state** (``shard_optimizer=True``): resharded exactly
-  (``DataParallel.reshard``: each per-device chunk leaf read row after row is its param
-  leaf, cut anew into ``M`` pieces).
-* **other per-device state** (error-feedback residuals, the adaptive compressor's residual,
-  ``local_sgd``'s per-device params, ``MultiSteps``' accumulators) by ``rule``:
-
-  - ``'mean'`` (default): every new device gets the mean of the ``N`` old entries. For an
-    error-feedback residual this keeps, exactly up to f32 rounding, the correction the
-    averaged gradient still owes: the next mean of ``g + e`` over ``M`` devices carries
-    ``mean_j e'_j = mean_i e_i``, as it would have over the ``N``. Refused for a leaf
-    whose per-device shape changes with the device count, for integer leaves whose
-    entries differ, and for a ``compress_stage='inter'`` sync (its residuals are chunks
-    that belong to a device's place in its node).
-  - ``'zero'``: reset to zeros (what an error-feedback buffer starts from); loses at most
-    one step's compression error per device.
-
-* **data position**: as saved. The global batch is kept (each device takes
-  ``global_batch / M`` examples; :func:`per_device_batch` refuses a count that does not
-  divide it), so position ``p`` names the same examples on any device count and no
-  example is skipped or seen twice.
-
-Checked against the checkpoint's manifest (paths, shapes, dtypes of every leaf) before
-anything is read: a checkpoint of another model or optimizer is refused naming the first
-leaf that differs.
+What a user's script needs (save, restore onto another device count, asynchronous
+checkpoints, the agent's environment) is the library's: :mod:`jaxcomm.elastic` and
+:mod:`jaxcomm.checkpoint`; this module only measures it.
 """
 
 from __future__ import annotations
@@ -44,271 +16,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from experiments.checkpoint import Checkpointer, manifest
-from jaxcomm.validate import check_choice, check_int
+from jaxcomm.checkpoint import Checkpointer
+from jaxcomm.elastic import AGENT_VARS, per_device_batch, restore
 
 __all__ = [
-    "RULES",
-    "agent_env",
-    "check_minimum",
+    "RECOVERY_PHASES",
+    "STOP_BOUND_S",
     "checkpoint_cost",
     "digits_restart",
-    "parse_nodes",
-    "per_device_batch",
-    "resize",
-    "restore",
+    "format_recovery",
+    "kill_test",
+    "read_params",
+    "recovery_table",
 ]
-
-RULES = ("mean", "zero")
-
-
-def per_device_batch(global_batch: int, devices: int) -> int:
-    """Examples per device when ``global_batch`` is split over ``devices``.
-
-    Raises:
-      ValueError: ``devices`` does not divide ``global_batch``; the message lists the
-        device counts that do.
-    """
-    global_batch = check_int("global_batch", global_batch, minimum=1)
-    devices = check_int("devices", devices, minimum=1)
-    if global_batch % devices:
-        fits = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
-        raise ValueError(
-            f"global batch {global_batch} does not divide over {devices} devices; a restart "
-            f"keeps the global batch (the schedule and the data position depend on it). "
-            f"Device counts that divide it: {fits}. Choose a global batch every device count "
-            "the job may shrink to divides (e.g. 24 for 8, 6, 4, 3 or 2 devices), or a "
-            "minimum node count that leaves such a device count."
-        )
-    return global_batch // devices
-
-
-def check_minimum(available: int, minimum: int, *, what: str = "nodes") -> int:
-    """Refuses to go on with fewer than ``minimum`` ``what``; returns ``available``.
-
-    Raises:
-      ValueError: ``available < minimum`` (or either is not a positive integer).
-    """
-    available = check_int(f"{what} available", available, minimum=1)
-    minimum = check_int(f"minimum {what}", minimum, minimum=1)
-    if available < minimum:
-        raise ValueError(
-            f"{available} {what} left, the job's minimum is {minimum} (allowed: {minimum} or "
-            f"more): it does not resume below its minimum. Lower the minimum (e.g. "
-            f"--elastic {available}:...) or bring back {minimum - available} {what}."
-        )
-    return available
-
-
-def _per_device_flags(dp: Any, like_opt: Any) -> list[bool]:
-    paths = set(dp.per_device_paths)
-    return [
-        jax.tree_util.keystr(p) in paths for p, _ in jax.tree_util.tree_leaves_with_path(like_opt)
-    ]
-
-
-def _old_devices(opt_state: Any, flags: list[bool]) -> int | None:
-    rows = {
-        int(jnp.shape(x)[0]) for x, f in zip(jax.tree.leaves(opt_state), flags, strict=True) if f
-    }
-    if len(rows) > 1:
-        raise ValueError(f"per-device leaves disagree on the device count: {sorted(rows)}")
-    return rows.pop() if rows else None
-
-
-def _placing(mesh: Any, axes: tuple[str, ...], rows: int, devices: int) -> NamedSharding:
-    """Where ``rows`` per-device entries go on a mesh of ``devices`` before their re-lay:
-    split over the devices when they divide evenly, else whole on every device."""
-    return NamedSharding(mesh, P(axes) if rows % devices == 0 else P())
-
-
-def _relay(x: jax.Array, target: jax.ShapeDtypeStruct, rule: str, path: str) -> jax.Array:
-    """One per-device leaf of ``N`` rows as ``target``'s ``M`` rows, by ``rule``."""
-    if rule == "zero":
-        return jax.jit(
-            lambda: jnp.zeros(target.shape, target.dtype), out_shardings=target.sharding
-        )()
-    if tuple(x.shape[1:]) != tuple(target.shape[1:]):
-        raise ValueError(
-            f"per-device leaf {path} holds {tuple(x.shape[1:])} per device on {x.shape[0]} "
-            f"devices and {tuple(target.shape[1:])} on {target.shape[0]}: its layout depends "
-            "on the device count, so a mean of its entries means nothing. Restore with "
-            "rule='zero' (the entries start again from zero)."
-        )
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        same = bool(jax.jit(lambda v: jnp.all(v == v[:1]))(x))
-        if not same:
-            raise ValueError(
-                f"per-device leaf {path} ({x.dtype}) differs between devices: integer "
-                "entries have no mean. Restore with rule='zero'."
-            )
-        mean = lambda v: jnp.broadcast_to(v[0], target.shape)  # noqa: E731
-    else:
-        mean = lambda v: jnp.broadcast_to(  # noqa: E731
-            jnp.mean(v.astype(jnp.float32), axis=0).astype(v.dtype), target.shape
-        )
-    return jax.jit(mean, out_shardings=target.sharding)(x)
-
-
-def resize(state: Any, dp: Any, *, rule: str = "mean") -> Any:
-    """``state``, a :class:`jaxcomm.TrainState` of the same model and optimizer on another
-    device count (a live state, or one restored as it was saved), laid out for ``dp``.
-
-    Args:
-      state: the train state; its arrays on ``dp``'s devices (replicated, or per-device
-        leaves split over them) or on another mesh of this process.
-      dp: the step on the new devices (``jaxcomm.data_parallel``), initialised
-        (``dp.init`` run once, so its per-device leaves are known).
-      rule: per-device state other than sharded chunks, ``'mean'`` or ``'zero'`` (module
-        docstring).
-
-    Returns:
-      The state on ``dp``'s mesh; the same values where nothing changes.
-
-    Raises:
-      ValueError: unknown ``rule``; a per-device leaf the rule cannot re-lay; a sharded
-        state of other params (``DataParallel.reshard``).
-    """
-    check_choice("rule", rule, RULES, fix="'mean' keeps the entries' mean, 'zero' resets them")
-    target = dp.abstract_state(
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
-    )
-    flags = _per_device_flags(dp, target.opt_state)
-    rows = _old_devices(state.opt_state, flags)
-    devices, put = dp.num_devices, lambda t: jax.device_put(t, dp.replicated)  # noqa: E731
-    leaves, treedef = jax.tree.flatten(state.opt_state)
-    if len(leaves) != len(flags):
-        raise ValueError(
-            f"the optimizer state has {len(leaves)} leaves, this step's {len(flags)}: another "
-            "optimizer. Resume with the optimizer the state was written by."
-        )
-    stacked = NamedSharding(dp.mesh, P(dp.axes))
-    same = rows is None or rows == devices  # entries back to their own devices
-    moved = [
-        (jax.device_put(x, stacked if same else _placing(dp.mesh, dp.axes, rows, devices)))
-        if f
-        else put(x)
-        for x, f in zip(leaves, flags, strict=True)
-    ]
-    model_state = None if state.model_state is None else put(state.model_state)
-    base = type(state)(
-        put(state.step), put(state.params), jax.tree.unflatten(treedef, moved), model_state
-    )
-    if same:
-        return base
-    if dp.sharded is not None:
-        return dp.reshard(base)
-    if rule == "mean" and any(s.compress_stage == "inter" for s in dp.syncs):
-        raise ValueError(
-            "rule='mean' re-lays per-device state whose entries mean the same thing on every "
-            "device; a sync_gradients(compress_stage='inter') keeps residuals of the chunk a "
-            "device owns in its node. Restore with rule='zero'."
-        )
-    targets = jax.tree.leaves(target.opt_state)
-    paths = [
-        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(target.opt_state)
-    ]
-    out = [
-        _relay(x, t, rule, p) if f else x
-        for x, t, f, p in zip(moved, targets, flags, paths, strict=True)
-    ]
-    return base._replace(opt_state=jax.tree.unflatten(treedef, out))
-
-
-def _check_manifest(saved: list, here: list, per_device: set[str], where: str) -> None:
-    """Refuses a checkpoint whose leaves are not this state's: another optimizer (paths)
-    or another model (shapes or dtypes of leaves that do not depend on the device count)."""
-    saved_paths, here_paths = [s[0] for s in saved], [h[0] for h in here]
-    if saved_paths != here_paths:
-        gone = [p for p in saved_paths if p not in here_paths][:3]
-        new = [p for p in here_paths if p not in saved_paths][:3]
-        raise ValueError(
-            f"checkpoint {where} holds {len(saved_paths)} state leaves, this run "
-            f"{len(here_paths)}; only in the checkpoint: {gone}, only in this run: {new}. It "
-            "was written by another optimizer or model: resume with the settings it was "
-            "saved with, or use another --checkpoint-dir."
-        )
-    for (path, shape, dtype), (_, shape2, dtype2) in zip(saved, here, strict=True):
-        if dtype != dtype2 or (path not in per_device and shape != shape2):
-            raise ValueError(
-                f"checkpoint {where}: {path} is {dtype}{shape}, this run's {dtype2}{shape2}. "
-                "It was written by another model (or optimizer): resume with the settings it "
-                "was saved with, or use another --checkpoint-dir."
-            )
-
-
-def restore(
-    checkpointer: Checkpointer,
-    dp: Any,
-    like: Any,
-    *,
-    step: int | None = None,
-    rule: str = "mean",
-    global_batch: int | None = None,
-) -> tuple[Any, dict]:
-    """Restores the newest complete checkpoint (or ``step``) onto ``dp``'s devices, written
-    on the same or another device count.
-
-    Args:
-      checkpointer: the run's checkpoints.
-      dp: the step on the devices of this run (initialised).
-      like: a fresh state of this run (``dp.init(...)``), for shapes and shardings.
-      step: which checkpoint; default the newest complete one.
-      rule: per-device state other than sharded chunks: ``'mean'`` or ``'zero'``.
-      global_batch: this run's global batch; refused if the checkpoint's differs or does
-        not divide over ``dp``'s devices. None: not checked.
-
-    Returns:
-      ``(state, data)``: the state on ``dp``'s mesh and the checkpoint's JSON item
-      (``position``: the next global batch to read).
-
-    Raises:
-      FileNotFoundError: no complete checkpoint.
-      ValueError: a checkpoint of another model or optimizer, of another global batch, a
-        global batch that does not divide, a checkpoint without a manifest on another
-        device count, or a per-device leaf the rule cannot re-lay.
-    """
-    check_choice("rule", rule, RULES, fix="'mean' keeps the entries' mean, 'zero' resets them")
-    data = checkpointer.saved_data(step)
-    where = f"{checkpointer.directory}/{data['step']}"
-    if global_batch is not None:
-        per_device_batch(global_batch, dp.num_devices)
-        if data.get("global_batch", global_batch) != global_batch:
-            raise ValueError(
-                f"checkpoint {where} was written with global batch {data['global_batch']}, "
-                f"this run's is {global_batch}: a restart keeps the global batch (the data "
-                f"position and the schedule count its batches). Run with global batch "
-                f"{data['global_batch']}."
-            )
-    saved_devices = data.get("devices")
-    if saved_devices == dp.num_devices:
-        return checkpointer.restore(like, step=data["step"])
-    if "leaves" not in data:
-        raise ValueError(
-            f"checkpoint {where} has no manifest of its leaves (written before elastic "
-            "restores), so it restores only onto the device count it was written on."
-        )
-    per_device = {".opt_state" + p for p in dp.per_device_paths}
-    _check_manifest(data["leaves"], manifest(like), per_device, where)
-    rows = int(saved_devices)
-
-    def target(path, x, saved):
-        if jax.tree_util.keystr(path) not in per_device:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        sharding = _placing(dp.mesh, dp.axes, rows, dp.num_devices)
-        return jax.ShapeDtypeStruct(tuple(saved[1]), x.dtype, sharding=sharding)
-
-    leaves = jax.tree_util.tree_leaves_with_path(like)
-    abstract = jax.tree.unflatten(
-        jax.tree.structure(like),
-        [target(p, x, s) for (p, x), s in zip(leaves, data["leaves"], strict=True)],
-    )
-    saved, data = checkpointer.restore(abstract, step=data["step"])
-    return resize(saved, dp, rule=rule), data
-
 
 # -- the digits quality guard across a restart -------------------------------------------
 
@@ -383,72 +104,6 @@ def digits_restart(
 
 
 # -- an elastic agent's processes -----------------------------------------------------------
-
-# What PyTorch's elastic agent (torchrun) gives each worker it starts.
-AGENT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def parse_nodes(text: str) -> tuple[int, int]:
-    """``'MIN:MAX'`` (or ``'N'``) node counts of ``--elastic``, as torchrun's ``--nnodes``.
-
-    Raises:
-      ValueError: not one or two positive integers with ``MIN <= MAX``.
-    """
-    parts = str(text).split(":")
-    try:
-        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
-    except ValueError:
-        low = high = 0
-    if low < 1 or high < low:
-        raise ValueError(
-            f"--elastic {text!r} must be MIN:MAX node counts with 1 <= MIN <= MAX (as "
-            "torchrun's --nnodes), e.g. --elastic 2:3."
-        )
-    return low, high
-
-
-def agent_env(local_devices: int, environ: dict | None = None) -> dict[str, str]:
-    """The ``JAXCOMM_*`` variables of a process started by PyTorch's elastic agent.
-
-    ``torch.distributed.run`` (torchrun) starts one process per node
-    (``--nproc-per-node=1``) and gives it ``RANK``, ``WORLD_SIZE`` and the rank-0 node's
-    address (``MASTER_ADDR``, new after every restart). The agent itself listens on
-    ``MASTER_PORT`` (its store), so ``jax.distributed``'s coordinator listens on the rank-0
-    node at ``JAXCOMM_ELASTIC_PORT`` (default ``MASTER_PORT + 1``). The process then starts
-    with ``jaxcomm.init_distributed()`` as under ``jaxcomm.tools.launch``.
-
-    Args:
-      local_devices: CPU devices of this process (ignored by accelerators).
-      environ: the environment (default ``os.environ``).
-
-    Raises:
-      ValueError: a variable of the agent is missing, or the agent starts several
-        processes per node.
-    """
-    from jaxcomm import distributed
-
-    env = os.environ if environ is None else environ
-    missing = [k for k in AGENT_VARS if not env.get(k)]
-    if missing:
-        raise ValueError(
-            f"--elastic runs under an elastic agent, and {missing} are not set: start it "
-            "with torchrun --nnodes=MIN:MAX --nproc-per-node=1 --rdzv-backend=c10d ... "
-            "--no-python python -m experiments.resnet152 ... --elastic MIN:MAX "
-            "(docs/elastic.md)."
-        )
-    if env["LOCAL_WORLD_SIZE"] != "1":
-        raise ValueError(
-            f"--nproc-per-node={env['LOCAL_WORLD_SIZE']}: a JAX process drives every device "
-            "of its node; start one per node (--nproc-per-node=1)."
-        )
-    port = env.get("JAXCOMM_ELASTIC_PORT") or str(int(env["MASTER_PORT"]) + 1)
-    return {
-        distributed.ENV_COORDINATOR: f"{env['MASTER_ADDR']}:{port}",
-        distributed.ENV_NUM_PROCESSES: env["WORLD_SIZE"],
-        distributed.ENV_PROCESS_ID: env["RANK"],
-        distributed.ENV_LOCAL_DEVICES: str(check_int("local_devices", local_devices, minimum=1)),
-    }
-
 
 # -- the kill test: a node lost mid-run, the job finished on the others ---------------------
 
@@ -596,6 +251,58 @@ def _wait(
     return [p.wait() for p in procs]
 
 
+# The phases of a restart, in order: (name, the phase logged at its end, its meaning).
+RECOVERY_PHASES = (
+    ("detection", None, "kill -> the last survivor's JAX process ended (heartbeat)"),
+    ("agent restart", None, "-> the agent started the processes again"),
+    ("start, imports", "main", "-> Python started, jax, flax, jaxcomm imported, main()"),
+    ("rendezvous", "distributed", "-> jax.distributed initialised (coordinator, peers)"),
+    ("build", "built", "-> model, step and fresh state built (dp.init)"),
+    ("restore", "restored", "-> the checkpoint read and re-laid (jaxcomm.elastic.restore)"),
+    ("first step", None, "-> the first step ended (its compile included)"),
+)
+
+
+def recovery_table(killed: float, result: dict, phases: list[dict], first_step: float) -> list:
+    """Where the time from the kill to the next step went: ``[name, seconds, meaning]`` per
+    phase of :data:`RECOVERY_PHASES`, from the kill test's times (the kill, the survivors'
+    end, the restart) and the restarted rank-0 process's ``phases.jsonl``. A phase whose
+    end was not logged is None (its time goes to the next one)."""
+    ends = {p["phase"]: p["time"] for p in phases if p.get("restart", 0) >= 1}
+    stopped = result.get("survivors_stopped_s")
+    restarted = result.get("restarted_s")
+    times = {
+        "detection": None if stopped is None else killed + stopped,
+        "agent restart": None if restarted is None else killed + restarted,
+        "first step": first_step,
+    }
+    rows, last = [], killed
+    for name, logged, meaning in RECOVERY_PHASES:
+        end = ends.get(logged) if logged is not None else times.get(name)
+        rows.append([name, None if end is None else end - last, meaning])
+        last = end if end is not None else last
+    return rows
+
+
+def format_recovery(rows: list) -> str:
+    """The recovery table as text."""
+    lines = [f"{'phase':<14} {'seconds':>8}  what ended it"]
+    total = 0.0
+    for name, seconds, meaning in rows:
+        total += seconds or 0.0
+        shown = "-" if seconds is None else f"{seconds:.2f}"
+        lines.append(f"{name:<14} {shown:>8}  {meaning}")
+    lines.append(f"{'total':<14} {total:>8.2f}  kill -> next step")
+    return "\n".join(lines)
+
+
+def _write_json(path: str, result: dict) -> None:
+    import json
+
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
 def _complete_steps(folder: str) -> list[int]:
     """The complete checkpoint steps in ``folder`` (orbax renames a step's folder to its
     number once every process has written it)."""
@@ -620,6 +327,7 @@ def kill_test(
     per_device_batch: int = 2,
     config: str | None = None,
     overlap_reference: bool = False,
+    heartbeat_timeout_s: int | None = None,
 ) -> dict:
     """Kills the last node (its agent, or its JAX process) once step ``kill_at`` ended; the
     job finishes on ``nodes - 1`` nodes. Then the reference: the same job without a kill
@@ -637,6 +345,9 @@ def kill_test(
     ``overlap_reference`` starts the reference while the survivors wait for the heartbeat,
     stopped at the last checkpoint step before the kill (what the survivors must restore:
     the suite's test asserts that they did), instead of after the restart.
+    ``heartbeat_timeout_s``: the processes' ``--heartbeat-timeout`` (default theirs, 20 s).
+    With the restart played here, ``recovery`` is the table of where the time from the
+    kill to the next step went (:func:`recovery_table`).
 
     Returns:
       The kill's step, the complete checkpoints at the kill, the step restored, the steps
@@ -659,6 +370,8 @@ def kill_test(
               "--image-size", str(image_size),
               "--per-device-batch", str(per_device_batch)]  # fmt: skip
     common += [] if config is None else ["--config", config]
+    if heartbeat_timeout_s is not None:
+        common += ["--heartbeat-timeout", str(heartbeat_timeout_s)]
     run = {"ckpt": os.path.join(out, "kill", "ckpt"), "out": os.path.join(out, "kill", "out")}
     worker = [*common, "--checkpoint-dir", run["ckpt"], "--out", run["out"]]
 
@@ -712,9 +425,16 @@ def kill_test(
         )
         result["complete_at_restart"] = _complete_steps(run["ckpt"])
         if on_their_own and all(codes[i] for i in survivors):  # the agent's restart
+            result["restarted_s"] = time.time() - killed["time"]
             codes = _wait(job(minimum, minimum, worker, "kill", 1, port), timeout_s)
     log = _read_steps(steps_file)
-    after = [x for x in log if killed and x["time"] > killed["time"]]
+    # The restarted job's steps (a step of the killed round may end just after the kill).
+    after = [x for x in log if killed and x.get("restart", 0) > 0]
+    if after:
+        result["recovery"] = recovery_table(
+            killed["time"], result, _read_steps(os.path.join(run["out"], "phases.jsonl")),
+            after[0]["time"],
+        )  # fmt: skip
     restored = after[0]["step"] - 1 if after else None
     result = {
         "nodes": nodes,
@@ -734,6 +454,7 @@ def kill_test(
         "exit_codes": codes,
         "seconds": time.time() - t0,
     }
+    _write_json(os.path.join(out, "kill_test.json"), result)  # the kill's part, already
     if early:
         first_codes = _wait(early["procs"], timeout_s)
     if restored is None or result["final_step"] != steps:
@@ -761,6 +482,7 @@ def kill_test(
     result["params_bitwise_equal"] = all(
         np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
+    _write_json(os.path.join(out, "kill_test.json"), result)
     return result
 
 
@@ -909,10 +631,14 @@ def _kill_test_main(args) -> int:
             steps=args.steps,
             every=args.every,
             testbed=testbed,
+            heartbeat_timeout_s=args.heartbeat_timeout,
         )
     result["load_average"] = [load, os.getloadavg()]
     for k, v in result.items():
-        print(f"{k:<24} {v}")
+        if k != "recovery":
+            print(f"{k:<24} {v}")
+    if result.get("recovery"):
+        print(format_recovery(result["recovery"]))
     with open(os.path.join(args.out, "kill_test.json"), "w") as f:
         json.dump(result, f, indent=2)
     ok = result.get("params_max_abs_diff") is not None and result["final_step"] == args.steps
@@ -937,6 +663,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=int, default=8, help="kill-test: kill after this step")
     p.add_argument("--testbed", action="store_true", help="kill-test: nodes in the testbed")
     p.add_argument("--link", default="1gbit", help="kill-test --testbed: link rate")
+    p.add_argument("--heartbeat-timeout", type=int, default=None,
+                   help="kill-test: the processes' --heartbeat-timeout (default theirs, "
+                   "20 s)")  # fmt: skip
     p.add_argument("--model", default="resnet-tiny", help="ResNet name")
     p.add_argument("--image-size", type=int, default=32, help="square image side")
     p.add_argument("--per-device-batch", type=int, default=4, help="images per device")

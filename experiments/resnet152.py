@@ -135,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
         "whatever nodes are left, refused below MIN; docs/elastic.md",
     )
     d.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=20,
+        metavar="S",
+        help="multi-process: jax.distributed's coordinator declares a silent process dead "
+        "after S seconds (jaxcomm.init_distributed's heartbeat_timeout_s): how long the "
+        "survivors of a lost node wait before they end (--elastic: the detection part of "
+        "a restart, docs/elastic.md#where-a-restart-spends-its-time)",
+    )
+    d.add_argument(
         "--stop-at",
         type=int,
         default=None,
@@ -228,9 +238,9 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
 
     import jaxcomm
     from experiments import step as steplib
-    from experiments.checkpoint import Checkpointer
     from experiments.data import SyntheticImages
     from experiments.training import train
+    from jaxcomm.checkpoint import Checkpointer
 
     name = args.config or resolved[-1].row.config
     chosen = next((r for r in resolved if r.row.config == name), None)
@@ -241,7 +251,7 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     mesh = jaxcomm.make_mesh(intra=preset.intra, **mesh_kwargs)
     global_batch = preset.per_device_batch * mesh.devices.size
     if args.elastic is not None:  # the batch of MAX nodes, on however many are left
-        from experiments import elastic
+        from jaxcomm import elastic
 
         global_batch = preset.per_device_batch * elastic.parse_nodes(args.elastic)[1]
         global_batch *= jax.local_device_count()
@@ -284,8 +294,10 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
         job = os.environ.get("TORCHELASTIC_RUN_ID") if args.elastic is not None else None
         ckpt = Checkpointer(args.checkpoint_dir, async_save=True, job=job)
     start = 0
+    _phase(args, "built")
     if args.resume or (args.elastic is not None and ckpt.latest_step() is not None):
         state, start = _resume(ckpt, state, meta, dp=dp if args.elastic is not None else None)
+    _phase(args, "restored")
     stop = preset.steps if args.stop_at is None else min(args.stop_at, preset.steps)
     if driven:  # the adaptive compressor follows the measured network (adapt.jsonl: its log)
         os.makedirs(args.out, exist_ok=True)
@@ -359,13 +371,13 @@ def _image_folder(args, preset, global_batch: int):
 def _resume(ckpt, state, meta: dict, dp=None):
     """``--resume``: the latest checkpoint's state and position, checked against ``meta``
     (a checkpoint of another run is refused); with ``dp`` (``--elastic``) on this run's
-    device count, whatever it was written on (``experiments.elastic.restore``)."""
+    device count, whatever it was written on (``jaxcomm.elastic.restore``)."""
     if ckpt is None:
         raise SystemExit("--resume needs --checkpoint-dir.")
     if ckpt.latest_step() is None:
         raise SystemExit(f"--resume: no checkpoint in {ckpt.directory}.")
     if dp is not None:
-        from experiments import elastic
+        from jaxcomm import elastic
 
         try:
             state, saved = elastic.restore(ckpt, dp, state, global_batch=meta["global_batch"])
@@ -381,7 +393,7 @@ def _resume(ckpt, state, meta: dict, dp=None):
 
 def _elastic_setup(parser: argparse.ArgumentParser, args) -> None:
     """``--elastic``: checks the flags, joins the agent's job (``JAXCOMM_*`` variables)."""
-    from experiments import elastic
+    from jaxcomm import elastic
 
     try:
         elastic.parse_nodes(args.elastic)
@@ -409,18 +421,32 @@ def _testbed_status(jax) -> tuple[bool, str]:
     return available()
 
 
+def _phase(args, name: str) -> None:
+    """``--elastic``: appends when a phase of the start ended to ``<out>/phases.jsonl``
+    (rank 0 only), the kill test's recovery table (``experiments.elastic``)."""
+    if args.elastic is None or os.environ.get("RANK", "0") != "0":
+        return
+    os.makedirs(args.out, exist_ok=True)
+    line = {"phase": name, "time": time.time(),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}  # fmt: skip
+    with open(os.path.join(args.out, "phases.jsonl"), "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.elastic is not None:
+        _phase(args, "main")
         _elastic_setup(parser, args)
     runtime.ensure_cpu_devices(args.cpu_devices)  # before JAX is imported
     import jax
 
-    runtime.init_distributed()
+    runtime.init_distributed(heartbeat_timeout_s=args.heartbeat_timeout)
+    _phase(args, "distributed")
     if args.elastic is not None:
-        from experiments import elastic
+        from jaxcomm import elastic
 
         try:
             elastic.check_minimum(jax.process_count(), elastic.parse_nodes(args.elastic)[0])

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 __all__ = ["distributed_requested", "ensure_cpu_devices", "init_distributed", "testbed_link_bps"]
 
@@ -45,9 +46,9 @@ def distributed_requested() -> bool:
     return False
 
 
-def init_distributed() -> bool:
-    """Starts ``jax.distributed`` (``jaxcomm.init_distributed()``) when the environment asks
-    for it (``jaxcomm.tools.launch``, the testbed, SLURM, Open MPI).
+def init_distributed(**kwargs: Any) -> bool:
+    """Starts ``jax.distributed`` (``jaxcomm.init_distributed(**kwargs)``) when the
+    environment asks for it (``jaxcomm.tools.launch``, the testbed, SLURM, Open MPI).
 
     Returns:
       ``True`` when a distributed runtime was started.
@@ -56,7 +57,7 @@ def init_distributed() -> bool:
         return False
     import jaxcomm
 
-    jaxcomm.init_distributed()
+    jaxcomm.init_distributed(**kwargs)
     return True
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -10,8 +11,8 @@ from typing import Any
 import jax
 
 import jaxcomm
-from experiments.checkpoint import Checkpointer
 from experiments.step import host_mean, one_step_in_flight
+from jaxcomm.checkpoint import Checkpointer
 
 __all__ = ["train"]
 
@@ -47,7 +48,8 @@ def train(
       log_every: fetch metrics to the host every this many steps (each fetch waits for
         the device).
       step_log: append one JSON line per step here (``step``, wall-clock ``time``,
-        ``devices``): when each step ended, e.g. across an elastic restart.
+        ``devices``, the elastic agent's ``restart`` count): when each step ended, e.g.
+        across an elastic restart.
 
     Returns:
       ``(state, position, summary)``: ``position`` is the next batch to read; ``summary``
@@ -56,6 +58,7 @@ def train(
       ``checkpoint_seconds``.
     """
     bar = None
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # the agent's round
     if progress:
         from tqdm.auto import tqdm
 
@@ -90,7 +93,8 @@ def train(
                 saving += time.perf_counter() - t_save
             if step_log is not None:
                 with open(step_log, "a") as f:
-                    line = {"step": done, "time": time.time(), "devices": jax.device_count()}
+                    line = {"step": done, "time": time.time(), "devices": jax.device_count(),
+                            "restart": restart}  # fmt: skip
                     f.write(json.dumps(line) + "\n")
             if bar is not None:
                 bar.update(1)

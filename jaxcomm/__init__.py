@@ -3,6 +3,7 @@
 from jaxcomm import (
     axis_names,
     buckets,
+    checkpoint,
     collectives,
     compression,
     cost,
@@ -10,6 +11,7 @@ from jaxcomm import (
     diloco,
     distributed,
     dynamic_scale,
+    elastic,
     hlo,
     host_memory,
     ordering,
@@ -19,6 +21,7 @@ from jaxcomm import (
     topology,
     xla,
 )
+from jaxcomm.checkpoint import Checkpointer
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.diloco import LocalSGDState, local_sgd
 from jaxcomm.distributed import init_distributed
@@ -59,6 +62,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "Checkpointer",
     "CommProfiler",
     "DATA_AXES",
     "DataParallel",
@@ -78,6 +82,7 @@ __all__ = [
     "axis_names",
     "buckets",
     "check_replicas",
+    "checkpoint",
     "collectives",
     "compression",
     "cost",
@@ -86,6 +91,7 @@ __all__ = [
     "diloco",
     "distributed",
     "dynamic_scale",
+    "elastic",
     "flat_allreduce",
     "gradient_sync",
     "hierarchical_allreduce",

@@ -1153,6 +1153,7 @@ class FlaxFrontEnd:
       syncs: the ``GradientSync`` of each ``sync_gradients`` the step runs (after the
         first call).
       feedback: the feedback :meth:`set_feedback` installed (None before).
+      shard_optimizer: whether the step was built with ``shard_optimizer=True``.
     """
 
     def __init__(self, engine: FlaxStep, fn: Callable | None = None):
@@ -1167,6 +1168,8 @@ class FlaxFrontEnd:
     per_device_paths = property(lambda self: self.engine.per_device_paths)
     syncs = property(lambda self: self.engine.syncs)
     feedback = property(lambda self: self.engine.feedback)
+    # Whether the step was built with shard_optimizer=True (its optimizer state in chunks).
+    shard_optimizer = property(lambda self: self.engine._shard_args is not None)
 
     def __call__(self, *args):
         return self.engine(*args)

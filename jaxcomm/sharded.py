@@ -504,6 +504,22 @@ def _check_piece(path: str, shape: tuple, devices: int, m: int) -> None:
         )
 
 
+def relayout_pieces(x: Any, path: str, devices: int, m: int, sharding: NamedSharding) -> jax.Array:
+    """A sharded optimizer's stacked ``(N', m')`` chunk leaf laid out as ``(devices, m)``
+    pieces (the rule of :meth:`ShardedOptimizer.reshard`, for one leaf): its rows read as
+    one buffer are its param leaf, cut or zero-padded to ``devices * m``.
+
+    Args:
+      x: the leaf written on ``N'`` devices; path: its path, for the message.
+      devices, m: this step's pieces and their size; sharding: where they go.
+
+    Raises:
+      ValueError: no leaf size fits both layouts (the state of other params).
+    """
+    _check_piece(path, tuple(jnp.shape(x)), devices, m)
+    return _relayout(x, devices, m, sharding)
+
+
 def per_device_bytes(tree: Any) -> int:
     """Bytes of ``tree`` held by one device, read from each leaf's sharding: a concrete
     array's first addressable shard, or a ``jax.ShapeDtypeStruct``'s ``shard_shape``."""

@@ -1,5 +1,5 @@
 """Training that survives a lost node: a checkpoint written on 8 devices restored onto 4 or
-6 (``experiments.elastic``), asynchronous checkpoints of which a partial one is never
+6 (``jaxcomm.elastic``), asynchronous checkpoints of which a partial one is never
 restored, and the refusals (another model or optimizer, a global batch that does not
 divide, a minimum above the nodes left, one folder for two jobs)."""
 
@@ -17,8 +17,9 @@ from jax.sharding import Mesh
 from mlp import mlp_batches, mlp_init, mlp_loss
 
 import jaxcomm
-from experiments import elastic
-from experiments.checkpoint import JOB_FILE, Checkpointer
+from experiments import elastic as experiment
+from jaxcomm import elastic
+from jaxcomm.checkpoint import JOB_FILE, Checkpointer
 
 AX = ("inter", "intra")
 BATCH = 24  # divides over 8, 6 and 4 devices
@@ -222,7 +223,7 @@ def test_a_folder_of_another_job_is_refused_and_left_as_it_was(mesh, tmp_path):
 _PARTIAL = """
 import os, sys, jax, jax.numpy as jnp
 import jaxcomm
-from experiments.checkpoint import Checkpointer
+from jaxcomm.checkpoint import Checkpointer
 ckpt = Checkpointer(sys.argv[1], async_save=True)
 def state(step, value):
     big = jnp.full((2048, 2048), value, jnp.float32)  # 16 MiB: written in the background
@@ -350,6 +351,6 @@ def test_digits_accuracy_after_a_restart_on_fewer_devices(tmp_path):
     and restored from 8 devices onto 4 (residuals by 'mean'): its test accuracy is the
     straight run's within 0.3 points (one test image is 0.28)."""
     int8 = jaxcomm.compression.int8(error_feedback=True)
-    r = elastic.digits_restart(str(tmp_path / "ckpt"), {"compression": int8})
+    r = experiment.digits_restart(str(tmp_path / "ckpt"), {"compression": int8})
     assert r["test_images"] == 357 and r["accuracy"] > 0.9
     assert abs(r["difference_points"]) <= 0.3, r

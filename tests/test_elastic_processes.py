@@ -65,6 +65,12 @@ def test_a_killed_process_is_survived_by_a_restart_on_the_processes_left(tmp_pat
     assert r["restored_step"] == EVERY == r["reference_stop"], summary
     assert 0 < r["steps_lost"] <= EVERY, summary
     assert r["devices_after"] == 2, summary
+    # where the time from the kill to the next step went: every phase logged, in order
+    rows = r["recovery"]
+    assert [row[0] for row in rows] == [p[0] for p in elastic.RECOVERY_PHASES], summary
+    assert all(seconds is not None for _, seconds, _ in rows), summary
+    assert abs(sum(s for _, s, _ in rows) - r["kill_to_next_step_s"]) < 1e-6, summary
+    print(elastic.format_recovery(rows))
     assert r["final_step"] == STEPS and r["exit_codes"] == [0, 0], summary
     assert r["reference_exit_codes"] == [[0, 0, 0], [0, 0]], summary
     killed, reference = (elastic.read_params(folder) for folder in r["final_checkpoints"])

@@ -12,9 +12,9 @@ import pytest
 
 import jaxcomm
 from experiments import step as steplib
-from experiments.checkpoint import Checkpointer
 from experiments.data import SyntheticImages
 from experiments.training import train
+from jaxcomm.checkpoint import Checkpointer
 
 STEPS, STOP = 4, 2
 

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from mlp import mlp_batches, mlp_init, mlp_loss
 
 import jaxcomm
-from experiments.checkpoint import Checkpointer
+from jaxcomm.checkpoint import Checkpointer
 
 AX = ("inter", "intra")
 

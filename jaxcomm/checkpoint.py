@@ -1,12 +1,13 @@
 """Orbax checkpoints of the whole run: train state and data position.
 
-A checkpoint holds the full :class:`jaxcomm.TrainState` (step, params, optimizer state with
-its per-device subtrees such as error-feedback residuals, batch statistics) and a small JSON
-item with the data position (global batches consumed), the run's identity (preset, model,
-seed, config), the device count it was written on and a manifest of the state's leaves
-(path, shape, dtype), so a resumed run reads the batch the interrupted one would have read
-next and a run on another device count knows what it restores
-(:func:`experiments.elastic.restore`).
+A checkpoint holds the full state of a step (a :class:`jaxcomm.TrainState`, or the leaves
+of a Flax front end's objects written by :func:`jaxcomm.elastic.save`: step, params,
+optimizer state with its per-device subtrees such as error-feedback residuals, batch
+statistics) and a small JSON item: the data position (global batches consumed), the run's
+identity (preset, model, seed, config), the device count it was written on and a manifest
+of the state's leaves (path, shape, dtype). A resumed run reads the batch the interrupted
+one would have read next, and a run on another device count knows what it restores
+(:func:`jaxcomm.elastic.restore`).
 Per-device optimizer state is stored as what it is, one entry per device sharded along the
 data axes; restoring onto the same mesh shape gives every device its own entry back.
 Stopping and resuming is bit-identical to an uninterrupted run
@@ -22,6 +23,9 @@ never see: the newest *complete* checkpoint is restored.
 
 A folder may be claimed by one job (``job='...'``): a second job with another id is refused
 before it writes anything, so two jobs never overwrite each other's steps.
+
+Needs ``orbax-checkpoint`` (a dependency of jaxcomm), imported when a
+:class:`Checkpointer` is built, not when ``jaxcomm`` is imported.
 """
 
 from __future__ import annotations
@@ -33,19 +37,32 @@ import uuid
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 __all__ = ["JOB_FILE", "Checkpointer", "manifest", "state_devices"]
 
 JOB_FILE = "jaxcomm-job.json"
 
 
+def _orbax() -> Any:
+    """``orbax.checkpoint``, or an ImportError that names the package to install."""
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:
+        raise ImportError(
+            "jaxcomm.checkpoint writes with orbax: pip install 'orbax-checkpoint>=0.11' "
+            f"(a dependency of jaxcomm; it is missing here: {e})."
+        ) from e
+    return ocp
+
+
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def _restore_args(abstract: Any) -> ocp.args.PyTreeRestore:
+def _restore_args(abstract: Any) -> Any:
+    ocp = _orbax()
     return ocp.args.PyTreeRestore(
         item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
     )
@@ -58,15 +75,18 @@ def manifest(state: Any) -> list[list]:
       state: a pytree of arrays or ``jax.ShapeDtypeStruct`` s.
     """
     return [
-        [jax.tree_util.keystr(path), [int(d) for d in x.shape], str(x.dtype)]
+        [jax.tree_util.keystr(path), [int(d) for d in np.shape(x)], str(jnp.result_type(x))]
         for path, x in jax.tree_util.tree_leaves_with_path(state)
     ]
 
 
 def state_devices(state: Any) -> int | None:
-    """The number of devices ``state`` lies on (its step counter's sharding), or None for
-    host values."""
-    sharding = getattr(getattr(state, "step", None), "sharding", None)
+    """The number of devices ``state`` lies on (its step counter's sharding, or its first
+    leaf's), or None for host values."""
+    first = getattr(state, "step", None)
+    if first is None:
+        first = next(iter(jax.tree.leaves(state)), None)
+    sharding = getattr(first, "sharding", None)
     return None if sharding is None else len(sharding.device_set)
 
 
@@ -92,12 +112,12 @@ def _claim(directory: str, job: str) -> None:
             f"checkpoint folder {directory} belongs to job {owner.get('job')!r} (claimed "
             f"{owner.get('claimed')}), this job is {job!r}: two jobs writing one folder would "
             "overwrite each other's steps, so nothing was written. Use another "
-            "--checkpoint-dir, or the same job id to continue that job (a restart of an "
+            "checkpoint folder, or the same job id to continue that job (a restart of an "
             "elastic job keeps its id)."
         )
 
 
-def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+def _handlers() -> Any:
     """The state as orbax's PyTree item written one replica per array, the data as JSON.
 
     Orbax's default splits every replicated array into one slice per replica, each copied
@@ -107,6 +127,7 @@ def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     The files are the same format; only this checkpointer's saves are affected (orbax's
     global registry is left as it is).
     """
+    ocp = _orbax()
     th = ocp.type_handlers
     types = th.create_type_handler_registry(
         *[(t, th.ScalarHandler()) for t in (int, float, bytes, np.number)],
@@ -153,6 +174,7 @@ class Checkpointer:
         async_save: bool = False,
         job: str | None = None,
     ):
+        ocp = self._ocp = _orbax()
         self.directory = os.path.abspath(os.fspath(directory))
         self.async_save = bool(async_save)
         self.job = job
@@ -176,26 +198,32 @@ class Checkpointer:
         """Every complete step, oldest first."""
         return sorted(self._manager.all_steps())
 
-    def save(self, state: Any, *, position: int, meta: dict | None = None) -> None:
+    def save(
+        self, state: Any, *, position: int, meta: dict | None = None, step: int | None = None
+    ) -> None:
         """Saves ``state`` under its step, with the data position.
 
         With ``async_save`` it returns once the state is copied to the host (a write still
         running from the previous save is waited for first); else when it is written.
 
         Args:
-          state: a ``jaxcomm.TrainState``.
+          state: a ``jaxcomm.TrainState``, or any pytree of arrays (then give ``step``).
           position: global batches consumed so far (the next batch to read).
-          meta: JSON-serialisable identity of the run, checked on restore by the caller.
+          meta: JSON-serialisable identity of the run, checked on restore by the caller;
+            its keys override the recorded ``devices`` and ``leaves`` (what
+            :func:`jaxcomm.elastic.save` records for a Flax front end).
+          step: the checkpoint's step; default ``state.step``.
         """
-        step = int(jax.device_get(state.step))
+        ocp = self._ocp
+        step = int(jax.device_get(state.step)) if step is None else int(step)
         data = {
             "position": int(position),
             "step": step,
-            **(meta or {}),
             "devices": state_devices(state),
             "processes": jax.process_count(),
             "job": self.job,
             "leaves": manifest(state),
+            **(meta or {}),
         }
         self._manager.save(
             step,
@@ -216,6 +244,7 @@ class Checkpointer:
         Raises:
           FileNotFoundError: no checkpoint in the directory.
         """
+        ocp = self._ocp
         step = self._step(step)
         out = self._manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
         return dict(out["data"])
@@ -242,11 +271,12 @@ class Checkpointer:
           ValueError: the checkpoint holds a state of another structure or shapes (another
             model, optimizer or device count: the message says which fix applies).
         """
+        ocp = self._ocp
         step = self._step(step)
         mismatch = (
             f"checkpoint {self.directory}/{step} holds a state of another structure than "
             "this run's (different model, optimizer or ablation config); resume with the "
-            "settings it was saved with, or use another --checkpoint-dir"
+            "settings it was saved with, or use another checkpoint folder"
         )
         try:
             out = self._manager.restore(
@@ -261,7 +291,7 @@ class Checkpointer:
             if saved is not None and here is not None and saved != here:
                 mismatch += (
                     f" or it was written on {saved} devices and this run has {here}: restore it "
-                    "with experiments.elastic.restore, which lays the state out anew"
+                    "with jaxcomm.elastic.restore, which lays the state out anew"
                 )
             raise ValueError(f"{mismatch}. Orbax: {e}") from e
         state = out["state"]
