@@ -44,7 +44,7 @@ SMALL_LEAF_ELEMENTS = 1 << 14
 #: How uncompressed leaves become collectives: 'tensor' one per leaf; 'allreduce' as
 #: ``jaxcomm.allreduce`` packs them (large leaves alone, the small ones in one buffer).
 PACKINGS = ("tensor", "allreduce")
-# PowerSGD compresses a matrix when n m >= 2 r (n + m) (its min_compression_rate default).
+# PowerSGD compresses a matrix when n m > 2 r (n + m) (its min_compression_rate default).
 _POWERSGD_MIN_RATE = 2.0
 
 
@@ -195,7 +195,7 @@ def _powersgd_ok(shape: tuple[int, ...] | None, rank: int) -> bool:
         return False
     n, m = int(np.prod(shape[:-1])), int(shape[-1])
     r = min(rank, n, m)
-    return n * m >= _POWERSGD_MIN_RATE * r * (n + m)
+    return n * m > _POWERSGD_MIN_RATE * r * (n + m)
 
 
 def step_time(
