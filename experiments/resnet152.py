@@ -166,8 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _launch_testbed(args, argv: list[str], preset, testbed: tuple[bool, str]) -> int:
-    """Runs this command once per emulated node under ``jaxcomm.tools.testbed``; its exit code.
+def _launch_testbed(
+    args,
+    argv: list[str],
+    preset,
+    testbed: tuple[bool, str],
+    *,
+    module: str = "experiments.resnet152",
+) -> int:
+    """Runs this command (``python -m module``) once per emulated node under
+    ``jaxcomm.tools.testbed``; its exit code.
 
     ``testbed`` is :func:`_testbed_status`'s ``(ok, why)``.
     """
@@ -185,7 +193,7 @@ def _launch_testbed(args, argv: list[str], preset, testbed: tuple[bool, str]) ->
         if not skip and not a.startswith("--preset"):
             child.append(a)
         skip = a == "--preset"
-    child = [sys.executable, "-m", "experiments.resnet152", "--preset", preset.name, *child]
+    child = [sys.executable, "-m", module, "--preset", preset.name, *child]
     with Testbed(nodes=args.nodes, devices_per_node=args.devices_per_node, link=link,
                  leaves=args.leaves, spine=args.spine) as tb:  # fmt: skip
         fabric = f", {tb.leaves} leaves joined by a {tb.spine} spine" if tb.leaves > 1 else ""
