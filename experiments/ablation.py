@@ -5,7 +5,8 @@ ResNet's by default, ``experiments.lm_step.workload`` for the LM) is built with 
 ``sync_gradients`` arguments, compiler options and mesh, together with its *compute-only
 twin*: the same step, same mesh and options, with no gradient synchronisation (each device
 applies its own gradient; the small batch-statistics and metrics ``pmean`` stay in both).
-Rows that differ only in ``sync_gradients`` arguments share one twin. On a network the
+Rows that differ only in ``sync_gradients`` arguments share one twin (a row that sets a
+layout, ``Row.data_parallel``, gets a twin in that layout). On a network the
 row also gets its *sync alone*: the row's optimizer, its sync included, on gradients of
 the model's shapes with no model (``experiments.step.sync_only_loss_fn``; a driven
 adaptive row's at the rung it settled on, ``rows.pin_adaptive``).
@@ -305,7 +306,8 @@ class _Bench:
         warmup = max(1, preset.warmup_steps)
         t0 = time.perf_counter()
         settings = r.describe()
-        key = repr((settings["topology"], settings["compiler_options"]))
+        layout = dict(r.data_parallel)
+        key = repr((settings["topology"], settings["compiler_options"], settings["data_parallel"]))
         if twins is not None and key not in twins:
             twin_dp, twin_state = steplib.build_step(
                 parts,
@@ -314,6 +316,7 @@ class _Bench:
                 compiler_options=options,
                 compute_only=True,
                 loss_fn=loss_fn,
+                layout=layout,
             )
             twins[key] = _Step(twin_dp, twin_state, batch)
             twins[key].run(warmup)
@@ -322,7 +325,7 @@ class _Bench:
         def build(period: int | None):
             return steplib.build_step(
                 parts, _row_optimizer(workload, sync, schedule, r.local, period), mesh,
-                compiler_options=options, donate=not driven, loss_fn=loss_fn,
+                compiler_options=options, donate=not driven, loss_fn=loss_fn, layout=layout,
             )  # fmt: skip
 
         self.period = None
@@ -360,7 +363,7 @@ class _Bench:
             only = sync if not driven else rows.pin_adaptive(sync, self.sync_level)
             dp, state = steplib.build_step(
                 parts, _row_optimizer(workload, only, schedule, r.local, self.period), mesh,
-                compiler_options=options, sync_only=True,
+                compiler_options=options, sync_only=True, layout=layout,
             )  # fmt: skip
             self.sync_only = _Step(dp, state, batch, period=self.period)
             self.sync_only.run(warmup)

@@ -173,6 +173,7 @@ def build_step(
     sync_only: bool = False,
     donate: bool = True,
     loss_fn: Callable | None = None,
+    layout: Mapping[str, Any] | None = None,
 ) -> tuple[jaxcomm.DataParallel, jaxcomm.TrainState]:
     """Builds the data-parallel step and its initial state on ``mesh``.
 
@@ -188,6 +189,8 @@ def build_step(
       donate: donate the input state's buffers (the state is never reused).
       loss_fn: the model's loss, ``loss_fn(params, model_state, batch) -> (loss,
         (model_state, metrics))`` (default: the ResNet's, :func:`make_loss_fn`).
+      layout: more ``jaxcomm.data_parallel`` keyword arguments: where the state lives
+        (an ablation row's ``data_parallel``, e.g. ``shard_params=True``).
 
     Returns:
       ``(dp, state)``.
@@ -201,6 +204,7 @@ def build_step(
         compiler_options=compiler_options,
         donate=donate,
         require_sync=not compute_only,
+        **dict(layout or {}),
     )
     # Host copies: dp.init may alias the device buffers it is given, and a donating step
     # would then delete the caller's arrays (and those of a second step built from them).

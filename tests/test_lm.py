@@ -15,6 +15,7 @@ from helpers import ROOT, assert_replicas_equal
 
 from experiments import lm_step
 from experiments import step as steplib
+from experiments.rows import Row, resolve_rows
 from experiments.text import TextWindows, corpus_files, load_corpus
 from jaxcomm.models import GPT_CONFIGS, gpt, gpt_config, gpt_param_shapes, param_count
 
@@ -126,6 +127,16 @@ def test_held_out_loss_is_the_mean_over_the_mesh(lm_run):
     loss = jax.jit(lambda p, t: lm_step.next_byte_loss(parts.graphdef, p, parts.batch_stats, t))
     want = np.mean([float(loss(host, held.host_batch(p)["tokens"])) for p in range(2)])
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_a_rows_layout_accumulates_and_is_described():
+    rows = resolve_rows([
+        Row("baseline", "flat", sync={"algorithm": "flat"}),
+        Row("+zero", "sharded state", data_parallel={"shard_optimizer": True}),
+        Row("+hier", "hierarchical", sync={"algorithm": "hierarchical"}),
+    ])  # fmt: skip
+    assert [dict(r.data_parallel) for r in rows] == [{}, *[{"shard_optimizer": True}] * 2]
+    assert rows[2].describe()["data_parallel"] == {"shard_optimizer": True}
 
 
 def test_help_runs():
