@@ -5,9 +5,10 @@ ResNet's by default, ``experiments.lm_step.workload`` for the LM) is built with 
 ``sync_gradients`` arguments, compiler options and mesh, together with its *compute-only
 twin*: the same step, same mesh and options, with no gradient synchronisation (each device
 applies its own gradient; the small batch-statistics and metrics ``pmean`` stay in both).
-Rows that differ only in ``sync_gradients`` arguments share one twin (a row that sets a
-layout, ``Row.data_parallel``, gets a twin in that layout). On a network the
-row also gets its *sync alone*: the row's optimizer, its sync included, on gradients of
+Rows that differ only in ``sync_gradients`` arguments or in their layout
+(``Row.data_parallel``) share one twin, in the replicated layout: a sharded row's exposed
+communication counts its gathers and reduce-scatters inside the node with its sync. On a
+network the row also gets its *sync alone*: the row's optimizer, its sync included, on gradients of
 the model's shapes with no model (``experiments.step.sync_only_loss_fn``; a driven
 adaptive row's at the rung it settled on, ``rows.pin_adaptive``).
 After ``warmup`` untimed steps (compilation included), all rows are timed round-robin,
@@ -307,7 +308,7 @@ class _Bench:
         t0 = time.perf_counter()
         settings = r.describe()
         layout = dict(r.data_parallel)
-        key = repr((settings["topology"], settings["compiler_options"], settings["data_parallel"]))
+        key = repr((settings["topology"], settings["compiler_options"]))
         if twins is not None and key not in twins:
             twin_dp, twin_state = steplib.build_step(
                 parts,
@@ -316,7 +317,6 @@ class _Bench:
                 compiler_options=options,
                 compute_only=True,
                 loss_fn=loss_fn,
-                layout=layout,
             )
             twins[key] = _Step(twin_dp, twin_state, batch)
             twins[key].run(warmup)
