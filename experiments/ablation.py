@@ -25,7 +25,8 @@ rounds, with the range beside it (``*_range_s``; every round in ``*_times_s``):
   round (``speedup_range``: their range); ``images_per_s``: global batch over step time
   (``rate_per_s``: in the workload's unit, e.g. tokens); ``state_bytes_per_device``: the
   row's train state (params, model and optimizer state) held by one device, read from its
-  arrays' shards.
+  arrays' shards; ``program_memory``: the compiled step's buffers per device (XLA's
+  memory analysis: argument, output, alias, temp bytes).
 
 On a network (``link_bps`` given, e.g. on ``jaxcomm.tools.testbed``), the row beside its
 link bound:
@@ -146,6 +147,7 @@ class _Step:
         self.state = state
         self.metrics = None
         self.profiler: jaxcomm.CommProfiler | None = None
+        self.memory: dict[str, int] | None = None  # the compiled program's, per device
         if adapt_windows:
             # no retime_twin: the ablation times its own twin beside every round
             self.profiler = jaxcomm.CommProfiler(log_file=os.devnull)
@@ -162,6 +164,7 @@ class _Step:
             # devices), timed as it is; on several processes: met after compiling.
             self.fn = dp.compile(state, batch, phase=jaxcomm.HostPhase())
             self.wire = jaxcomm.wire_bytes(self.fn, mesh=dp.mesh)
+            self.memory = _program_memory(self.fn)
             if period is not None:  # local steps: a sync every `period` steps, amortized
                 local, calls = _local_link_bytes(self.fn, dp.mesh, period)
                 self.wire["crossing"] = {"inter": local}
@@ -437,6 +440,8 @@ class _Bench:
             "rate_per_s": self.global_batch * self.rate_scale / step_time,
             # params + model state + optimizer state on one device, from the arrays' shards
             "state_bytes_per_device": _state_bytes_per_device(self.full.state),
+            # the compiled step's memory analysis, per device (None: a driven row)
+            "program_memory": self.full.memory,
             "warmup_s": self.compile_s,
             "global_batch": self.global_batch,
             "devices": self.devices,
@@ -501,6 +506,17 @@ def _state_bytes_per_device(state: Any) -> int:
     leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
     device = leaves[0].addressable_shards[0].device if leaves else None
     return sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device)
+
+
+def _program_memory(compiled: Any) -> dict[str, int] | None:
+    """A compiled step's per-device buffers from XLA's memory analysis: ``argument``,
+    ``output``, ``alias`` (outputs in donated arguments) and ``temp`` (activations,
+    gathered params, collectives' buffers) bytes; ``None`` where the backend has none."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    names = ("argument", "output", "alias", "temp")
+    return {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in names}
 
 
 def _median_or_none(xs: Sequence[float]) -> float | None:

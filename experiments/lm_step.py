@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -122,7 +123,15 @@ def _eval_fn(graphdef: Any, mesh: Any) -> Callable:
         return lax.pmean(next_byte_loss(graphdef, params, model_state, tokens), axes)
 
     specs = dict(in_specs=(P(), P(), P(axes)), out_specs=P())
-    return jax.jit(jax.shard_map(local, mesh=mesh, **specs))
+    mapped = jax.shard_map(local, mesh=mesh, **specs)
+    whole = NamedSharding(mesh, P())
+
+    def fn(params, model_state, tokens):
+        # params stored split over a node (shard_params=True) are gathered for the eval
+        params = jax.tree.map(lambda x: jax.reshard(x, whole), params)
+        return mapped(params, model_state, tokens)
+
+    return jax.jit(fn)
 
 
 def evaluate(

@@ -117,7 +117,8 @@ def format_table(
     status, step ms, compute-only ms, exposed communication ms, speedup, comm %, the rate
     (``rate``: the row's key and the column's name; images/s by default, an LM's
     ``('rate_per_s', 'tok/s')``), with ``memory`` the state's MB per device (params, model
-    and optimizer state on one device: ``state_bytes_per_device``);
+    and optimizer state on one device: ``state_bytes_per_device``) and the compiled step's
+    temporary buffers per device (XLA's memory analysis: activations, gathered params);
     on a network the link columns (MB per step across a node's link from the HLO, with
     the transport's measured framing of its calls added, and as the kernel counted it,
     their line-rate time, the sync alone's time, efficiency = bound / sync alone, the
@@ -130,7 +131,7 @@ def format_table(
     head = ["config", "status", "step ms", "compute ms", "exposed ms", "speedup", "comm %"]
     head.append(rate[1])
     if memory:
-        head.append("state MB/dev")
+        head += ["state MB/dev", "temp MB/dev"]
     with_spine = any(r.get("spine_bytes_measured") is not None for r in rows)
     if with_link:
         head += ["link MB", "+framing", "kernel MB", "bound ms", "sync ms", "effic."]
@@ -153,7 +154,8 @@ def format_table(
             _fmt(r.get(rate[0]), ".0f"),
         ]
         if memory:
-            cells.append(_fmt(r.get("state_bytes_per_device"), ".2f", 1e-6))
+            temp = (r.get("program_memory") or {}).get("temp")
+            cells += [_fmt(r.get("state_bytes_per_device"), ".2f", 1e-6), _fmt(temp, ".2f", 1e-6)]
         if with_link:
             cells += [
                 _fmt(r.get("link_bytes"), ".3f", 1e-6),
