@@ -10,6 +10,14 @@ part of the step; the core computes the gradients and combines the outputs aroun
 * ``jaxcomm.sharded.ShardedOptimizer`` (``shard_optimizer=True``): the gradients are
   reduce-scattered with the sync's configuration, the optimizer runs on this device's
   ``1/N`` pieces, the params are all-gathered.
+* ``jaxcomm.hybrid.HybridOptimizer`` (``shard_params=True``): the params themselves are
+  split over the node's devices (``'intra'``) and gathered where the loss uses them; the
+  gradients are reduce-scattered inside the node, the sync runs across nodes on each
+  device's block, the optimizer on the block.
+
+The params' own layout is the layout's say too (:meth:`OptimizerLayout.param_specs`,
+:meth:`~OptimizerLayout.differentiable`, :meth:`~OptimizerLayout.loss`): replicated for the
+first two (:class:`ReplicatedParams`), split for the third.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from jaxcomm.sync import (
 )
 from jaxcomm.sync_inputs import check_sync_inputs
 
-__all__ = ["OptimizerLayout", "ReplicatedOptimizer"]
+__all__ = ["OptimizerLayout", "ReplicatedOptimizer", "ReplicatedParams"]
 
 
 class OptimizerLayout(Protocol):
@@ -112,6 +120,51 @@ class OptimizerLayout(Protocol):
         """``opt_state`` written on another device count, laid out for this one."""
         ...
 
+    def param_specs(self, params: Any) -> Any:
+        """The PartitionSpec of each stored param leaf (a tree like ``params``)."""
+        ...
+
+    def opt_specs(self, opt_state: Any, per: list[bool]) -> Any:
+        """The PartitionSpec of each leaf of the (global) optimizer state, ``per`` the
+        flags of :meth:`infer_layout`."""
+        ...
+
+    def differentiable(self, params: Any) -> Any:
+        """Inside ``jax.shard_map``: the stored (local) params typed so that ``jax.grad``
+        of :meth:`loss` gives this device's own gradient (varying over the data axes: the
+        gradient of an invariant input would be summed by JAX itself)."""
+        ...
+
+    def loss(self, loss_fn: Callable) -> Callable:
+        """``loss_fn`` as a function of the stored (local) params: the step
+        differentiates it with respect to :meth:`differentiable` params."""
+        ...
+
+
+class ReplicatedParams:
+    """The params' part of a layout whose params are replicated on every device
+    (:class:`ReplicatedOptimizer`, ``jaxcomm.sharded.ShardedOptimizer``): the loss takes
+    them as they are, and optimizer state is replicated or stacked per device."""
+
+    mesh: Mesh
+    axes: tuple[str, ...]
+
+    def param_specs(self, params: Any) -> Any:
+        """``P()`` for every leaf."""
+        return jax.tree.map(lambda _: P(), params)
+
+    def opt_specs(self, opt_state: Any, per: list[bool]) -> Any:
+        """Per-device leaves stacked along the data axes, the others replicated."""
+        return leaf_specs(opt_state, per, self.axes)
+
+    def differentiable(self, params: Any) -> Any:
+        """``params`` typed varying over the data axes (a no-op at run time)."""
+        return lax.pcast(params, self.axes, to="varying")
+
+    def loss(self, loss_fn: Callable) -> Callable:
+        """``loss_fn`` itself."""
+        return loss_fn
+
 
 def _accumulators(opt_state: Any) -> list[bool]:
     """Flags the leaves of ``optax.MultiSteps``' ``acc_grads`` (one flag per leaf).
@@ -175,7 +228,7 @@ def _refuse_varying_updates(updates: list[tuple[str, list]]) -> None:
         )
 
 
-class ReplicatedOptimizer:
+class ReplicatedOptimizer(ReplicatedParams):
     """The optimizer run whole on every device (:class:`OptimizerLayout`): its state
     replicated except the leaves that are per device, and its ``sync_gradients`` reducing
     the gradients.

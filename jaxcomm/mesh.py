@@ -1,8 +1,11 @@
-"""The 2D data-parallel device mesh ``('inter', 'intra')``.
+"""The 2D data-parallel device mesh ``('inter', 'intra')``, and optionally a model axis.
 
 ``intra`` groups devices that share a fast link (the GPUs of one node: NVLink); ``inter``
 runs across groups (the nodes: InfiniBand or Ethernet). Every jaxcomm collective is written
-against these two axis names.
+against these two axis names. ``make_mesh(model=M)`` adds a third, innermost axis
+``'model'`` (``AxisType.Auto``) for params a model shards itself (tensor parallelism,
+through ``jax.sharding``): the step builders leave it to the compiler and handle only the
+data axes.
 """
 
 from __future__ import annotations
@@ -18,9 +21,18 @@ from jaxcomm.validate import check_int
 
 INTER = "inter"
 INTRA = "intra"
+MODEL = "model"
 DATA_AXES: tuple[str, str] = (INTER, INTRA)
 
-__all__ = ["DATA_AXES", "INTER", "INTRA", "check_mesh_axes", "make_mesh", "valid_intra_sizes"]
+__all__ = [
+    "DATA_AXES",
+    "INTER",
+    "INTRA",
+    "MODEL",
+    "check_mesh_axes",
+    "make_mesh",
+    "valid_intra_sizes",
+]
 
 
 def _divisors(n: int) -> list[int]:
@@ -71,8 +83,10 @@ def make_mesh(
     *,
     devices: Sequence[jax.Device] | None = None,
     topology: Any | None = None,
+    model: int = 1,
 ) -> Mesh:
-    """Builds the ``('inter', 'intra')`` data-parallel mesh.
+    """Builds the ``('inter', 'intra')`` data-parallel mesh (``model > 1``: with a model
+    axis, ``('inter', 'intra', 'model')``).
 
     Args:
       intra: devices per ``intra`` group. Default: the number of devices of one process
@@ -82,9 +96,16 @@ def make_mesh(
       topology: an optional ``jaxcomm.topology`` cluster description; when given, devices
         are ordered so that ring neighbours are close in the network (see
         ``jaxcomm.topology.order_devices``).
+      model: devices per model group, innermost (the closest devices): with ``model > 1``
+        the mesh gets a third axis ``'model'`` of type ``AxisType.Auto``, over which a
+        model shards its params itself (``NamedSharding(mesh, P(None, 'model'))``, Flax's
+        ``nnx.with_partitioning``); ``data_parallel`` handles only the data axes and
+        leaves it to the compiler. ``intra`` then counts model groups per node: devices
+        per node = ``intra * model``.
 
     Returns:
-      A ``jax.sharding.Mesh`` with axes ``('inter', 'intra')`` and explicit axis types.
+      A ``jax.sharding.Mesh`` with axes ``('inter', 'intra')`` and explicit axis types
+      (and ``'model'``, automatic).
 
     Raises:
       ValueError: ``intra`` is below 1, does not divide the device count, or would make an
@@ -103,14 +124,20 @@ def make_mesh(
     else:
         devs = _sorted_devices(devs)
     n = len(devs)
-    valid = valid_intra_sizes(devs)
-    if intra is None:
-        intra = _process_runs(devs)[0]
-    intra = check_int("intra", intra, minimum=1, fix=f"valid choices with {n} devices: {valid}")
-    if n % intra != 0:
+    model = check_int("model", model, minimum=1, fix=f"a divisor of the {n} devices")
+    if n % model:
         raise ValueError(
-            f"make_mesh(intra={intra}) with {n} devices: intra must be >= 1 and divide the "
-            f"device count. Valid choices: {valid}."
+            f"make_mesh(model={model}) with {n} devices: model must divide the device count. "
+            f"Valid choices: {[d for d in _divisors(n)]}."
+        )
+    valid = [g // model for g in valid_intra_sizes(devs) if g % model == 0]
+    if intra is None:
+        intra = _process_runs(devs)[0] // model
+    intra = check_int("intra", intra, minimum=1, fix=f"valid choices with {n} devices: {valid}")
+    if n % (intra * model) != 0:
+        raise ValueError(
+            f"make_mesh(intra={intra}, model={model}) with {n} devices: intra * model must "
+            f"divide the device count. Valid choices of intra: {valid}."
         )
     if intra not in valid:
         raise ValueError(
@@ -118,6 +145,10 @@ def make_mesh(
             f"{len(set(d.process_index for d in devs))} processes: an intra group would span "
             f"two processes (intra groups must be node-local). Valid choices: {valid}."
         )
+    if model > 1:
+        grid = np.array(devs, dtype=object).reshape(n // (intra * model), intra, model)
+        types = (AxisType.Explicit, AxisType.Explicit, AxisType.Auto)
+        return Mesh(grid, (*DATA_AXES, MODEL), axis_types=types)
     grid = np.array(devs, dtype=object).reshape(n // intra, intra)
     return Mesh(grid, DATA_AXES, axis_types=(AxisType.Explicit, AxisType.Explicit))
 

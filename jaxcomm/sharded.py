@@ -70,6 +70,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomm.collectives import all_gather_invariant, reduce_scatter
 from jaxcomm.compression.base import BufferCodec, Compressor
 from jaxcomm.compression.keys import dither_seed, step_key
+from jaxcomm.layout import ReplicatedParams
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.packing import BufferPlan, plan_groups
 from jaxcomm.state import (
@@ -677,7 +678,7 @@ def _unshardable(tx: Any, p: Any, grads: tuple, axes: tuple, sizes: tuple) -> st
     return None
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(ReplicatedParams):
     """The sharded update of one ``optax.chain(jaxcomm.sync_gradients(...), *transforms)``:
     steps 1-4 of the module docstring on lists of leaves, and the layout of its
     :class:`ShardedState`. ``data_parallel(shard_optimizer=True)`` and the Flax front ends

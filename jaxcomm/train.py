@@ -20,13 +20,14 @@ from jaxcomm.collectives import allreduce_floats, check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import agree, check_same_on_processes
 from jaxcomm.hlo import ordering_hazards
+from jaxcomm.hybrid import HybridOptimizer
 from jaxcomm.layout import OptimizerLayout, ReplicatedOptimizer
-from jaxcomm.mesh import DATA_AXES, check_mesh_axes
+from jaxcomm.mesh import DATA_AXES, MODEL, check_mesh_axes
 from jaxcomm.microbatch import accumulate_gradients, check_accumulate
 from jaxcomm.phase_clock import PhaseClock
 from jaxcomm.replicas import check_replicas as _check_replicas
 from jaxcomm.sharded import ShardedOptimizer, shard_options
-from jaxcomm.state import leaf_specs, stack_leaves, unstack_leaves
+from jaxcomm.state import stack_leaves, unstack_leaves
 from jaxcomm.sync import NO_HOST_PHASE, GradientSync, HostPhase, accepting_requests
 from jaxcomm.sync_inputs import check_sync_inputs
 from jaxcomm.validate import check_int
@@ -46,7 +47,8 @@ class TrainState(NamedTuple):
 
     Attributes:
       step: int32 scalar, number of steps taken.
-      params: model parameters, replicated.
+      params: model parameters, replicated (with ``shard_params=True`` each leaf split
+        over ``'intra'`` along one dimension, ``jaxcomm.hybrid.param_dims``).
       opt_state: optimizer state; replicated except its per-device leaves (marked
         ``PerDevice``, or typed varying over the data axes by shard_map, such as
         ``optax.MultiSteps``' ``acc_grads``), which carry a leading axis of one entry per
@@ -301,12 +303,22 @@ class DataParallel:
         accumulate: str = "local",
         check_replicas: int | None = None,
         shard: Mapping[str, Any] | None = None,
+        shard_params: bool = False,
     ):
         check_replicas, microbatches = _check_step_options(
             optimizer, mesh, axes, check_replicas, microbatches, accumulate, with_model_state
         )
         self.mesh = mesh
         self.axes = axes
+        # Mesh axes besides the data axes (make_mesh(model=M)'s 'model'): left to the
+        # compiler, the step's shard_map manual over the data axes only.
+        self.model_axes = tuple(a for a in mesh.axis_names if a not in axes)
+        if MODEL in axes:
+            raise ValueError(
+                f"data_parallel(axes={axes}): {MODEL!r} is the model axis of "
+                "jaxcomm.make_mesh(model=...), over which a model shards its params; it "
+                "cannot also be a data axis. Pass axes=('inter', 'intra')."
+            )
         self.optimizer = accepting_requests(optimizer)
         self._loss_fn = _axis_names_checked(loss_fn, axes)
         self._has_aux = has_aux
@@ -326,13 +338,18 @@ class DataParallel:
         self._programs: dict = {}  # by jaxcomm.HostPhase (HostPhase(): on the devices)
         self._clock: PhaseClock | None = None  # the host's copy of the counts
         self._opt_layout: list[bool] | None = None  # per optimizer-state leaf: per device?
-        self.layout: OptimizerLayout = self._make_layout(shard)
+        self.layout: OptimizerLayout = self._make_layout(shard, shard_params)
+        self._step_loss = self.layout.loss(self._loss_fn)  # of the stored params
         self._calls = 0
         self._feedback: Any = None  # set_feedback: the measured share goes into each step
 
-    def _make_layout(self, shard: Mapping[str, Any] | None) -> OptimizerLayout:
-        """The optimizer's layout: replicated, or sharded with the :class:`ShardedOptimizer`
-        keyword arguments ``shard`` (:func:`jaxcomm.sharded.shard_options`)."""
+    def _make_layout(self, shard: Mapping[str, Any] | None, shard_params: bool) -> OptimizerLayout:
+        """The optimizer's layout: replicated, sharded with the :class:`ShardedOptimizer`
+        keyword arguments ``shard`` (:func:`jaxcomm.sharded.shard_options`), or hybrid
+        (``shard_params``: :class:`jaxcomm.hybrid.HybridOptimizer`)."""
+        if shard_params:
+            return self._hybrid_layout(shard)
+        self._refuse_model_axes_options(shard)
         if shard is None:
             return ReplicatedOptimizer(
                 self.optimizer,
@@ -355,13 +372,53 @@ class DataParallel:
             )
         return ShardedOptimizer(self.optimizer, self.mesh, self.axes, **shard)
 
+    def _refuse_model_axes_options(self, shard: Mapping[str, Any] | None) -> None:
+        """Refuses, on a mesh with a model axis, the options not implemented there."""
+        options = (
+            ("shard_optimizer=True", shard is not None),
+            (f"microbatches={self.microbatches}", self.microbatches > 1),
+        )
+        for name, given in options:
+            if given and self.model_axes:
+                raise NotImplementedError(
+                    f"data_parallel({name}) on a mesh with the model axes {self.model_axes} "
+                    "is not implemented; use a mesh of the data axes "
+                    "(jaxcomm.make_mesh(intra=...)) for it."
+                )
+
+    def _hybrid_layout(self, shard: Mapping[str, Any] | None) -> HybridOptimizer:
+        """``shard_params=True``'s layout, after refusing the options it does not run."""
+        if shard is not None:
+            raise ValueError(
+                "data_parallel(shard_params=True, shard_optimizer=True): shard_params "
+                "shards the optimizer state (and the params and gradients) over the node "
+                "already; pass only shard_params=True."
+            )
+        if not self._require_sync:
+            raise ValueError(
+                "data_parallel(shard_params=True) reduce-scatters the gradients itself: "
+                "require_sync=False does not apply; leave it True."
+            )
+        if self.microbatches > 1:
+            raise NotImplementedError(
+                f"data_parallel(shard_params=True, microbatches={self.microbatches}) is not "
+                "implemented; use microbatches=1 (a smaller batch per step)."
+            )
+        if self.model_axes:
+            raise NotImplementedError(
+                f"data_parallel(shard_params=True) on a mesh with axes {self.model_axes} "
+                "besides the data axes (a model axis) is not implemented; use a mesh of "
+                "the data axes (jaxcomm.make_mesh(intra=...)) or shard_params=False."
+            )
+        return HybridOptimizer(self.optimizer, self.mesh, self.axes, where="data_parallel")
+
     # -- state ------------------------------------------------------------------------
     def state_specs(self, state: TrainState) -> TrainState:
         """PartitionSpecs of a (global) TrainState."""
         return TrainState(
             step=P(),
-            params=jax.tree.map(lambda _: P(), state.params),
-            opt_state=leaf_specs(state.opt_state, self._layout(state.params), self.axes),
+            params=self.layout.param_specs(state.params),
+            opt_state=self.layout.opt_specs(state.opt_state, self._layout(state.params)),
             model_state=jax.tree.map(lambda _: P(), state.model_state),
         )
 
@@ -377,13 +434,68 @@ class DataParallel:
         the layout (:meth:`jaxcomm.layout.OptimizerLayout.infer_layout`)."""
         if self._opt_layout is None:
             self._opt_layout = self.layout.infer_layout(params)
+            self._refuse_with_model_axes()
         return self._opt_layout
+
+    def _refuse_with_model_axes(self) -> None:
+        """On a mesh with a model axis, refuses what is not implemented there: in a
+        partial-manual shard_map every collective but ``psum`` first gathers its operand
+        over the automatic axes, and the compressors' all-to-alls and all-gathers (and
+        their per-device state) are not written for that."""
+        if not self.model_axes:
+            return
+        what = None
+        if any(s.compression is not None for s in self.syncs):
+            what = "a compressed sync_gradients"
+        elif self.layout.local_sgd:
+            what = "jaxcomm.local_sgd"
+        if what is not None:
+            raise NotImplementedError(
+                f"data_parallel on a mesh with the model axes {self.model_axes}: {what} is "
+                "not implemented (only the f32 sync: sync_gradients() with any algorithm; "
+                "'flat' keeps each device's model shard, the others gather it over the "
+                "model axis first). Use a mesh of the data axes for it."
+            )
 
     @property
     def syncs(self) -> list[GradientSync]:
         """The :class:`~jaxcomm.GradientSync` of each ``sync_gradients`` the step runs, in
         the order it runs them (known after :meth:`init`)."""
         return self.layout.syncs
+
+    def param_shardings(self, params: Any) -> Any:
+        """The ``NamedSharding`` of each param leaf as the step stores it (replicated, or
+        with ``shard_params=True`` split over ``'intra'``); on a mesh with a model axis
+        (``make_mesh(model=M)``), a leaf's own sharding over it is kept.
+
+        Raises:
+          ValueError: a param leaf is sharded over a data axis (the data axes split the
+            batch; a model shards its params over the model axis).
+        """
+        specs = self.layout.param_specs(params)
+        if not self.model_axes:
+            return jax.tree.map(
+                lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+            )
+        return jax.tree_util.tree_map_with_path(self._model_sharding, params)
+
+    def _model_sharding(self, path: Any, x: Any) -> NamedSharding:
+        """A replicated param leaf's sharding over the model axes: its own, if it has one
+        on this mesh; refused if that names a data axis."""
+        sharding = getattr(x, "sharding", None)
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+        named = {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+        clash = sorted(named & set(self.axes))
+        if clash:
+            raise ValueError(
+                f"data_parallel: params{jax.tree_util.keystr(path)} is sharded {spec}, over "
+                f"{clash}, data axes of this step (they split the batch, and every data-"
+                f"parallel replica holds the whole params). Shard params over the model axis "
+                f"{self.model_axes} (jaxcomm.make_mesh(model=M), "
+                f"NamedSharding(mesh, P(None, {MODEL!r}))), or use shard_params=True on a "
+                "mesh of the data axes to split them over 'intra'."
+            )
+        return NamedSharding(self.mesh, spec)
 
     @property
     def sharded(self) -> ShardedOptimizer | None:
@@ -413,14 +525,13 @@ class DataParallel:
           >>> dp.compile(state, batch).memory_analysis()
         """
         abstract = jax.tree.map(
-            lambda p: jax.ShapeDtypeStruct(
-                jnp.shape(p), jnp.result_type(p), sharding=self.replicated
-            ),
+            lambda p, s: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p), sharding=s),
             params,
+            self.param_shardings(params),
         )
         per = self._layout(abstract)
         opt = jax.eval_shape(self.layout.init_fn(per), abstract)
-        specs = leaf_specs(opt, per, self.axes)
+        specs = self.layout.opt_specs(opt, per)
         opt = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=NamedSharding(self.mesh, s)
@@ -452,7 +563,7 @@ class DataParallel:
             fix="Draw them from one seed on every process (e.g. jax.random.key(0), not a "
             "key from jax.process_index()), or load them from one checkpoint.",
         )
-        params = jax.device_put(params, self.replicated)
+        params = jax.device_put(params, self.param_shardings(params))
         if model_state is not None:
             model_state = jax.device_put(model_state, self.replicated)
         per = self._layout(params)
@@ -495,7 +606,7 @@ class DataParallel:
         put = lambda t: jax.device_put(t, self.replicated)  # noqa: E731
         return TrainState(
             put(state.step),
-            put(state.params),
+            jax.device_put(state.params, self.param_shardings(state.params)),
             opt_state,
             None if state.model_state is None else put(state.model_state),
         )
@@ -573,14 +684,15 @@ class DataParallel:
 
     # -- step -------------------------------------------------------------------------
     def _varying_params(self, params: Any) -> Any:
-        """``params`` typed varying over the data axes (a no-op at run time).
+        """``params`` typed varying over the data axes (a no-op at run time), by the
+        layout (:meth:`jaxcomm.layout.OptimizerLayout.differentiable`).
 
         Under ``check_vma=True``, the gradient with respect to an *invariant* input is
         reduced by JAX itself (the transpose of the implicit ``pvary`` is a ``psum``);
         differentiating with respect to a varying copy yields each device's own gradient,
         which ``sync_gradients`` then reduces with the configured algorithm.
         """
-        return lax.pcast(params, self.axes, to="varying")
+        return self.layout.differentiable(params)
 
     def _local_step(
         self,
@@ -640,7 +752,7 @@ class DataParallel:
         if self._with_model_state:
 
             def loss(p):
-                return self._loss_fn(p, state.model_state, batch)
+                return self._step_loss(p, state.model_state, batch)
 
             (value, (model_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(at)
             return value, aux, grads, self.optimizer.update, model_state
@@ -658,7 +770,7 @@ class DataParallel:
                 communicate=communicate,
             )
             return acc.value, acc.aux, acc.grads, acc.update, state.model_state
-        out, grads = jax.value_and_grad(self._loss_fn, has_aux=self._has_aux)(at, batch)
+        out, grads = jax.value_and_grad(self._step_loss, has_aux=self._has_aux)(at, batch)
         value, aux = out if self._has_aux else (out, {})
         return value, aux, grads, self.optimizer.update, state.model_state
 
@@ -736,9 +848,13 @@ class DataParallel:
         local_step = functools.partial(
             self._local_step, feedback=feedback, communicate=communicate, phase=phase
         )
+        # A model axis is left to the compiler (partial-manual shard_map): the params keep
+        # their sharding over it, and what is not sharded over it is replicated.
+        manual = {"axis_names": frozenset(self.axes)} if self.model_axes else {}
         mapped = jax.shard_map(
             local_step,
             mesh=self.mesh,
+            **manual,
             in_specs=(specs, P(self.axes), *((P(self.axes),) if feedback else ())),
             out_specs=(specs, P(self.axes) if self.layout.local_sgd else P()),
             # Off only where params are meant to drift: require_sync=False (the user's own
@@ -921,6 +1037,7 @@ def data_parallel(
     shard_optimizer: bool = False,
     param_gather: Any = None,
     shard_bucket_bytes: int | None = None,
+    shard_params: bool = False,
 ) -> DataParallel:
     """Builds a data-parallel train step over ``mesh``.
 
@@ -999,6 +1116,17 @@ def data_parallel(
         reduce-scattered and gathered on its own, so the step's temporaries stay near one
         copy of the gradients (one bucket per dtype would add two more copies of the
         model: the packed buffer and the gathered one).
+      shard_params: hybrid sharding (``jaxcomm.hybrid``, as FSDP2's HSDP): params,
+        gradients and optimizer state split over the devices of a node (``'intra'``,
+        each leaf along the largest dimension ``intra`` divides), replicated over
+        ``'inter'``. The loss sees each leaf gathered inside the node (the whole params
+        at once, not per layer), the gradients are reduce-scattered inside the node, and
+        the optimizer's ``sync_gradients`` reduces each device's block across nodes
+        only: ``1/intra`` of the model's bytes on a node's link, compressed as the sync
+        says (elementwise compressors, error feedback, warm-up, every algorithm). The
+        optimizer must be ``optax.chain(jaxcomm.sync_gradients(...), *transforms)``;
+        ``state.params`` are the params, split. Not with ``shard_optimizer``,
+        ``microbatches > 1``, ``local_sgd``, fp16, adaptive or PowerSGD (refused).
 
     Returns:
       A :class:`DataParallel`: ``state = dp.init(params)``, then
@@ -1012,6 +1140,8 @@ def data_parallel(
       >>> state, metrics = dp(state, {'x': x, 'y': y})
     """
     shard = shard_options("data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
+    if not isinstance(shard_params, bool):
+        raise TypeError(f"data_parallel(shard_params={shard_params!r}) must be True or False.")
     return DataParallel(
         loss_fn,
         optimizer,
@@ -1026,4 +1156,5 @@ def data_parallel(
         accumulate=accumulate,
         check_replicas=check_replicas,
         shard=shard,
+        shard_params=shard_params,
     )

@@ -123,6 +123,47 @@ def assert_replicas_equal(tree: Any) -> int:
     )
 
 
+def copy_mismatches(tree: Any) -> list[str]:
+    """One line per leaf (replicated or split, e.g. over ``'intra'`` only) of which two
+    devices holding the same slice hold different bits: the shards are grouped by their
+    index into the global array, so a leaf split over ``'intra'`` is compared across
+    ``'inter'`` (the devices of the same ``'intra'`` position)."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(leaf, jax.Array):
+            continue
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        groups: dict[tuple, list] = {}
+        for s in leaf.addressable_shards:
+            key = tuple((i.start, i.stop, i.step) for i in s.index)
+            groups.setdefault(key, []).append(s)
+        for key, shards in groups.items():
+            shards = sorted(shards, key=lambda s: s.device.id)
+            ref = _bits(shards[0].data)
+            differ = [s.device.id for s in shards[1:] if _bits(s.data) != ref]
+            if differ:
+                out.append(
+                    f"{jax.tree_util.keystr(path)} slice {key}: devices {differ} differ from "
+                    f"device {shards[0].device.id}"
+                )
+    return out
+
+
+def assert_copies_equal(tree: Any) -> int:
+    """Asserts every pair of devices holding the same slice of a leaf holds the same bits
+    (:func:`copy_mismatches`). Returns the number of leaves held by more than one device
+    per slice (callers may assert it is non-zero)."""
+    bad = copy_mismatches(tree)
+    assert not bad, "copies differ:\n" + "\n".join(bad)
+    count = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            keys = [tuple((i.start, i.stop) for i in s.index) for s in leaf.addressable_shards]
+            count += len(set(keys)) < len(keys)
+    return count
+
+
 def assert_rows_equal(stacked: Any) -> None:
     """Asserts the per-device rows of ``stacked`` (out_specs ``P(AX)``) are bitwise equal."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(stacked)[0]:
