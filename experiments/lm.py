@@ -8,11 +8,16 @@ iproute2; ``gpu-node`` / ``cluster`` on GPUs) in its modes:
   the last row) on random windows of the corpus (``experiments.text``): the held-out loss
   before and after, the train loss, bits per byte, step time and tokens/s.
 * ``--ablation``: the rows of ``experiments.resnet152`` (``experiments.rows.ROWS``, each
-  adding one communication technique) timed on the LM by ``experiments.ablation``, with
-  each row's state (params + optimizer state) in MB per device.
+  adding one communication technique), then the hybrid-sharded row
+  (``data_parallel(..., shard_params=True)``, :func:`lm_rows`), timed on the LM by
+  ``experiments.ablation``, with each row's state (params + optimizer state) and its
+  compiled step's buffers in MB per device.
+* ``--memory``: the model compiled from its shapes alone in the replicated and the
+  hybrid-sharded layout: state and step buffers per device (for a model too large to
+  allocate replicated, e.g. ``--model gpt2-medium``).
 
 Results go to ``--out`` (``train.json``, ``results.json``, ``ablation.png``,
-``meta.json``). On the testbed preset the command re-runs itself as one process per
+``memory.json``, ``meta.json``). On the testbed preset the command re-runs itself as one process per
 emulated node under ``jaxcomm.tools.testbed`` and the table gains the link columns.
 """
 
@@ -27,6 +32,30 @@ import time
 
 from experiments import runtime
 from experiments.presets import LM_MODES, LM_PRESETS, default_preset_name
+
+# The hybrid-sharded row: params, gradients and AdamW state split over a node's
+# devices ('intra'), the sync across nodes ('inter') int8-compressed with error feedback, on
+# top of the first rows' settings (flat -> hierarchical, overlap options). It does not
+# accumulate onto +compression (adaptive decides from every device's values) nor +local
+# steps: shard_params=True refuses both (jaxcomm/hybrid.py).
+HYBRID_ROW_AFTER = "+overlap"
+
+
+def lm_rows():
+    """The ablation rows of ``experiments.resnet152`` and, after them, the hybrid-sharded
+    row on the settings of the rows up to :data:`HYBRID_ROW_AFTER`."""
+    import jaxcomm
+    from experiments.rows import ROWS, Row, resolve_rows
+
+    hybrid = Row(
+        "hybrid-sharded",
+        "params, gradients and AdamW state over 'intra'; int8 + error feedback over 'inter'",
+        sync={"compression": jaxcomm.compression.int8(block=64, error_feedback=True)},
+        data_parallel={"shard_params": True},
+    )
+    upto = [r.config for r in ROWS].index(HYBRID_ROW_AFTER) + 1
+    return [*resolve_rows(), resolve_rows((*ROWS[:upto], hybrid))[-1]]
+
 
 _OVERRIDES = {
     # flag: (LMPreset field, type, help)
@@ -54,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
             "library's source files. Modes: --train (train loss, held-out loss and bits "
             "per byte, tokens/s), --ablation (the rows of experiments.resnet152: baseline, "
             "+hierarchical, +overlap, +compression, +topology, +batching, +local steps, "
-            "each adding one technique: step time, speedup, exposed communication, "
-            "tokens/s, state MB per device). No mode flag: the preset's modes."
+            "each adding one technique, then hybrid-sharded (params, gradients and AdamW "
+            "state split over a node's devices, int8 sync across nodes, on +overlap's "
+            "settings): step time, speedup, exposed communication, tokens/s, state MB per "
+            "device). No mode flag: the preset's modes."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -69,11 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--train", action="store_true", help="run the training mode")
     g.add_argument("--ablation", action="store_true", help="run the ablation table")
+    g.add_argument(
+        "--memory",
+        action="store_true",
+        help="compile the step of --model in the replicated and the hybrid-sharded layout "
+        "from its shapes (nothing allocated): state and step buffers per device",
+    )
     g.add_argument("--rows", default=None, help="comma-separated ablation rows (default: all)")
     g.add_argument(
         "--config",
         default=None,
-        help="ablation row whose settings --train uses (default: the last row)",
+        help="ablation row whose settings --train uses (default: +local steps, every "
+        "technique of experiments.resnet152)",
     )
     g.add_argument("--out", default="runs/lm", help="output folder")
     g.add_argument("--seed", type=int, default=0, help="model and data seed")
@@ -116,14 +154,13 @@ def _preset(args, jax, *, testbed: bool):
 
 
 def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
-
     import jaxcomm
     from experiments import lm_step
     from experiments import step as steplib
     from experiments.text import TextWindows, load_corpus
     from experiments.training import train
 
-    name = args.config or resolved[-1].row.config
+    name = args.config or "+local steps"
     chosen = next((r for r in resolved if r.row.config == name), None)
     if chosen is None:
         names = [r.row.config for r in resolved]
@@ -142,6 +179,7 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     dp, state = steplib.build_step(
         parts, lm_step.make_optimizer(sync, lr, local=local), mesh, compiler_options=options,
         donate=not driven, loss_fn=lm_step.make_loss_fn(parts.graphdef),
+        layout=chosen.data_parallel,
     )  # fmt: skip
     windows = dict(global_batch=global_batch, context=preset.context)
     data = TextWindows(corpus.train, dp.batch_sharding, seed=args.seed, **windows)
@@ -154,8 +192,8 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
         jaxcomm.CommProfiler(log_file=log).drive(dp, state, data.batch(0))
     if is_main:
         print(
-            f"train: {preset.model} ({_params(parts):,} "
-            f"params), context {preset.context}, {preset.dtype}, config {name} "
+            f"train: {preset.model} ({_params(parts):,} params), context {preset.context}, "
+            f"{preset.dtype}, config {name} "
             f"({', '.join(chosen.techniques)}), mesh {dict(mesh.shape)}, global batch "
             f"{global_batch} x {preset.context} bytes, steps 0..{preset.steps}"
         )
@@ -208,6 +246,66 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
     return result
 
 
+def _run_memory(args, preset, *, is_main: bool) -> dict:
+    """``--memory``: the preset's model compiled in the replicated and the hybrid-sharded
+    layout from its shapes alone (``DataParallel.abstract_state``: nothing allocated), each
+    layout's state per device from its shardings and its step's buffers per device from
+    XLA's memory analysis."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import jaxcomm
+    from experiments import lm_step
+    from experiments.step import DTYPES
+    from jaxcomm.models import gpt, param_count
+
+    mesh = jaxcomm.make_mesh(intra=preset.intra)
+    devices = int(mesh.devices.size)
+    global_batch = preset.per_device_batch * devices
+    dtype = DTYPES[preset.dtype]
+    graphdef, params, model_state = nnx.eval_shape(
+        lambda: nnx.split(
+            gpt(preset.model, dtype=dtype, context=preset.context), nnx.Param, nnx.BatchStat
+        )  # fmt: skip
+    )
+    tokens = jax.ShapeDtypeStruct((global_batch, preset.context + 1), jnp.int32)
+
+    def per_device(tree) -> int:
+        return sum(
+            int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(tree)
+        )
+
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    result = {"model": preset.model, "params": n, "devices": devices, "mesh": dict(mesh.shape),
+              "context": preset.context, "global_batch": global_batch, "layouts": {}}  # fmt: skip
+    assert n == param_count(jaxcomm.models.gpt_config(preset.model, context=preset.context))
+    for name, layout in (("replicated", {}), ("hybrid-sharded", {"shard_params": True})):
+        t0 = time.perf_counter()
+        tx = lm_step.make_optimizer({"algorithm": "hierarchical"}, preset.lr)
+        dp = jaxcomm.data_parallel(lm_step.make_loss_fn(graphdef), tx, mesh,
+                                   with_model_state=True, **layout)  # fmt: skip
+        state = dp.abstract_state(params)._replace(model_state=model_state)
+        stats = dp.compile(state, {"tokens": tokens}).memory_analysis()
+        row = {"state_bytes_per_device": per_device(state), "compile_s": time.perf_counter() - t0}
+        if stats is not None:
+            names = ("argument", "output", "alias", "temp")
+            row["program_memory"] = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in names}
+        result["layouts"][name] = row
+        if is_main:
+            temp = row.get("program_memory", {}).get("temp")
+            print(
+                f"memory: {preset.model} ({n:,} params) {name} on {dict(mesh.shape)}: state "
+                f"{row['state_bytes_per_device'] / 1e6:,.1f} MB per device "
+                f"({row['state_bytes_per_device'] * devices / 1e6:,.1f} MB on the "
+                f"{devices} devices)"
+                + (f", step buffers {temp / 1e6:,.1f} MB per device" if temp else "")
+            )
+    return result
+
+
 def _params(parts) -> int:
     import jax
     import numpy as np
@@ -224,7 +322,6 @@ def main(argv: list[str] | None = None) -> int:
     runtime.init_distributed()
     from experiments import ablation, lm_step
     from experiments.resnet152 import _launch_testbed, _select_rows, _testbed_status
-    from experiments.rows import resolve_rows
 
     testbed = _testbed_status(jax)
     preset = _preset(args, jax, testbed=testbed[0])
@@ -234,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     link_bps = runtime.testbed_link_bps()
     is_main = jax.process_index() == 0
     modes = [m for m in LM_MODES if getattr(args, m)] or list(preset.modes)
-    resolved = _select_rows(resolve_rows(), args.rows)
+    resolved = _select_rows(lm_rows(), args.rows)
     meta = {
         "command": " ".join(["python -m experiments.lm", *argv]),
         "preset": dataclasses.asdict(preset),
@@ -258,11 +355,16 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if "train" in modes:
         t0 = time.perf_counter()
-        result = _run_train(args, preset, resolved, is_main=is_main)
+        result = _run_train(args, preset, lm_rows(), is_main=is_main)
         meta["seconds"]["train"] = time.perf_counter() - t0
         if is_main:
             with open(os.path.join(args.out, "train.json"), "w") as f:
                 json.dump(result, f, indent=2, default=str)
+    if "memory" in modes:
+        result = _run_memory(args, preset, is_main=is_main)
+        if is_main:
+            with open(os.path.join(args.out, "memory.json"), "w") as f:
+                json.dump(result, f, indent=2)
     if "ablation" in modes:
         t0 = time.perf_counter()
         progress = iter
@@ -296,10 +398,16 @@ def _report(rows: list[dict], meta: dict, preset, out: str, testbed: tuple[bool,
         print(f"link {meta['link']} per direction between {meta['processes']} nodes; "
               f"load average {meta['load_average'][0]:.2f}")  # fmt: skip
     print(report.format_table(rows, rate=("rate_per_s", "tok/s"), memory=True))
-    summary = report.summary_line(rows)
+    # the stacked rows' summary, then the hybrid-sharded row's memory beside the replicated
+    summary = report.summary_line([r for r in rows if r["config"] != "hybrid-sharded"])
+    hybrid = _hybrid_line(rows)
+    for line in (summary, hybrid):
+        if line:
+            print(line)
     if summary:
-        print(summary)
         meta["summary"] = summary
+    if hybrid:
+        meta["hybrid"] = hybrid
     report.write_json(rows, os.path.join(out, "results.json"))
     title = (
         f"{preset.model}, context {preset.context}, {meta['devices']} x "
@@ -307,6 +415,30 @@ def _report(rows: list[dict], meta: dict, preset, out: str, testbed: tuple[bool,
     )
     report.write_chart(rows, os.path.join(out, "ablation.png"), title=title)
     print(f"\nwrote {out}/results.json and {out}/ablation.png")
+
+
+def _hybrid_line(rows: list[dict]) -> str | None:
+    """The hybrid-sharded row against the baseline (replicated): state and step buffers
+    per device, step time; ``None`` when either was not timed."""
+    by = {r["config"]: r for r in rows if r.get("step_time_s")}
+    hybrid, base = by.get("hybrid-sharded"), by.get("baseline")
+    if hybrid is None or base is None:
+        return None
+    mb = lambda r, k: r[k] / 1e6  # noqa: E731
+    text = (
+        f"hybrid-sharded: state {mb(hybrid, 'state_bytes_per_device'):.2f} MB per device "
+        f"against the replicated baseline's {mb(base, 'state_bytes_per_device'):.2f} MB "
+        f"({hybrid['state_bytes_per_device'] / base['state_bytes_per_device']:.2f}x, "
+        f"intra {hybrid['mesh'].get('intra')})"
+    )
+    temps = [(r.get("program_memory") or {}).get("temp") for r in (hybrid, base)]
+    if None not in temps:
+        text += f"; step buffers {temps[0] / 1e6:.2f} vs {temps[1] / 1e6:.2f} MB"
+    lo, hi = hybrid.get("speedup_range") or (None, None)
+    text += f"; {hybrid['speedup']:.2f}x the baseline's speed"
+    if lo is not None:
+        text += f" ({lo:.2f}-{hi:.2f}x over {hybrid.get('rounds')} paired rounds)"
+    return text
 
 
 def _main() -> int:

@@ -163,7 +163,7 @@ PRESETS["testbed-resnet18"] = dataclasses.replace(
 )  # fmt: skip
 
 
-LM_MODES: tuple[str, ...] = ("train", "ablation")
+LM_MODES: tuple[str, ...] = ("train", "ablation", "memory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +177,8 @@ class LMPreset:
       model: a key of ``jaxcomm.models.GPT_CONFIGS``.
       context: bytes per training sequence (at most the config's context).
       eval_batches: held-out batches (of the training batch's size) per evaluation.
-      modes: the modes run when no mode flag is given (``train``, ``ablation``).
+      modes: the modes run when no mode flag is given (of ``train``, ``ablation``,
+        ``memory``).
     """
 
     name: str
@@ -193,7 +194,7 @@ class LMPreset:
     lr: float
     lr_warmup: int
     eval_batches: int
-    modes: tuple[str, ...] = LM_MODES
+    modes: tuple[str, ...] = ("train", "ablation")
     link: str | None = None
     adapt_windows: int = 0
     local_sync_every: int = 8

@@ -139,6 +139,34 @@ def test_a_rows_layout_accumulates_and_is_described():
     assert rows[2].describe()["data_parallel"] == {"shard_optimizer": True}
 
 
+def test_hybrid_row_follows_the_resnet_rows_on_overlaps_settings():
+    from experiments.lm import lm_rows
+
+    rows = lm_rows()
+    assert [r.row.config for r in rows[:-1]] == [r.row.config for r in resolve_rows()]
+    hybrid = rows[-1]
+    assert hybrid.row.config == "hybrid-sharded" and hybrid.local is None
+    assert hybrid.techniques == ("baseline", "+hierarchical", "+overlap", "hybrid-sharded")
+    assert dict(hybrid.data_parallel) == {"shard_params": True}
+    assert hybrid.sync["algorithm"] == "hierarchical" and hybrid.sync["compression"].name == "int8"
+    assert all(not r.data_parallel for r in rows[:-1])
+
+
+def test_hybrid_line_puts_memory_beside_the_baseline():
+    from experiments.lm import _hybrid_line
+
+    row = dict(step_time_s=0.1, speedup=1.5, speedup_range=[1.2, 1.8], rounds=3,
+               mesh={"inter": 2, "intra": 4}, program_memory={"temp": 3e6})  # fmt: skip
+    rows = [
+        {**row, "config": "baseline", "state_bytes_per_device": 4e6, "speedup": 1.0},
+        {**row, "config": "hybrid-sharded", "state_bytes_per_device": 1e6},
+    ]
+    line = _hybrid_line(rows)
+    assert "state 1.00 MB per device against the replicated baseline's 4.00 MB (0.25x" in line
+    assert "1.50x the baseline's speed (1.20-1.80x over 3 paired rounds)" in line
+    assert _hybrid_line(rows[:1]) is None
+
+
 def test_help_runs():
     out = subprocess.run(
         [sys.executable, "-m", "experiments.lm", "--help"],
