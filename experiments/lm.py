@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runtime.init_distributed()
     from experiments import ablation, lm_step
-    from experiments.resnet152 import _launch_testbed, _select_rows, _testbed_status
+    from experiments.resnet152 import _launch_testbed, _run_meta, _select_rows, _testbed_status
 
     testbed = _testbed_status(jax)
     preset = _preset(args, jax, testbed=testbed[0])
@@ -332,20 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     is_main = jax.process_index() == 0
     modes = [m for m in LM_MODES if getattr(args, m)] or list(preset.modes)
     resolved = _select_rows(lm_rows(), args.rows)
-    meta = {
-        "command": " ".join(["python -m experiments.lm", *argv]),
-        "preset": dataclasses.asdict(preset),
-        "modes": modes,
-        "backend": jax.default_backend(),
-        "devices": jax.device_count(),
-        "device_kind": jax.devices()[0].device_kind,
-        "processes": jax.process_count(),
-        "jax": jax.__version__,
-        "link": os.environ.get("JAXCOMM_TESTBED_LINK"),
-        "link_bps": link_bps,
-        "load_average": os.getloadavg(),
-        "seconds": {},
-    }
+    meta = {**_run_meta("python -m experiments.lm", argv, preset, modes, link_bps), "seconds": {}}
     if is_main:
         os.makedirs(args.out, exist_ok=True)
         print(
@@ -389,14 +376,12 @@ def main(argv: list[str] | None = None) -> int:
 def _report(rows: list[dict], meta: dict, preset, out: str, testbed: tuple[bool, str]) -> None:
     """Prints the table and its summary line (added to ``meta``), writes the JSON and chart."""
     from experiments import report
+    from experiments.resnet152 import _table_context
 
     print()
-    if meta["backend"] == "cpu" and meta["processes"] == 1 and meta["devices"] > 1:
-        why = "this machine can build it" if testbed[0] else testbed[1]
-        print(report.fake_devices_note(meta["devices"], why, command="python -m experiments.lm"))
-    elif meta["link_bps"]:
-        print(f"link {meta['link']} per direction between {meta['processes']} nodes; "
-              f"load average {meta['load_average'][0]:.2f}")  # fmt: skip
+    context = _table_context(meta, testbed, "python -m experiments.lm")
+    if context:
+        print(context)
     print(report.format_table(rows, rate=("rate_per_s", "tok/s"), memory=True))
     # the stacked rows' summary, then the hybrid-sharded row's memory beside the replicated
     summary = report.summary_line([r for r in rows if r["config"] != "hybrid-sharded"])
@@ -442,14 +427,9 @@ def _hybrid_line(rows: list[dict]) -> str | None:
 
 
 def _main() -> int:
-    from experiments.ablation import ProcessesBroken
+    from experiments.resnet152 import _main as run
 
-    try:
-        return main()
-    except ProcessesBroken as e:
-        print(f"error: {e}. The processes cannot go on together; stopping.", file=sys.stderr,
-              flush=True)  # fmt: skip
-        return 3
+    return run(main)
 
 
 if __name__ == "__main__":
