@@ -1,11 +1,14 @@
 """Runs the ablation rows: step time, speedup, communication fraction, images/s, accuracy.
 
-Speed (``run_speed``). For each available row the ResNet step is built with the row's
+Speed (``run_speed``). For each available row the workload's step (``step.Workload``: the
+ResNet's by default, ``experiments.lm_step.workload`` for the LM) is built with the row's
 ``sync_gradients`` arguments, compiler options and mesh, together with its *compute-only
 twin*: the same step, same mesh and options, with no gradient synchronisation (each device
 applies its own gradient; the small batch-statistics and metrics ``pmean`` stay in both).
-Rows that differ only in ``sync_gradients`` arguments share one twin. On a network the
-row also gets its *sync alone*: the row's optimizer, its sync included, on gradients of
+Rows that differ only in ``sync_gradients`` arguments or in their layout
+(``Row.data_parallel``) share one twin, in the replicated layout: a sharded row's exposed
+communication counts its gathers and reduce-scatters inside the node with its sync. On a
+network the row also gets its *sync alone*: the row's optimizer, its sync included, on gradients of
 the model's shapes with no model (``experiments.step.sync_only_loss_fn``; a driven
 adaptive row's at the rung it settled on, ``rows.pin_adaptive``).
 After ``warmup`` untimed steps (compilation included), all rows are timed round-robin,
@@ -19,7 +22,11 @@ rounds, with the range beside it (``*_range_s``; every round in ``*_times_s``):
   plus compression work); ``comm_fraction = exposed_comm_s / step_time_s``. On a busy
   CPU it is noisy and can come out slightly negative, which is reported as measured.
 * ``speedup``: the median over rounds of the baseline's time over the row's in the same
-  round (``speedup_range``: their range); ``images_per_s``: global batch over step time.
+  round (``speedup_range``: their range); ``images_per_s``: global batch over step time
+  (``rate_per_s``: in the workload's unit, e.g. tokens); ``state_bytes_per_device``: the
+  row's train state (params, model and optimizer state) held by one device, read from its
+  arrays' shards; ``program_memory``: the compiled step's buffers per device (XLA's
+  memory analysis: argument, output, alias, temp bytes).
 
 On a network (``link_bps`` given, e.g. on ``jaxcomm.tools.testbed``), the row beside its
 link bound:
@@ -77,7 +84,6 @@ from experiments import rows
 from experiments import step as steplib
 from experiments.bench.digits import LEARNING_RATE as DIGITS_LEARNING_RATE
 from experiments.bench.digits import digits_accuracy
-from experiments.data import SyntheticImages
 from experiments.presets import Preset
 from experiments.rows import Resolved
 from jaxcomm.tools.testbed import framing_per_call, node_link_sent, payload_bytes, spine_bytes
@@ -141,6 +147,7 @@ class _Step:
         self.state = state
         self.metrics = None
         self.profiler: jaxcomm.CommProfiler | None = None
+        self.memory: dict[str, int] | None = None  # the compiled program's, per device
         if adapt_windows:
             # no retime_twin: the ablation times its own twin beside every round
             self.profiler = jaxcomm.CommProfiler(log_file=os.devnull)
@@ -157,6 +164,7 @@ class _Step:
             # devices), timed as it is; on several processes: met after compiling.
             self.fn = dp.compile(state, batch, phase=jaxcomm.HostPhase())
             self.wire = jaxcomm.wire_bytes(self.fn, mesh=dp.mesh)
+            self.memory = _program_memory(self.fn)
             if period is not None:  # local steps: a sync every `period` steps, amortized
                 local, calls = _local_link_bytes(self.fn, dp.mesh, period)
                 self.wire["crossing"] = {"inter": local}
@@ -261,11 +269,15 @@ def _local_link_bytes(compiled: Any, mesh: Any, period: int) -> tuple[float, dic
 
 
 def _row_optimizer(
-    sync: dict, schedule: Any, local: dict | None, period: int | None
+    workload: steplib.Workload,
+    sync: dict,
+    schedule: Any,
+    local: dict | None,
+    period: int | None,
 ) -> optax.GradientTransformation:
     """The row's optimizer; local steps sync every ``period`` steps."""
     local = None if local is None else {**local, "sync_every": period}
-    return steplib.make_optimizer(sync, schedule, local=local)
+    return workload.optimizer(sync, schedule, local=local)
 
 
 class _Bench:
@@ -281,40 +293,33 @@ class _Bench:
         seed: int,
         twins: dict | None,
         link_bps: float | None = None,
+        workload: steplib.Workload = steplib.RESNET,
     ):
         sync, options, mesh_kwargs = r.build()
         mesh = jaxcomm.make_mesh(intra=intra, **mesh_kwargs)
         self.devices = mesh.devices.size
         self.mesh_shape = dict(mesh.shape)
         self.global_batch = preset.per_device_batch * self.devices
-        parts = steplib.make_model(preset.model, preset.num_classes, dtype=preset.dtype, seed=seed)
-        schedule = steplib.learning_rate(
-            lr=preset.lr,
-            global_batch=self.global_batch,
-            warmup=preset.lr_warmup,
-            total_steps=preset.steps,
-        )
+        parts = workload.make_parts(preset, seed)
+        schedule = workload.schedule(preset, self.global_batch)
+        loss_fn = workload.loss_fn(parts.graphdef)
+        self.rate_scale = workload.rate_scale
         driven = r.local is None and steplib.drives_adaptive(sync, preset.adapt_windows)
-        data = SyntheticImages(
-            jax.sharding.NamedSharding(mesh, jax.P(tuple(mesh.axis_names))),
-            global_batch=self.global_batch,
-            image_size=preset.image_size,
-            num_classes=preset.num_classes,
-            dtype=steplib.DTYPES[preset.dtype],
-            seed=seed,
-        )
-        batch = data.batch(0)
+        sharding = jax.sharding.NamedSharding(mesh, jax.P(tuple(mesh.axis_names)))
+        batch = workload.batch(preset, sharding, self.global_batch, seed)
         warmup = max(1, preset.warmup_steps)
         t0 = time.perf_counter()
         settings = r.describe()
+        layout = dict(r.data_parallel)
         key = repr((settings["topology"], settings["compiler_options"]))
         if twins is not None and key not in twins:
             twin_dp, twin_state = steplib.build_step(
                 parts,
-                steplib.make_optimizer(None, schedule),
+                workload.optimizer(None, schedule),
                 mesh,
                 compiler_options=options,
                 compute_only=True,
+                loss_fn=loss_fn,
             )
             twins[key] = _Step(twin_dp, twin_state, batch)
             twins[key].run(warmup)
@@ -322,8 +327,8 @@ class _Bench:
 
         def build(period: int | None):
             return steplib.build_step(
-                parts, _row_optimizer(sync, schedule, r.local, period), mesh,
-                compiler_options=options, donate=not driven,
+                parts, _row_optimizer(workload, sync, schedule, r.local, period), mesh,
+                compiler_options=options, donate=not driven, loss_fn=loss_fn, layout=layout,
             )  # fmt: skip
 
         self.period = None
@@ -360,8 +365,8 @@ class _Bench:
         if link_bps:  # the row's sync as its own program, timed beside the row
             only = sync if not driven else rows.pin_adaptive(sync, self.sync_level)
             dp, state = steplib.build_step(
-                parts, _row_optimizer(only, schedule, r.local, self.period), mesh,
-                compiler_options=options, sync_only=True,
+                parts, _row_optimizer(workload, only, schedule, r.local, self.period), mesh,
+                compiler_options=options, sync_only=True, layout=layout,
             )  # fmt: skip
             self.sync_only = _Step(dp, state, batch, period=self.period)
             self.sync_only.run(warmup)
@@ -431,6 +436,12 @@ class _Bench:
             "comm_fraction_source": twin_time
             and "median over rounds of (step - compute-only twin), timed back to back",
             "images_per_s": self.global_batch / step_time,
+            # a workload's own unit (an LM's tokens): rate_scale units per batch element
+            "rate_per_s": self.global_batch * self.rate_scale / step_time,
+            # params + model state + optimizer state on one device, from the arrays' shards
+            "state_bytes_per_device": _state_bytes_per_device(self.full.state),
+            # the compiled step's memory analysis, per device (None: a driven row)
+            "program_memory": self.full.memory,
             "warmup_s": self.compile_s,
             "global_batch": self.global_batch,
             "devices": self.devices,
@@ -489,6 +500,25 @@ def _framing(intra: int | None) -> dict[str, float | None]:
     return framing_per_call(mesh, [*keys, "collective-permute/2"])
 
 
+def _state_bytes_per_device(state: Any) -> int:
+    """Bytes of ``state`` held by its first addressable device (every leaf's shard there):
+    the replicated layout's whole state, a sharded layout's share."""
+    leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+    device = leaves[0].addressable_shards[0].device if leaves else None
+    return sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device)
+
+
+def _program_memory(compiled: Any) -> dict[str, int] | None:
+    """A compiled step's per-device buffers from XLA's memory analysis: ``argument``,
+    ``output``, ``alias`` (outputs in donated arguments) and ``temp`` (activations,
+    gathered params, collectives' buffers) bytes; ``None`` where the backend has none."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    names = ("argument", "output", "alias", "temp")
+    return {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in names}
+
+
 def _median_or_none(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -539,6 +569,7 @@ def run_speed(
     progress: Callable[[Sequence], Any] = iter,
     twins: bool = True,
     link_bps: float | None = None,
+    workload: steplib.Workload = steplib.RESNET,
 ) -> list[dict]:
     """Times every available row (see the module docstring).
 
@@ -557,6 +588,9 @@ def run_speed(
         has no communication to expose, e.g. one device).
       link_bps: the inter-node link rate in bit/s per direction (the testbed's ``--link``);
         ``None``: no link-bound columns.
+      workload: the model, loss, data and optimizer recipe (``steplib.RESNET``; the LM's
+        is ``experiments.lm_step.workload(context)``); ``preset`` is read by it and for the
+        timing fields.
 
     Returns:
       One dict per row, with ``status`` ``'ok'`` or ``'error'`` (it raised: ``error``
@@ -568,8 +602,9 @@ def run_speed(
     for i, r in enumerate(progress(resolved)):
         try:
             benches[i] = _Bench(
-                r, preset, intra=intra, seed=seed, twins=twin_steps, link_bps=link_bps
-            )
+                r, preset, intra=intra, seed=seed, twins=twin_steps, link_bps=link_bps,
+                workload=workload,
+            )  # fmt: skip
         except Exception as e:  # report the row, keep the other rows going
             if _breaks_processes(e):
                 raise ProcessesBroken(r.row.config, "building and compiling", e) from e

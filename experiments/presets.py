@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["MODES", "PRESETS", "Preset", "default_preset_name"]
+__all__ = [
+    "LM_MODES",
+    "LM_PRESETS",
+    "LMPreset",
+    "MODES",
+    "PRESETS",
+    "Preset",
+    "default_preset_name",
+]
 
 MODES: tuple[str, ...] = ("train", "ablation", "accuracy")
 
@@ -152,6 +160,76 @@ PRESETS["testbed"] = dataclasses.replace(
 PRESETS["testbed-resnet18"] = dataclasses.replace(
     PRESETS["testbed"], name="testbed-resnet18", model="resnet18", timing_steps=2,
     link="250mbit", adapt_windows=8, accuracy_seeds=3,
+)  # fmt: skip
+
+
+LM_MODES: tuple[str, ...] = ("train", "ablation", "memory")
+
+
+@dataclasses.dataclass(frozen=True)
+class LMPreset:
+    """One configuration of the LM experiment (``python -m experiments.lm``).
+
+    The fields the ablation reads have :class:`Preset`'s meaning (``per_device_batch``
+    counts sequences); the others:
+
+    Attributes:
+      model: a key of ``jaxcomm.models.GPT_CONFIGS``.
+      context: bytes per training sequence (at most the config's context).
+      eval_batches: held-out batches (of the training batch's size) per evaluation.
+      modes: the modes run when no mode flag is given (of ``train``, ``ablation``,
+        ``memory``).
+    """
+
+    name: str
+    model: str
+    context: int
+    per_device_batch: int
+    steps: int
+    warmup_steps: int
+    timing_steps: int
+    repeats: int
+    dtype: str
+    intra: int | None
+    lr: float
+    lr_warmup: int
+    eval_batches: int
+    modes: tuple[str, ...] = ("train", "ablation")
+    link: str | None = None
+    adapt_windows: int = 0
+    local_sync_every: int = 8
+
+
+LM_PRESETS: dict[str, LMPreset] = {
+    # Seconds on a small CPU with 8 fake devices: a 2-layer, d 64 GPT on 64-byte windows.
+    "cpu-smoke": LMPreset(
+        name="cpu-smoke", model="gpt-test", context=64, per_device_batch=4, steps=40,
+        warmup_steps=2, timing_steps=2, repeats=3, dtype="float32", intra=4, lr=3e-3,
+        lr_warmup=5, eval_batches=4,
+    ),
+    # A small real run on CPU: 4 layers, d 128, 128-byte windows, a few minutes.
+    "cpu-small": LMPreset(
+        name="cpu-small", model="gpt-mini", context=128, per_device_batch=2, steps=300,
+        warmup_steps=2, timing_steps=2, repeats=3, dtype="float32", intra=4, lr=3e-3,
+        lr_warmup=30, eval_batches=16,
+    ),
+    # One GPU node: GPT-2 small's shape on 1024-byte windows, bf16 compute.
+    "gpu-node": LMPreset(
+        name="gpu-node", model="gpt2-small", context=1024, per_device_batch=8, steps=2000,
+        warmup_steps=5, timing_steps=20, repeats=3, dtype="bfloat16", intra=None, lr=6e-4,
+        lr_warmup=200, eval_batches=32,
+    ),
+    "cluster": LMPreset(
+        name="cluster", model="gpt2-small", context=1024, per_device_batch=8, steps=5000,
+        warmup_steps=5, timing_steps=20, repeats=3, dtype="bfloat16", intra=None, lr=6e-4,
+        lr_warmup=500, eval_batches=32, adapt_windows=4,
+    ),
+}  # fmt: skip
+# On CPU as root: the smoke model on 2 nodes x 2 devices (one process each) joined by a
+# 50 Mbit/s link: 0.48 MB of f32 gradient, ~77 ms on the link against ms of compute.
+LM_PRESETS["testbed"] = dataclasses.replace(
+    LM_PRESETS["cpu-smoke"], name="testbed", timing_steps=3, repeats=5, intra=None,
+    modes=("train", "ablation"), link="50mbit", adapt_windows=4,
 )  # fmt: skip
 
 

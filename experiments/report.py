@@ -16,19 +16,22 @@ __all__ = [
 ]
 
 
-def fake_devices_note(devices: int, testbed: str) -> str:
+def fake_devices_note(
+    devices: int, testbed: str, *, command: str = "python -m experiments.resnet152"
+) -> str:
     """Two lines printed before a table measured on fake CPU devices of one process.
 
     Args:
       devices: the number of fake devices.
       testbed: whether this machine can build the emulated network, in words (the reason
         from ``jaxcomm.tools.testbed.available()`` when it cannot).
+      command: the experiment's command (its ``--preset testbed`` is suggested).
     """
     cores = os.cpu_count()
     return (
         f"note: {devices} fake CPU devices share {cores} cores with no slow link between them: "
         "each technique can only add work here (the table shows that it runs, and its cost).\n"
-        "      to see them win: as root, python -m experiments.resnet152 --preset testbed "
+        f"      to see them win: as root, {command} --preset testbed "
         f"(emulated network; {testbed}); python -m jaxcomm.tools.simulate; "
         "--preset gpu-node on GPUs"
     )
@@ -107,9 +110,15 @@ def _with_range(r: dict, key: str, spec: str, scale: float = 1.0, unit: str = ""
     return text
 
 
-def format_table(rows: Sequence[dict]) -> str:
+def format_table(
+    rows: Sequence[dict], *, rate: tuple[str, str] = ("images_per_s", "img/s"), memory: bool = False
+) -> str:
     """A fixed-width table of medians over the rounds, each with its range: config,
-    status, step ms, compute-only ms, exposed communication ms, speedup, comm %, images/s;
+    status, step ms, compute-only ms, exposed communication ms, speedup, comm %, the rate
+    (``rate``: the row's key and the column's name; images/s by default, an LM's
+    ``('rate_per_s', 'tok/s')``), with ``memory`` the state's MB per device (params, model
+    and optimizer state on one device: ``state_bytes_per_device``) and the compiled step's
+    temporary buffers per device (XLA's memory analysis: activations, gathered params);
     on a network the link columns (MB per step across a node's link from the HLO, with
     the transport's measured framing of its calls added, and as the kernel counted it,
     their line-rate time, the sync alone's time, efficiency = bound / sync alone, the
@@ -120,7 +129,9 @@ def format_table(rows: Sequence[dict]) -> str:
     with_acc = any("accuracy_status" in r for r in rows)
     with_link = any(r.get("link_bound_s") is not None for r in rows)
     head = ["config", "status", "step ms", "compute ms", "exposed ms", "speedup", "comm %"]
-    head.append("img/s")
+    head.append(rate[1])
+    if memory:
+        head += ["state MB/dev", "temp MB/dev"]
     with_spine = any(r.get("spine_bytes_measured") is not None for r in rows)
     if with_link:
         head += ["link MB", "+framing", "kernel MB", "bound ms", "sync ms", "effic."]
@@ -140,8 +151,11 @@ def format_table(rows: Sequence[dict]) -> str:
             _with_range(r, "exposed_comm_s", ".1f", 1e3),
             _with_range(r, "speedup", ".2f", unit="x"),
             _fmt(r.get("comm_fraction"), ".1f", 100),
-            _fmt(r.get("images_per_s"), ".0f"),
+            _fmt(r.get(rate[0]), ".0f"),
         ]
+        if memory:
+            temp = (r.get("program_memory") or {}).get("temp")
+            cells += [_fmt(r.get("state_bytes_per_device"), ".2f", 1e-6), _fmt(temp, ".2f", 1e-6)]
         if with_link:
             cells += [
                 _fmt(r.get("link_bytes"), ".3f", 1e-6),

@@ -176,8 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _launch_testbed(args, argv: list[str], preset, testbed: tuple[bool, str]) -> int:
-    """Runs this command once per emulated node under ``jaxcomm.tools.testbed``; its exit code.
+def _launch_testbed(
+    args,
+    argv: list[str],
+    preset,
+    testbed: tuple[bool, str],
+    *,
+    module: str = "experiments.resnet152",
+) -> int:
+    """Runs this command (``python -m module``) once per emulated node under
+    ``jaxcomm.tools.testbed``; its exit code.
 
     ``testbed`` is :func:`_testbed_status`'s ``(ok, why)``.
     """
@@ -195,7 +203,7 @@ def _launch_testbed(args, argv: list[str], preset, testbed: tuple[bool, str]) ->
         if not skip and not a.startswith("--preset"):
             child.append(a)
         skip = a == "--preset"
-    child = [sys.executable, "-m", "experiments.resnet152", "--preset", preset.name, *child]
+    child = [sys.executable, "-m", module, "--preset", preset.name, *child]
     with Testbed(nodes=args.nodes, devices_per_node=args.devices_per_node, link=link,
                  leaves=args.leaves, spine=args.spine) as tb:  # fmt: skip
         fabric = f", {tb.leaves} leaves joined by a {tb.spine} spine" if tb.leaves > 1 else ""
@@ -464,19 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in MODES if getattr(args, m)] or list(preset.modes)
     resolved = _select_rows(resolve_rows(), args.rows)
     out = args.out
-    meta = {
-        "command": " ".join(["python -m experiments.resnet152", *argv]),
-        "preset": dataclasses.asdict(preset),
-        "modes": modes,
-        "backend": jax.default_backend(),
-        "devices": jax.device_count(),
-        "device_kind": jax.devices()[0].device_kind,
-        "processes": jax.process_count(),
-        "jax": jax.__version__,
-        "link": os.environ.get("JAXCOMM_TESTBED_LINK"),
-        "link_bps": link_bps,
-        "load_average": os.getloadavg(),
-    }
+    meta = _run_meta("python -m experiments.resnet152", argv, preset, modes, link_bps)
     if is_main:
         os.makedirs(out, exist_ok=True)
         print(
@@ -544,17 +540,46 @@ def main(argv: list[str] | None = None) -> int:
     return int(status)
 
 
+def _run_meta(command: str, argv: list[str], preset, modes: list[str], link_bps) -> dict:
+    """What ran where: the command, preset, modes, devices, link and load (``meta.json``)."""
+    import jax
+
+    return {
+        "command": " ".join([command, *argv]),
+        "preset": dataclasses.asdict(preset),
+        "modes": modes,
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind,
+        "processes": jax.process_count(),
+        "jax": jax.__version__,
+        "link": os.environ.get("JAXCOMM_TESTBED_LINK"),
+        "link_bps": link_bps,
+        "load_average": os.getloadavg(),
+    }
+
+
+def _table_context(meta: dict, testbed: tuple[bool, str], command: str) -> str | None:
+    """The line(s) before a table: what fake devices can show, or the link and load."""
+    from experiments import report
+
+    if meta["backend"] == "cpu" and meta["processes"] == 1 and meta["devices"] > 1:
+        why = "this machine can build it" if testbed[0] else testbed[1]
+        return report.fake_devices_note(meta["devices"], why, command=command)
+    if meta["link_bps"]:
+        return (f"link {meta['link']} per direction between {meta['processes']} nodes; "
+                f"load average {meta['load_average'][0]:.2f}")  # fmt: skip
+    return None
+
+
 def _report(rows: list[dict], meta: dict, preset, out: str, testbed: tuple[bool, str]) -> None:
     """Prints the table and its summary line (added to ``meta``), writes the JSON and chart."""
     from experiments import report
 
     print()
-    if meta["backend"] == "cpu" and meta["processes"] == 1 and meta["devices"] > 1:
-        why = "this machine can build it" if testbed[0] else testbed[1]
-        print(report.fake_devices_note(meta["devices"], why))
-    elif meta["link_bps"]:
-        print(f"link {meta['link']} per direction between {meta['processes']} nodes; "
-              f"load average {meta['load_average'][0]:.2f}")  # fmt: skip
+    context = _table_context(meta, testbed, "python -m experiments.resnet152")
+    if context:
+        print(context)
     print(report.format_table(rows))
     summary = report.summary_line(rows)
     if summary:
@@ -569,11 +594,13 @@ def _report(rows: list[dict], meta: dict, preset, out: str, testbed: tuple[bool,
     print(f"\nwrote {out}/results.json and {out}/ablation.png")
 
 
-def _main() -> int:
+def _main(entry=None) -> int:
+    """Runs ``entry`` (default :func:`main`); a :class:`ProcessesBroken` ends it with one
+    line and exit code 3."""
     from experiments.ablation import ProcessesBroken
 
     try:
-        return main()
+        return (entry or main)()
     except ProcessesBroken as e:
         # One line, and out: the peers are ended by the launcher (or the coordination
         # service's heartbeat), not left waiting in a collective.

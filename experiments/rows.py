@@ -45,6 +45,8 @@ class Row:
         synchronises every ``sync_every`` steps; ``sync_every='link'`` lets the experiment
         choose it for the link (:func:`experiments.ablation.sync_period`). The rows'
         ``algorithm`` and ``topology`` carry over to its outer sync.
+      data_parallel: ``jaxcomm.data_parallel`` keyword arguments it sets: where the state
+        lives (e.g. ``shard_params=True``, the hybrid-sharded layout).
     """
 
     config: str
@@ -53,6 +55,7 @@ class Row:
     compiler_options: Options | None = None
     topology: bool = False
     local: Mapping[str, Any] | None = None
+    data_parallel: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # The rows of the seed's table. The compression row is the seed's "dynamic bit width": the
@@ -146,6 +149,8 @@ class Resolved:
       sync: accumulated ``sync_gradients`` keyword arguments.
       compiler_options: accumulated option sources (dicts or functions returning one).
       topology: whether the mesh and cost model follow the detected topology.
+      local: accumulated ``local_sgd`` keyword arguments, or ``None``.
+      data_parallel: accumulated ``jaxcomm.data_parallel`` keyword arguments (the layout).
     """
 
     row: Row
@@ -154,6 +159,7 @@ class Resolved:
     compiler_options: tuple[Options, ...]
     topology: bool
     local: Mapping[str, Any] | None = None
+    data_parallel: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def build(self) -> tuple[dict, dict, dict]:
         """``(sync_kwargs, compiler_options, make_mesh_kwargs)`` for the running job."""
@@ -176,6 +182,7 @@ class Resolved:
             "local_sgd": None
             if self.local is None
             else {k: _text(v) for k, v in self.local.items()},
+            "data_parallel": {k: _text(v) for k, v in self.data_parallel.items()},
         }
 
 
@@ -187,8 +194,10 @@ def resolve_rows(rows: Sequence[Row] = ROWS) -> list[Resolved]:
     techniques: list[str] = []
     topology = False
     local: dict | None = None
+    layout: dict = {}
     for row in rows:
         sync.update(row.sync)
+        layout.update(row.data_parallel)
         if row.compiler_options is not None:
             options.append(row.compiler_options)
         topology = topology or row.topology
@@ -197,6 +206,6 @@ def resolve_rows(rows: Sequence[Row] = ROWS) -> list[Resolved]:
         techniques.append(row.config)
         out.append(
             Resolved(row, tuple(techniques), dict(sync), tuple(options), topology,
-                     None if local is None else dict(local))
+                     None if local is None else dict(local), dict(layout))
         )  # fmt: skip
     return out

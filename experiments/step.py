@@ -31,7 +31,9 @@ from jaxcomm.models import resnet
 
 __all__ = [
     "DTYPES",
+    "RESNET",
     "ModelParts",
+    "Workload",
     "build_step",
     "learning_rate",
     "make_loss_fn",
@@ -97,11 +99,12 @@ def make_loss_fn(graphdef: Any) -> Callable:
 def sync_only_loss_fn(params, batch_stats, batch):
     """A loss whose gradient costs one elementwise pass: the row's sync without the model.
 
-    ``s * sum(|p|^2)``, ``s`` from the device's labels, so the gradient ``2 s p`` has each
-    parameter's shape and differs between devices, as a model's does; the batch statistics
-    pass through unchanged. The ablation times the row's optimizer (its sync) on it.
+    ``s * sum(|p|^2)``, ``s`` from the device's batch (the mean of its last leaf: an image
+    batch's labels, a text batch's tokens), so the gradient ``2 s p`` has each parameter's
+    shape and differs between devices, as a model's does; the batch statistics pass
+    through unchanged. The ablation times the row's optimizer (its sync) on it.
     """
-    s = 1.0 + jnp.mean(batch["label"].astype(jnp.float32))
+    s = 1.0 + jnp.mean(jax.tree.leaves(batch)[-1].astype(jnp.float32))
     loss = s * sum(jnp.vdot(p, p) for p in jax.tree.leaves(params))
     return loss, (batch_stats, {})
 
@@ -169,11 +172,13 @@ def build_step(
     compute_only: bool = False,
     sync_only: bool = False,
     donate: bool = True,
+    loss_fn: Callable | None = None,
+    layout: Mapping[str, Any] | None = None,
 ) -> tuple[jaxcomm.DataParallel, jaxcomm.TrainState]:
     """Builds the data-parallel step and its initial state on ``mesh``.
 
     Args:
-      parts: from :func:`make_model`.
+      parts: from :func:`make_model` (or a :class:`Workload`'s ``make_parts``).
       optimizer: from :func:`make_optimizer`.
       mesh: from ``jaxcomm.make_mesh``.
       compiler_options: XLA options for the step.
@@ -182,24 +187,85 @@ def build_step(
       sync_only: the model's loss is replaced by :func:`sync_only_loss_fn`: the step is the
         optimizer and its sync on gradients of the params' shapes, no model.
       donate: donate the input state's buffers (the state is never reused).
+      loss_fn: the model's loss, ``loss_fn(params, model_state, batch) -> (loss,
+        (model_state, metrics))`` (default: the ResNet's, :func:`make_loss_fn`).
+      layout: more ``jaxcomm.data_parallel`` keyword arguments: where the state lives
+        (an ablation row's ``data_parallel``, e.g. ``shard_params=True``).
 
     Returns:
       ``(dp, state)``.
     """
+    model_loss = make_loss_fn(parts.graphdef) if loss_fn is None else loss_fn
     dp = jaxcomm.data_parallel(
-        sync_only_loss_fn if sync_only else make_loss_fn(parts.graphdef),
+        sync_only_loss_fn if sync_only else model_loss,
         optimizer,
         mesh,
         with_model_state=True,
         compiler_options=compiler_options,
         donate=donate,
         require_sync=not compute_only,
+        **dict(layout or {}),
     )
     # Host copies: dp.init may alias the device buffers it is given, and a donating step
     # would then delete the caller's arrays (and those of a second step built from them).
     params, batch_stats = jax.tree.map(np.array, (parts.params, parts.batch_stats))
     state = dp.init(params, batch_stats)
     return dp, state
+
+
+class Workload(NamedTuple):
+    """What the ablation trains: the parts of a row's step that depend on the model.
+
+    ``experiments.ablation.run_speed`` builds every row's step, its compute-only twin and
+    its sync alone from these; :data:`RESNET` is the ResNet experiment's,
+    ``experiments.lm_step.workload(context)`` the LM's.
+
+    Attributes:
+      make_parts: ``(preset, seed) -> ModelParts`` (the model split; cached by the callee).
+      loss_fn: ``graphdef -> loss_fn`` for :func:`build_step`.
+      schedule: ``(preset, global_batch) -> optax schedule``.
+      optimizer: ``(sync_kwargs, schedule, *, local=None) -> GradientTransformation``, as
+        :func:`make_optimizer` (``sync_kwargs=None``: the compute-only twin's).
+      batch: ``(preset, sharding, global_batch, seed) -> batch``: one global batch placed
+        with the step's batch sharding.
+      unit: what one element of the global batch is, for the rate column (``'images'``).
+      rate_scale: units per batch element (1; an LM's tokens per sequence).
+    """
+
+    make_parts: Callable[[Any, int], ModelParts]
+    loss_fn: Callable[[Any], Callable]
+    schedule: Callable[[Any, int], optax.Schedule]
+    optimizer: Callable[..., optax.GradientTransformation]
+    batch: Callable[[Any, Any, int, int], Any]
+    unit: str = "images"
+    rate_scale: int = 1
+
+
+def _resnet_batch(preset: Any, sharding: Any, global_batch: int, seed: int) -> Any:
+    from experiments.data import SyntheticImages
+
+    data = SyntheticImages(
+        sharding,
+        global_batch=global_batch,
+        image_size=preset.image_size,
+        num_classes=preset.num_classes,
+        dtype=DTYPES[preset.dtype],
+        seed=seed,
+    )
+    return data.batch(0)
+
+
+RESNET = Workload(
+    make_parts=lambda preset, seed: make_model(
+        preset.model, preset.num_classes, dtype=preset.dtype, seed=seed
+    ),
+    loss_fn=make_loss_fn,
+    schedule=lambda preset, global_batch: learning_rate(
+        lr=preset.lr, global_batch=global_batch, warmup=preset.lr_warmup, total_steps=preset.steps
+    ),
+    optimizer=make_optimizer,
+    batch=_resnet_batch,
+)
 
 
 def one_step_in_flight() -> bool:

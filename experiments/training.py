@@ -84,7 +84,10 @@ def train(
                 m = {k: host_mean(v) for k, v in metrics.items()}
                 losses[done] = m["loss"]
                 if bar is not None:
-                    bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m.get('accuracy', 0):.2f}")
+                    shown = {"loss": f"{m['loss']:.3f}"}
+                    if "accuracy" in m:
+                        shown["acc"] = f"{m['accuracy']:.2f}"
+                    bar.set_postfix(shown)
             if checkpointer is not None and ((every and done % every == 0) or done == stop):
                 t_save = time.perf_counter()
                 # A checkpoint keeps one copy of each replicated leaf: prove they agree first.
