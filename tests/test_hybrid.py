@@ -180,15 +180,13 @@ def test_refusals_at_construction(mesh):
         (optax.adam(1e-3), ValueError, r"optax.chain\(jaxcomm.sync_gradients"),
         (_tx(optax.sgd(0.1), compression=jaxcomm.compression.powersgd(rank=1)),
          NotImplementedError, "'powersgd.*whole matrices"),
-        (_tx(optax.sgd(0.1), compression=jaxcomm.compression.fp16()),
-         NotImplementedError, "'fp16.*decision"),
         (_tx(optax.sgd(0.1), axes=("inter",)), ValueError, r"axes=\('inter',\)\) differs"),
         (_tx(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))), ValueError,
          "another update on each device's block.*clip_by_global_norm"),
         (jaxcomm.local_sgd(optax.sgd(0.1), sync_every=2), NotImplementedError,
          "local_sgd is not implemented"),
     ],
-    ids=["no-sync", "powersgd", "fp16", "sync-axes", "optax-clip", "local_sgd"],
+    ids=["no-sync", "powersgd", "sync-axes", "optax-clip", "local_sgd"],
 )  # fmt: skip
 def test_refusals_at_init(mesh, params, tx, error, match):
     dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_params=True)
@@ -236,6 +234,83 @@ def test_sync_options(runs, mesh, params, f32_sgd_steps, sync, error):
             moved = np.abs(np.asarray(y) - np.asarray(p0)).max()
             assert np.abs(np.asarray(x) - np.asarray(y)).max() <= tol * moved + 1e-7
     assert np.isfinite(metrics["loss"])
+
+
+def _loss_with_spike(params, batch):
+    """mlp_loss plus ``mean(spike) * w0[0, 0]``: a gradient of ``mean(spike)`` in one
+    element, which lies in the block of w0 that the node's first device holds."""
+    return mlp_loss(params, batch) + batch["spike"].mean() * params[0]["w"][0, 0]
+
+
+def _spiked(batches, at=None):
+    """The batches with a ``spike`` of zeros, 1e7 at example 0 of batch ``at``: that
+    device's gradient element, 2.5e6 (4 examples), overflows float16 (65504) in every
+    layout (divided by 8 before the replicated step's sum, by 4 then 2 in the hybrid)."""
+    out = []
+    for i, b in enumerate(batches):
+        spike = np.zeros(len(b["y"]), np.float32)
+        if i == at:
+            spike[0] = 1e7
+        out.append({**b, "spike": spike})
+    return out
+
+
+def test_fp16_overflow_in_one_block_skips_the_step_everywhere(runs, mesh, params):
+    """fp16 on the wire, SGD with momentum, three steps, the second overflowing in one
+    block only (the node's first device's piece of w0): every device skips it (params and
+    momentum keep their bits, the overflow counted once), as the replicated step does; the
+    other steps equal the replicated fp16 step within float16's rounding."""
+    batches = _spiked(runs["batches"], at=1)
+    tx = _tx(optax.sgd(0.5, momentum=0.9), compression=jaxcomm.compression.fp16(), min_size=0)
+    out = {}
+    for name, kw in (("ref", {}), ("hyb", {"shard_params": True})):
+        dp = jaxcomm.data_parallel(_loss_with_spike, tx, mesh, **kw)
+        state, states = dp.init(params), []
+        for b in batches:
+            state, _ = dp(state, b)
+            assert assert_copies_equal(state) > 0
+            states.append(state)
+        assert int(states[-1].opt_state[0].compression.overflow_steps) == 1
+        assert_trees_bitwise_equal(states[1].params, states[0].params)  # skipped, all blocks
+        assert_trees_bitwise_equal(states[1].opt_state[1], states[0].opt_state[1])
+        assert not np.array_equal(states[2].params[0]["w"], states[1].params[0]["w"])
+        out[name] = states
+    for ref, hyb in zip(out["ref"], out["hyb"], strict=True):
+        for p0, a, b in zip(
+            jax.tree.leaves(params), jax.tree.leaves(hyb.params), jax.tree.leaves(ref.params),
+            strict=True,
+        ):  # fmt: skip
+            moved = np.abs(np.asarray(b) - np.asarray(p0)).max()
+            assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 4 * 2**-10 * moved + 1e-7
+
+
+def test_adaptive_rung_shared_and_as_replicated(runs, mesh, params):
+    """adaptive on the wire: every device holds the same rung after every step (the
+    error sketch summed over both data axes: a level varying over 'intra' would be refused
+    by the sync's shared-state check), and the rungs climb as in the replicated step
+    compressing across nodes only (compress_stage='inter': the same f32 node mean, each
+    device compressing its part of it)."""
+    comp = jaxcomm.compression.adaptive(
+        0.75, ladder=("int8", "int4"), min_compression=0.0, adjustment_step=1, error_high=0.4
+    )
+    levels = {}
+    for name, sync, kw in (
+        ("ref", {"compress_stage": "inter"}, {}),
+        ("hyb", {}, {"shard_params": True}),
+    ):
+        tx = _tx(optax.sgd(0.5), compression=comp, min_size=0, **sync)
+        dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, **kw)
+        state, levels[name] = dp.init(params), []
+        for b in runs["batches"][:2]:
+            state, metrics = dp(state, b)
+            assert assert_copies_equal(state) > 0
+            cs = state.opt_state[0].compression
+            levels[name].append(int(cs.level))
+            errors = np.asarray(cs.last_error)
+        assert np.isfinite(metrics["loss"])
+        print(f"\n{name}: rungs {levels[name]}, last error {errors}")
+    assert levels["hyb"] == levels["ref"], levels
+    assert len(set(levels["hyb"])) > 1, levels  # the rung moved: the test can fail
 
 
 def _stateful_loss(params, model_state, batch):
