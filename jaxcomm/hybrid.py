@@ -55,8 +55,14 @@ operand inside the node: 4x the bytes across the link, ``shared/REFERENCE.md``).
 price is that the gathers are one per leaf, issued where XLA schedules them, not per
 layer (step 1); a model axis (tensor parallelism) is not this layout's.
 
-Not implemented (refused at build time, with the reason): matrix compressors
-(``powersgd``: a block is not the matrix), ``local_sgd``, ``microbatches > 1``,
+A matrix compressor (``powersgd``) compresses each device's block as a matrix of its own:
+its ``P`` and ``Q`` are averaged over the outer axes only (``decision_axes`` left at
+them), its factors and residuals are this device's (stored per device). A block of a
+matrix is a matrix, so this is PowerSGD of the blocks: a valid compressor, not the same
+as PowerSGD of the whole matrix (rank ``r`` per block, up to ``intra * r`` for the
+matrix; ``P`` and ``Q`` of the block's shape on the wire).
+
+Not implemented (refused at build time, with the reason): ``local_sgd``, ``microbatches > 1``,
 ``shard_optimizer=True`` (the optimizer is sharded already), the profiler's feedback and
 compute-only twin.
 """
@@ -161,16 +167,6 @@ def _check_sync(sync: GradientSync, axes: tuple[str, ...], where: str) -> None:
             f"{where}(shard_params=True): sync_gradients(axes={sync.axes}) differs from the "
             f"step's axes={axes}; give both the same data axes (the step reduces inside the "
             f"node over {axes[-1]!r} and the sync across nodes over {axes[:-1]})."
-        )
-    comp = sync.compression
-    if comp is None:
-        return
-    if not comp.elementwise:
-        raise NotImplementedError(
-            f"{where}(shard_params=True): compressor {comp.name!r} compresses whole "
-            "matrices, and a device holds a block of each (1/intra of its rows or columns): "
-            "not implemented. Use an elementwise compressor (bf16, int8, int4, topk, "
-            "random_k), or shard_params=False."
         )
 
 
@@ -415,11 +411,17 @@ class HybridOptimizer:
         self._user_sync = syncs[0]
         # compress_stage='inter' keeps the node's reduction in full precision: here the
         # node's reduction is the reduce-scatter of step 2 already.
-        # The sync reduces over the outer axes, but a compressor's decisions (fp16's
-        # overflow skip, adaptive's rung) are reduced over every data axis: each device
-        # of a node holds a different block, and all must decide alike.
+        # The sync reduces over the outer axes, but an elementwise compressor's decisions
+        # (fp16's overflow skip, adaptive's rung) are reduced over every data axis: each
+        # device of a node holds a different block, and all must decide alike. A matrix
+        # compressor (PowerSGD) compresses each block as a matrix of its own: its factors
+        # are averaged over the outer axes only, and are this block's (per device).
+        comp = syncs[0].compression
+        blockwise = comp is not None and not comp.elementwise
         self.sync = syncs[0]._replace(
-            axes=self.outer, compress_stage="all", decision_axes=self.axes
+            axes=self.outer,
+            compress_stage="all",
+            decision_axes=self.outer if blockwise else self.axes,
         )
 
     def _global_params(self, params: Any) -> list[jax.ShapeDtypeStruct]:
@@ -460,6 +462,9 @@ class HybridOptimizer:
             flat, rec["treedef"] = jax.tree_util.tree_flatten_with_path(s)
             rec["paths"] = [jax.tree_util.keystr(k) for k, _ in flat]
             rec["local"] = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
+            # the sync's state is this device's where it differs inside the node
+            # (PowerSGD's factors of this device's blocks)
+            rec["sync_leaves"] = len(jax.tree.leaves(s[0]))
             rec["dev"] = [
                 m or bool(varying_axes(x) & outer)
                 for m, (_, x) in zip(marked_per_device(s), flat, strict=True)
@@ -491,7 +496,10 @@ class HybridOptimizer:
             state = jax.tree.unflatten(rec["treedef"], self._global_state(rec["local"]))
             specs = self.opt_specs(state, dev)
             jax.eval_shape(probe(update_probe, in_specs=(specs, pspecs)), state, abstract)
-            nxt = [d or bool(v & outer) for d, v in zip(dev, seen["vary"], strict=True)]
+            nxt = [
+                d or bool(v & outer) or (i < rec["sync_leaves"] and self.inner in v)
+                for i, (d, v) in enumerate(zip(dev, seen["vary"], strict=True))
+            ]
             if nxt == dev:
                 break
             dev = nxt
@@ -643,9 +651,10 @@ class HybridOptimizer:
         if dev:
             raise ValueError(
                 f"reshard: optimizer state {dev[0]} is per device (an error-feedback "
-                "residual of this device's block); blocks change with the device count, so "
-                "it cannot move. Restore onto the device count it was written on, or "
-                "restart the compressor's state (a sync without error feedback reshards)."
+                "residual or PowerSGD factor of this device's block); blocks change with the "
+                "device count, so it cannot move. Restore onto the device count it was "
+                "written on, or restart the compressor's state (a sync without error "
+                "feedback or PowerSGD reshards)."
             )
         specs = jax.tree.leaves(
             self.opt_specs(opt_state, self.per), is_leaf=lambda x: isinstance(x, P)

@@ -206,7 +206,8 @@ class GradientSync(NamedTuple):
         other state checked (:attr:`shared_over`); ``()``: ``axes``. A layout that
         reduces over fewer axes than the step's, each device of the others holding a
         different part of the gradients (hybrid sharding's blocks over ``'intra'``), sets
-        every data axis here, so that every device takes the same decision.
+        every data axis here, so that every device takes the same decision (hybrid
+        sharding leaves them at ``axes`` for PowerSGD, whose factors are each block's).
 
     Example:
       >>> sync = jaxcomm.gradient_sync(compression=jaxcomm.compression.int8())

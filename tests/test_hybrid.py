@@ -8,10 +8,12 @@ and orbax checkpoints restored onto the same and onto fewer devices.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from helpers import assert_copies_equal, assert_trees_bitwise_equal
+from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mlp import mlp_init, mlp_loss
@@ -178,15 +180,13 @@ def test_refusals_at_construction(mesh):
     "tx, error, match",
     [
         (optax.adam(1e-3), ValueError, r"optax.chain\(jaxcomm.sync_gradients"),
-        (_tx(optax.sgd(0.1), compression=jaxcomm.compression.powersgd(rank=1)),
-         NotImplementedError, "'powersgd.*whole matrices"),
         (_tx(optax.sgd(0.1), axes=("inter",)), ValueError, r"axes=\('inter',\)\) differs"),
         (_tx(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))), ValueError,
          "another update on each device's block.*clip_by_global_norm"),
         (jaxcomm.local_sgd(optax.sgd(0.1), sync_every=2), NotImplementedError,
          "local_sgd is not implemented"),
     ],
-    ids=["no-sync", "powersgd", "sync-axes", "optax-clip", "local_sgd"],
+    ids=["no-sync", "sync-axes", "optax-clip", "local_sgd"],
 )  # fmt: skip
 def test_refusals_at_init(mesh, params, tx, error, match):
     dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_params=True)
@@ -311,6 +311,70 @@ def test_adaptive_rung_shared_and_as_replicated(runs, mesh, params):
         print(f"\n{name}: rungs {levels[name]}, last error {errors}")
     assert levels["hyb"] == levels["ref"], levels
     assert len(set(levels["hyb"])) > 1, levels  # the rung moved: the test can fail
+
+
+def _powersgd_of_the_blocks(params, batches, sync, mesh):
+    """The reference: SGD (lr 1) on each node's gradient (``jax.grad`` on its half of the
+    batch), every param leaf cut into its ``intra`` blocks (device j of a node takes block
+    j), each block's mean across nodes by ``sync`` (over ``'inter'`` only: PowerSGD of the
+    block as a matrix of its own), the blocks put back together."""
+    dims = param_dims(params, 4)
+    treedef = jax.tree.structure(params)
+
+    def run(p, xs, ys):
+        j, state = lax.axis_index("intra"), None
+        for x, y in zip(xs, ys, strict=True):
+            node_p = jax.tree.map(lambda a: lax.pcast(a, ("inter",), to="varying"), p)
+            g = jax.tree.leaves(jax.grad(mlp_loss)(node_p, {"x": x, "y": y}))
+            blocks = [
+                a if d is None else lax.dynamic_slice_in_dim(a, j * (a.shape[d] // 4),
+                                                             a.shape[d] // 4, d)
+                for a, d in zip(g, dims, strict=True)
+            ]  # fmt: skip
+            blocks = jax.tree.unflatten(treedef, blocks)
+            state = sync.init(blocks) if state is None else state
+            means, state = sync.update(blocks, state)
+            whole = [  # the blocks put back (a sum of zeros and one block: exact); a
+                # leaf kept whole is the same on the node's devices (its mean: exact)
+                lax.pmean(m, "intra") if d is None else lax.psum(lax.dynamic_update_slice_in_dim(
+                    jnp.zeros(a.shape, a.dtype), m, j * m.shape[d], d), "intra")
+                for m, a, d in zip(jax.tree.leaves(means), g, dims, strict=True)
+            ]  # fmt: skip
+            p = jax.tree.map(lambda a, u: a - u, p, jax.tree.unflatten(treedef, whole))
+        return p
+
+    nodes = P(None, "inter")
+    put = lambda a, spec: jax.device_put(np.asarray(a), NamedSharding(mesh, spec))  # noqa: E731
+    xs = put(np.stack([b["x"] for b in batches]), nodes)
+    ys = put(np.stack([b["y"] for b in batches]), nodes)
+    fn = jax.shard_map(run, mesh=mesh, in_specs=(P(), nodes, nodes), out_specs=P())
+    return jax.jit(fn)(jax.tree.map(lambda a: put(a, P()), params), xs, ys)
+
+
+def test_powersgd_compresses_each_block(runs, mesh, params):
+    """powersgd(rank=1) with warm start and error feedback, two SGD steps: a device's
+    factors and residuals are its blocks' (per device), copies bitwise equal, and the
+    params equal PowerSGD of each block across nodes (the reference above) within f32
+    rounding; they differ from the replicated step's PowerSGD of the whole matrices."""
+    comp = jaxcomm.compression.powersgd(rank=1)
+    tx = _tx(optax.sgd(1.0), compression=comp, min_size=0)
+    batches = runs["batches"][:2]
+    dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_params=True)
+    state, _ = _run(dp, params, batches)
+    assert any(".q[" in p for p in dp.per_device_paths), dp.per_device_paths
+    sync = jaxcomm.sync_gradients(axes=("inter",), compression=comp, min_size=0)
+    ref = _powersgd_of_the_blocks(params, batches, sync, mesh)
+    whole = jaxcomm.data_parallel(mlp_loss, tx, mesh)
+    whole_state, _ = _run(whole, params, batches)
+    apart = 0.0
+    for p0, a, b, w in zip(
+        jax.tree.leaves(params), jax.tree.leaves(state.params), jax.tree.leaves(ref),
+        jax.tree.leaves(whole_state.params), strict=True,
+    ):  # fmt: skip
+        moved = np.abs(np.asarray(b) - np.asarray(p0)).max()
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5 * moved + 1e-7
+        apart = max(apart, np.abs(np.asarray(a) - np.asarray(w)).max() / moved)
+    assert apart > 0.01, apart  # another compressor than PowerSGD of the whole matrices
 
 
 def _stateful_loss(params, model_state, batch):
