@@ -34,8 +34,11 @@ One step, inside the step core's ``jax.shard_map`` over the data axes (every axi
 3. **sync across nodes**: the chain's ``jaxcomm.sync_gradients`` (its ``GradientSync``,
    found through ``SyncRequest.on_sync``) reduces the blocks over the outer axes only
    (``'inter'``): every algorithm, each elementwise compressor with or without error
-   feedback (its residuals are this device's, for its block), warm-up. Only this crosses
-   a node's link, with ``1/intra`` of the model's bytes, compressed.
+   feedback (its residuals are this device's, for its block), warm-up. A compressor's
+   shared decisions (fp16's overflow skip, adaptive's error sketch and rung) are reduced
+   over every data axis (``GradientSync.decision_axes``), so every device of every node
+   decides alike; a step fp16 voids keeps every block's params and optimizer state. Only
+   this crosses a node's link, with ``1/intra`` of the model's bytes, compressed.
 4. **optimizer on the block**: the transforms after the sync run on the blocks, in the
    params' tree (masks by path work); a transform that takes a statistic of all of the
    updates (``jaxcomm.sharded.clip_by_global_norm``) reduces it over ``'intra'``
@@ -52,11 +55,16 @@ operand inside the node: 4x the bytes across the link, ``shared/REFERENCE.md``).
 price is that the gathers are one per leaf, issued where XLA schedules them, not per
 layer (step 1); a model axis (tensor parallelism) is not this layout's.
 
-Not implemented (refused at build time, with the reason): compressors that decide from
-all the devices' values (``fp16``'s overflow skip, ``adaptive``: their decisions would
-be reduced over ``'inter'`` only) and matrix compressors (``powersgd``: a block is not the
-matrix), ``local_sgd``, ``microbatches > 1``, ``shard_optimizer=True`` (the optimizer is
-sharded already), the profiler's feedback and compute-only twin.
+A matrix compressor (``powersgd``) compresses each device's block as a matrix of its own:
+its ``P`` and ``Q`` are averaged over the outer axes only (``decision_axes`` left at
+them), its factors and residuals are this device's (stored per device). A block of a
+matrix is a matrix, so this is PowerSGD of the blocks: a valid compressor, not the same
+as PowerSGD of the whole matrix (rank ``r`` per block, up to ``intra * r`` for the
+matrix; ``P`` and ``Q`` of the block's shape on the wire).
+
+Not implemented (refused at build time, with the reason): ``local_sgd``, ``microbatches > 1``,
+``shard_optimizer=True`` (the optimizer is sharded already), the profiler's feedback and
+compute-only twin.
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm.compression.skip import keep_skipped
 from jaxcomm.diloco import gradient_params
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.sharded import _agree, _probe_gradients, split_state
@@ -158,24 +167,6 @@ def _check_sync(sync: GradientSync, axes: tuple[str, ...], where: str) -> None:
             f"{where}(shard_params=True): sync_gradients(axes={sync.axes}) differs from the "
             f"step's axes={axes}; give both the same data axes (the step reduces inside the "
             f"node over {axes[-1]!r} and the sync across nodes over {axes[:-1]})."
-        )
-    comp = sync.compression
-    if comp is None:
-        return
-    if not comp.elementwise:
-        raise NotImplementedError(
-            f"{where}(shard_params=True): compressor {comp.name!r} compresses whole "
-            "matrices, and a device holds a block of each (1/intra of its rows or columns): "
-            "not implemented. Use an elementwise compressor (bf16, int8, int4, topk, "
-            "random_k), or shard_params=False."
-        )
-    if comp.finite is not None or comp.exact is not None or comp.host_choice is not None:
-        raise NotImplementedError(
-            f"{where}(shard_params=True): compressor {comp.name!r} takes a decision every "
-            "device must share (fp16's overflow skip, adaptive's level); the hybrid sync "
-            "reduces over the nodes only, so the devices of a node, holding different "
-            "blocks, would decide apart: not implemented. Use bf16, int8, int4, topk or "
-            "random_k, or shard_params=False."
         )
 
 
@@ -420,7 +411,18 @@ class HybridOptimizer:
         self._user_sync = syncs[0]
         # compress_stage='inter' keeps the node's reduction in full precision: here the
         # node's reduction is the reduce-scatter of step 2 already.
-        self.sync = syncs[0]._replace(axes=self.outer, compress_stage="all")
+        # The sync reduces over the outer axes, but an elementwise compressor's decisions
+        # (fp16's overflow skip, adaptive's rung) are reduced over every data axis: each
+        # device of a node holds a different block, and all must decide alike. A matrix
+        # compressor (PowerSGD) compresses each block as a matrix of its own: its factors
+        # are averaged over the outer axes only, and are this block's (per device).
+        comp = syncs[0].compression
+        blockwise = comp is not None and not comp.elementwise
+        self.sync = syncs[0]._replace(
+            axes=self.outer,
+            compress_stage="all",
+            decision_axes=self.outer if blockwise else self.axes,
+        )
 
     def _global_params(self, params: Any) -> list[jax.ShapeDtypeStruct]:
         specs = jax.tree.leaves(self.param_specs(params), is_leaf=lambda x: isinstance(x, P))
@@ -460,6 +462,9 @@ class HybridOptimizer:
             flat, rec["treedef"] = jax.tree_util.tree_flatten_with_path(s)
             rec["paths"] = [jax.tree_util.keystr(k) for k, _ in flat]
             rec["local"] = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
+            # the sync's state is this device's where it differs inside the node
+            # (PowerSGD's factors of this device's blocks)
+            rec["sync_leaves"] = len(jax.tree.leaves(s[0]))
             rec["dev"] = [
                 m or bool(varying_axes(x) & outer)
                 for m, (_, x) in zip(marked_per_device(s), flat, strict=True)
@@ -491,7 +496,10 @@ class HybridOptimizer:
             state = jax.tree.unflatten(rec["treedef"], self._global_state(rec["local"]))
             specs = self.opt_specs(state, dev)
             jax.eval_shape(probe(update_probe, in_specs=(specs, pspecs)), state, abstract)
-            nxt = [d or bool(v & outer) for d, v in zip(dev, seen["vary"], strict=True)]
+            nxt = [
+                d or bool(v & outer) or (i < rec["sync_leaves"] and self.inner in v)
+                for i, (d, v) in enumerate(zip(dev, seen["vary"], strict=True))
+            ]
             if nxt == dev:
                 break
             dev = nxt
@@ -607,7 +615,11 @@ class HybridOptimizer:
         update = functools.partial(self.optimizer.update, sync_request=self._request(mean))
         updates, new = update_with_value(update, mean, opt_state, params, value)
         new = (sync_state, *new[1:])
-        return optax.apply_updates(params, updates), new, updates
+        new_params = optax.apply_updates(params, updates)
+        # A step the compressor voids (fp16's overflow in any device's block: decided
+        # over every data axis, so the same on all) keeps params and optimizer state.
+        new_params, new = keep_skipped(opt_state, new, params, new_params)
+        return new_params, new, updates
 
     def _whole_from_first(self, mean: Any) -> Any:
         """The leaves kept whole, as the node's first device has them (one ``psum`` over
@@ -639,9 +651,10 @@ class HybridOptimizer:
         if dev:
             raise ValueError(
                 f"reshard: optimizer state {dev[0]} is per device (an error-feedback "
-                "residual of this device's block); blocks change with the device count, so "
-                "it cannot move. Restore onto the device count it was written on, or "
-                "restart the compressor's state (a sync without error feedback reshards)."
+                "residual or PowerSGD factor of this device's block); blocks change with the "
+                "device count, so it cannot move. Restore onto the device count it was "
+                "written on, or restart the compressor's state (a sync without error "
+                "feedback or PowerSGD reshards)."
             )
         specs = jax.tree.leaves(
             self.opt_specs(opt_state, self.per), is_leaf=lambda x: isinstance(x, P)

@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.compression.skip import step_skipped, unless_skipped
+from jaxcomm.compression.skip import keep_skipped
 from jaxcomm.diloco import gradient_params
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.state import (
@@ -469,10 +469,7 @@ class ReplicatedOptimizer(ReplicatedParams):
         self._check_synced(found, opt_state)
         new_params = optax.apply_updates(params, updates)
         # Decided from the reduced values: the same on every device.
-        skipped = step_skipped(opt_state, new_opt)
-        if skipped is not None:
-            new_params = unless_skipped(skipped, new_params, params)
-            new_opt = unless_skipped(skipped, new_opt, opt_state)
+        new_params, new_opt = keep_skipped(opt_state, new_opt, params, new_params)
         return new_params, new_opt, updates
 
     def reshard(self, opt_state: Any, sharding: Any) -> Any:

@@ -196,8 +196,18 @@ class GradientSync(NamedTuple):
     """One data-parallel gradient mean: its configuration, ``init`` and ``reduce``.
 
     Build it with :func:`gradient_sync` (which checks every argument); the fields are the
-    arguments documented there. Immutable; ``reduce`` runs inside ``jax.shard_map`` over
-    ``axes``.
+    arguments documented there, and ``decision_axes``, which a step builder sets. Immutable;
+    ``reduce`` runs inside ``jax.shard_map`` over ``axes`` (and ``decision_axes``).
+
+    Attributes:
+      decision_axes: the data axes of the step, over which the compressor's shared
+        decisions are reduced (``ReduceContext.data_axes``: fp16's overflow skip,
+        adaptive's error sketch) and over which its per-device state is typed and its
+        other state checked (:attr:`shared_over`); ``()``: ``axes``. A layout that
+        reduces over fewer axes than the step's, each device of the others holding a
+        different part of the gradients (hybrid sharding's blocks over ``'intra'``), sets
+        every data axis here, so that every device takes the same decision (hybrid
+        sharding leaves them at ``axes`` for PowerSGD, whose factors are each block's).
 
     Example:
       >>> sync = jaxcomm.gradient_sync(compression=jaxcomm.compression.int8())
@@ -215,6 +225,12 @@ class GradientSync(NamedTuple):
     compress_leaf: Callable[[str, Any], bool] | None = None
     compress_stage: str = "all"
     seed: int = 0
+    decision_axes: tuple[str, ...] = ()
+
+    @property
+    def shared_over(self) -> tuple[str, ...]:
+        """Every data axis of the step: ``decision_axes``, or ``axes`` without them."""
+        return self.decision_axes or self.axes
 
     @property
     def codec_axes(self) -> tuple[str, ...]:
@@ -239,7 +255,7 @@ class GradientSync(NamedTuple):
                     "its per-device state is one intra-node shard."
                 ) from e
         cstate = self.compression.init(plan.buffer_specs(inner))
-        return SyncGradientsState(count, vary_per_device(cstate, self.axes))
+        return SyncGradientsState(count, vary_per_device(cstate, self.shared_over))
 
     def reduce(
         self,
@@ -275,7 +291,7 @@ class GradientSync(NamedTuple):
                 algorithm=self.algorithm,
                 step=state.count,
                 key=step_key(self.seed, state.count),
-                data_axes=self.axes,
+                data_axes=self.shared_over,
                 choice=phase.codec_choice,
             )
             means, cstate, finite, done = _mean_compressed(
@@ -283,7 +299,7 @@ class GradientSync(NamedTuple):
             )
             for i, m in zip(plan.compressed, means, strict=True):
                 out[i] = m
-            _check_shared_state(self.compression.name, cstate, self.axes)
+            _check_shared_state(self.compression.name, cstate, self.shared_over)
         if plan.plain:  # 5. after everything stage 3 computed (jaxcomm.ordering)
             done = (done, cstate, finite)
             means = _mean_plain(self, [leaves[i] for i in plan.plain], after=done)
@@ -566,11 +582,11 @@ def _mean_compressed(
         if residual is not None:
             plan.unpack(list(residual), extra)
         xs = [leaves[i] if extra[i] is None else leaves[i] + extra[i] for i in plan.compressed]
-        return _mean_plain(sync, xs), vary_per_device(after, sync.axes), jnp.ones((), bool)
+        return _mean_plain(sync, xs), vary_per_device(after, sync.shared_over), jnp.ones((), bool)
 
     def lossy(cs):  # both branches type the residual alike
         means, cs, finite, _ = _mean_packed(sync, plan, leaves, cs, ctx, warming_up)
-        return means, vary_per_device(cs, sync.axes), finite
+        return means, vary_per_device(cs, sync.shared_over), finite
 
     if isinstance(is_exact, bool):  # decided on the host (ReduceContext.choice)
         means, cstate, finite = (exact if is_exact else lossy)(cstate)

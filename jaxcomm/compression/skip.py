@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SkipsSteps", "step_skipped", "unless_skipped"]
+__all__ = ["SkipsSteps", "keep_skipped", "step_skipped", "unless_skipped"]
 
 
 @runtime_checkable
@@ -80,3 +80,18 @@ def unless_skipped(skipped: jax.Array, new: Any, old: Any) -> Any:
         return jax.tree.map(lambda a, b: jnp.where(skipped, b, a), n, o)
 
     return jax.tree.map(keep, new, old, is_leaf=_is_skipper)
+
+
+def keep_skipped(opt_state: Any, new_opt: Any, params: Any, new_params: Any) -> tuple[Any, Any]:
+    """``(params, optimizer state)`` after a step: the new ones, or the old ones where a
+    :class:`SkipsSteps` state of ``new_opt`` skipped the step (:func:`step_skipped`,
+    :func:`unless_skipped`; decided from reduced values, so the same on every device).
+
+    Args:
+      opt_state: the optimizer state before the step; new_opt: after it.
+      params: the params before the step; new_params: after it.
+    """
+    skipped = step_skipped(opt_state, new_opt)
+    if skipped is None:
+        return new_params, new_opt
+    return unless_skipped(skipped, new_params, params), unless_skipped(skipped, new_opt, opt_state)
