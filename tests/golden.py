@@ -56,12 +56,13 @@ F32_EPS = float(np.finfo(np.float32).eps)  # 2**-23: one ulp of f32 at 1.0
 
 # PowerSGD's tolerance, in ulps of f32 relative to each leaf's largest recorded magnitude:
 #     |got - want| <= POWERSGD_ULPS * F32_EPS * max(|want|)   (elementwise, per leaf)
-# The CPU-dependent step is LAPACK's Householder QR of P = M Q (n x r, n <= 32 rows of the
-# MLP's matrices, rank r = 2) in f32. Its backward error is ~ n * r * u * ||P|| (Higham,
-# Thm 19.4; u = F32_EPS / 2), so two CPUs' kernels, each within that of the exact QR, differ
-# by up to 2 * n * r * u = n * r ulps of P's scale per step; each step adds its own, and the
-# sync's mean, the low-rank product and the optimizer carry it to every leaf at about that
-# scale: POWERSGD_ULPS = n * r * 2 (slack: P's condition number) * STEPS = 384.
+# The CPU-dependent steps are LAPACK's Householder QRs of the warm-start Q and of P = M^T Q
+# (n x r each, n <= 32 rows of the MLP's matrices, rank r = 2) in f32. A QR's backward error
+# is ~ n * r * u * ||P|| (Higham, Thm 19.4; u = F32_EPS / 2), so two CPUs' kernels, each
+# within that of the exact QR, differ by up to 2 * n * r * u = n * r ulps of P's scale per
+# QR; each step adds its own, and the sync's mean, the low-rank product and the optimizer
+# carry it to every leaf at about that scale: POWERSGD_ULPS = n * r * 2 (the two QRs) *
+# STEPS = 384.
 # Measured with OPENBLAS_CORETYPE (Haswell, Core2, Prescott, Cooperlake against the
 # SkylakeX recording): at most 13.4 ulps of a leaf's scale. A real change is larger: a
 # learning rate 1e-4 relative higher moves a leaf 722 ulps (caught), 1e-5 higher 72 ulps

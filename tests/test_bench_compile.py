@@ -69,7 +69,8 @@ def test_unknown_option_is_rejected(capsys):
 def test_powersgd_batches_matrices_of_one_shape(mesh):
     """Twelve matrices of one shape are one batch (4 products: P, Q, the result and the
     residual's); twelve of different shapes are twelve batches without padding, one when
-    zero padding may merge them. The QRs of batches of similar rows are stacked into one.
+    zero padding may merge them. The QRs of batches of similar rows are stacked into one
+    (two stacks: the warm-start Qs', then the Ps').
     The twelve of one shape are cut out of their batch by one kernel (runtime indices)."""
     import dataclasses
 
@@ -102,7 +103,7 @@ def test_powersgd_batches_matrices_of_one_shape(mesh):
             if "dynamic-slice(" in b and not b.lstrip().startswith("ENTRY")
         }
         cuts.append(len(bodies))
-    assert dots == [4, 48, 4] and counts == [1, 1, 1], (dots, counts)
+    assert dots == [4, 48, 4] and counts == [2, 2, 2], (dots, counts)
     assert cuts[0] == 1, cuts  # distinct kernels that cut the 12 matrices out
 
 

@@ -1,6 +1,7 @@
 """PowerSGD's batches: matrices of different shapes, zero-padded into shared batches, give
 what the algorithm gives one matrix at a time (a float64 numpy reference), and the padding
-stays exactly zero in the state."""
+stays exactly zero in the state; the bytes that cross a node's link, flat and hierarchical.
+(Against PyTorch's powerSGD_hook: tests/test_powersgd_hook.py.)"""
 
 import os
 import subprocess
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import AX, ROOT, per_device, sharded, state_specs
+from helpers import AX, ROOT, abstract_per_device, per_device, sharded, state_specs
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -30,13 +31,14 @@ def _reference(xs, qs, es):
     outs, new_q, new_e = [], [], []
     for x, q, e in zip(xs, qs, es, strict=True):
         c = x + e  # (devices, n, m)
-        qr, r = np.linalg.qr((c @ q).mean(0))
+        q = np.linalg.qr(q)[0]  # (n, r), orthonormal before use
+        qr, r = np.linalg.qr((np.swapaxes(c, 1, 2) @ q).mean(0))  # P = M^T Q: (m, r)
         p = qr * (np.abs(np.diagonal(r)) > 0)
-        q_local = np.swapaxes(c, 1, 2) @ p
+        q_local = c @ p  # (devices, n, r)
         q_mean = q_local.mean(0)
-        outs.append(p @ q_mean.T)
+        outs.append(q_mean @ p.T)
         new_q.append(q_mean)
-        new_e.append(c - p @ np.swapaxes(q_local, 1, 2))
+        new_e.append(c - q_local @ p.T)
     return outs, new_q, new_e
 
 
@@ -59,11 +61,11 @@ def test_padded_batches_equal_the_per_matrix_algorithm(mesh, max_padding, batche
     state = init()
     # the padded rows of the initial Q are zero; its real rows are each leaf's own Q
     qs = []
-    for i, (_, m, _) in enumerate(dims):
+    for i, (n, _, _) in enumerate(dims):
         k = next(k for k, g in enumerate(groups) if i in g)
         stack = np.asarray(state.q[k])[groups[k].index(i)]
-        assert not stack[m:].any()
-        qs.append(stack[:m].astype(np.float64))
+        assert not stack[n:].any()
+        qs.append(stack[:n].astype(np.float64))
     es = [np.zeros((8, n, m)) for n, m, _ in dims]
     rng = np.random.default_rng(0)
     for t in range(2):  # the second step starts from the first one's Q and residuals
@@ -85,10 +87,10 @@ def test_padded_batches_equal_the_per_matrix_algorithm(mesh, max_padding, batche
             res = np.asarray(state.residual.value[k]).reshape(8, len(g), n_pad, m_pad)
             for j, i in enumerate(g):
                 n, m, _ = dims[i]
-                np.testing.assert_allclose(q[j, :m], qs[i], rtol=1e-4, atol=1e-4)
+                np.testing.assert_allclose(q[j, :n], qs[i], rtol=1e-4, atol=1e-4)
                 np.testing.assert_allclose(res[:, j, :n, :m], es[i], rtol=1e-4, atol=1e-4)
                 # zero padding stays exactly zero: nothing leaks into the real block
-                assert not q[j, m:].any()
+                assert not q[j, n:].any()
                 assert not res[:, j, n:].any() and not res[:, j, :, m:].any()
 
 
@@ -139,3 +141,46 @@ def test_resnet18_shapes_on_four_cpu_devices_do_not_deadlock():
         timeout=240,
     )  # fmt: skip
     assert p.returncode == 0 and "finite True" in p.stdout, (p.stdout + p.stderr)[-3000:]
+
+
+# Flax shapes whose factors at rank 4 divide by the 4 devices of a node (no padding).
+CROSSING_SHAPES = {"conv": (3, 3, 16, 32), "dense": (64, 48), "bias": (48,)}
+
+
+@pytest.mark.parametrize("stage", ["inter", "all"])
+def test_factors_cross_nodes_with_the_hooks_bytes(mesh, stage):
+    """What crosses a node's link (2 nodes of 4 devices) is what PyTorch's powerSGD_hook
+    with one rank per node sends: an all-reduce of every P, one of every Q and one of the
+    uncompressed leaves. Hierarchical PowerSGD (compress_stage='inter') averages the
+    gradients inside the node first and sends each device's quarter of the factors over
+    'inter'; 'all' (with the default 'hierarchical' algorithm) reduce-scatters each
+    device's own factors inside the node instead. Every stage is in the HLO census."""
+    sync = jaxcomm.gradient_sync(
+        compression=C.powersgd(rank=4, max_padding=0.0), compress_stage=stage, min_size=0
+    )
+
+    def run(g):
+        g = jax.tree.map(lambda x: x[0], g)
+        return sync.reduce(g, sync.init(g))[0]
+
+    fn = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(AX), out_specs=P()))
+    args = {k: abstract_per_device(mesh, s) for k, s in CROSSING_SHAPES.items()}
+    wb = jaxcomm.wire_bytes(fn, args, mesh=mesh)
+    nodes, g = mesh.shape["inter"], mesh.shape["intra"]
+    # the hook's P and Q per compressed matrix, torch's view (outputs first): out x r, rest x r
+    p_floats = sum(4 * s[-1] for s in CROSSING_SHAPES.values() if len(s) > 1)
+    q_floats = sum(4 * int(np.prod(s[:-1])) for s in CROSSING_SHAPES.values() if len(s) > 1)
+    plain = CROSSING_SHAPES["bias"][0]
+    ring = 2 * (nodes - 1) / nodes  # a ring all-reduce among the nodes
+    hook = ring * 4 * (p_floats + q_floats + plain)
+    assert wb["crossing"]["inter"] == hook, (wb["crossing"], hook)
+    census = [(c["kind"], tuple(c["axes"]), c["operand_bytes"]) for c in wb["collectives"]]
+    across = sorted(b for k, axes, b in census if "inter" in axes)
+    # each device's 1/g of P, of Q and of the bias: nothing else crosses
+    assert across == sorted([4 * p_floats / g, 4 * q_floats / g, 4 * plain / g]), census
+    gathered = sorted(b for k, axes, b in census if k == "all-gather" and axes == ("intra",))
+    assert gathered[-2:] == sorted([4 * p_floats / g, 4 * q_floats / g]), census
+    grads = 4 * sum(int(np.prod(s)) for s in CROSSING_SHAPES.values() if len(s) > 1)
+    inside = sum(b for k, axes, b in census if k == "all-reduce" and axes == ("intra",))
+    # 'inter': the node's mean of the compressed gradients, in full precision inside it
+    assert inside == (grads if stage == "inter" else 0), census

@@ -1,26 +1,44 @@
 """PowerSGD: rank-``r`` gradient approximation with two small all-reduces per step.
 
-For each gradient matrix ``M`` (a leaf viewed as ``(prod(shape[:-1]), shape[-1])``):
+Each gradient leaf is viewed as a matrix ``M`` of ``n = prod(shape[:-1])`` rows (inputs,
+and a kernel's spatial taps) and ``m = shape[-1]`` columns (outputs). PyTorch's
+``powerSGD_hook`` views the same leaf, in PyTorch's layout, as ``T = M^T`` (outputs first,
+``tensor.view(shape[0], -1)``); the steps below are the hook's on ``T``, written on ``M``:
 
 1. ``M <- g + e`` (error feedback, per device).
-2. ``P = M Q`` with the previous step's ``Q`` (warm start; ``Q`` is the same on every
-   device because it was all-reduced), then **all-reduce** ``P`` (mean).
-3. Orthogonalize ``P`` (QR, in f32): ``P_hat``.
-4. ``Q = M^T P_hat``, **all-reduce** ``Q`` (mean).
-5. The synchronised gradient is ``P_hat Q^T`` (= ``P_hat P_hat^T mean(M)``); this
-   device's residual is ``M - P_hat Q_local^T``, whose mean over devices is exactly what
+2. Orthogonalize the warm-start ``Q`` (``n x r``; the same on every device, it was
+   all-reduced), as the hook does before every use; a column that is exactly zero (a
+   matrix whose gradient was zero: a zero-initialised residual branch at step 0) first
+   restarts from a seeded random column, else it would stay zero for ever.
+3. ``P = M^T Q`` (``m x r``; the hook's ``T Q``), **all-reduce** ``P`` (mean), and
+   orthogonalize it (QR, in f32): ``P_hat``.
+4. ``Q = M P_hat`` (the hook's ``T^T P_hat``), **all-reduce** ``Q`` (mean).
+5. The synchronised gradient is ``Q P_hat^T`` (= ``mean(M) P_hat P_hat^T``); this
+   device's residual is ``M - Q_local P_hat^T``, whose mean over devices is exactly what
    the approximation missed.
 
 Matrices are computed in batches (:func:`shape_groups`; a batch zero-pads its matrices
 to a shared shape). All ``P`` of one step travel in one all-reduce, all ``Q`` in a second,
 through the configured algorithm, padding included (``max_padding`` bounds it). Wire bytes:
 ``r (n + m)`` instead of ``n m`` per matrix (1024 x 1024, rank 4: 0.0078 of an f32
-all-reduce). A matrix with ``n m < min_compression_rate r (n + m)`` (and every 1-D leaf)
-is left to the uncompressed all-reduce.
+all-reduce). A matrix with ``n m <= min_compression_rate r (n + m)`` (and every 1-D leaf)
+is left to the uncompressed all-reduce, as in the hook.
+
+Hierarchical (``sync_gradients(compress_stage='inter')``): the gradients arrive averaged
+over the node (the inner, fast axis), so every device of a node holds the same ``M``;
+each then sends ``1/g`` of the packed ``P`` (and ``Q``) across nodes (an all-reduce over
+the outer axes only) and the node all-gathers the pieces: the bytes across a node's link
+are those of one all-reduce of ``P`` and ``Q`` between nodes, the hook's with one rank per
+node, and every device of a node holds the same factors.
+
+The hook's ``start_powerSGD_iter`` (plain all-reduce before it, error feedback from it)
+is ``sync_gradients(warmup_steps=...)``. Where the results differ from the hook's, and
+why: docs/compression.md (PowerSGD).
 
 References:
   Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
-  Distributed Optimization" (NeurIPS 2019); PyTorch ``powerSGD_hook``.
+  Distributed Optimization" (NeurIPS 2019); PyTorch ``powerSGD_hook``
+  (``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``).
 """
 
 from __future__ import annotations
@@ -31,9 +49,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxcomm import backend
+from jaxcomm.collectives import all_gather_invariant, pad_to_multiple
 from jaxcomm.compression import error_feedback as ef
+from jaxcomm.compression import keys
 from jaxcomm.compression.base import (
     Compressor,
     ReduceContext,
@@ -59,7 +80,7 @@ class PowerSGDState(NamedTuple):
     ``rank`` and ``max_padding``.
 
     Attributes:
-      q: tuple of f32 ``(g, M, r)`` stacks, one per group, rows past a matrix's own ``m``
+      q: tuple of f32 ``(g, N, r)`` stacks, one per group, rows past a matrix's own ``n``
         zero; replicated (all-reduced every step), the warm start of the next step.
       residual: ``PerDevice`` tuple of f32 ``(g N, M)`` residuals, one per group (the
         group's padded matrices stacked along rows, zero outside each matrix's ``n x m``
@@ -222,21 +243,47 @@ def _layout(shapes: list[tuple[int, ...]], rank: int, max_padding: float) -> _La
 
 
 def _first_q(key: jax.Array, lay: _Layout) -> list[jax.Array]:
-    """Each batch's initial ``Q`` ``(g, M, r)``: leaf ``i``'s drawn from
+    """Each batch's initial ``Q`` ``(g, N, r)``: leaf ``i``'s drawn from
     ``fold_in(key, i)`` (the numbers do not depend on the batching), its rows past its own
-    ``m`` zero (they would meet zero columns of ``M`` anyway)."""
+    ``n`` zero (they would meet zero rows of ``M`` anyway)."""
     return [
         jnp.stack(
             [
                 _pad_to(
-                    jax.random.normal(jax.random.fold_in(key, i), lay.dims[i][1:], jnp.float32),
-                    (big_m, r),
+                    jax.random.normal(jax.random.fold_in(key, i), (lay.dims[i][0], r), jnp.float32),
+                    (big_n, r),
                 )
                 for i in g
             ]
         )
-        for g, (_, big_m, r) in zip(lay.groups, lay.pads, strict=True)
+        for g, (big_n, _, r) in zip(lay.groups, lay.pads, strict=True)
     ]
+
+
+# Salt of the seed of the columns that restart a zero column of Q (:func:`_restarted`).
+_RESTART_SALT = 0x5EED0F0
+
+
+def _restarted(qs: list[jax.Array], lay: _Layout, seed: int) -> list[jax.Array]:
+    """Each batch's ``Q`` ``(g, N, r)`` with every column that is exactly zero replaced by
+    a seeded uniform ``[-0.5, 0.5)`` column (the same on every device; rows past a
+    matrix's own ``n`` zero).
+
+    ``Q = M P_hat`` is zero where ``M`` was (a zero-initialised residual branch at step 0,
+    a frozen layer): without a restart ``P = M^T Q`` would stay zero, and so would the
+    approximation of that matrix, while its residual grows. The hook's QR returns a unit
+    column there instead (its Gram-Schmidt, at rank <= 2, NaN); a seeded random column is
+    a direction no structure of ``M`` (a dead input channel) can keep at zero.
+    """
+    out = []
+    for q, g in zip(qs, lay.groups, strict=True):
+        seed_u32 = jnp.uint32((seed ^ _RESTART_SALT) & 0xFFFFFFFF)
+        fresh = keys.seeded_uniform(seed_u32, q.shape) - 0.5
+        rows = np.asarray([lay.dims[i][0] for i in g], np.int32)
+        real = lax.broadcasted_iota(jnp.int32, q.shape, 1) < jnp.asarray(rows)[:, None, None]
+        zero = jnp.all(q == 0, axis=1, keepdims=True)
+        out.append(jnp.where(zero & real, fresh, q))
+    return out
 
 
 def _stacked(xs: list[jax.Array], lay: _Layout) -> list[jax.Array]:
@@ -248,28 +295,58 @@ def _stacked(xs: list[jax.Array], lay: _Layout) -> list[jax.Array]:
     ]
 
 
-def _mean_all(parts: list[jax.Array], axes: tuple[str, ...], algorithm: str) -> list[jax.Array]:
-    """The mean over ``axes`` of every array of ``parts``, in one all-reduce of them
-    packed into one buffer (``jaxcomm.packing``)."""
+def _mean_all(parts: list[jax.Array], ctx: ReduceContext) -> list[jax.Array]:
+    """The mean over every data axis of every array of ``parts``, in one all-reduce of them
+    packed into one buffer (``jaxcomm.packing``).
+
+    With ``compress_stage='inter'`` (``ctx.axes`` the outer axes only) the parts are the
+    same on every device of a node (they are computed from the node's mean): each device
+    sends its ``1/g`` of the buffer to the all-reduce over ``ctx.axes`` and the node
+    all-gathers the pieces (:func:`_mean_across_nodes`). Else one all-reduce over
+    ``ctx.axes`` by ``ctx.algorithm``.
+    """
     plan = plan_groups(parts, [range(len(parts))])
     (flat,) = plan.pack(parts)
-    return plan.unpack([sum_over(flat, axes, algorithm) / axes_size(axes)])
+    inner = tuple(a for a in decision_axes(ctx) if a not in ctx.axes)
+    if inner:
+        return plan.unpack([_mean_across_nodes(flat, ctx.axes, inner, ctx.algorithm)])
+    return plan.unpack([sum_over(flat, ctx.axes, ctx.algorithm) / axes_size(ctx.axes)])
+
+
+def _mean_across_nodes(
+    x: jax.Array, outer: tuple[str, ...], inner: tuple[str, ...], algorithm: str
+) -> jax.Array:
+    """The mean over ``outer`` of a 1-D ``x`` that is the same on every device of
+    ``inner``, typed invariant over both.
+
+    1. device ``j`` of ``inner`` takes piece ``j`` of ``x`` (zero-padded to a multiple of
+       ``g = |inner|``): no intra-node reduction, the pieces are equal already;
+    2. all-reduce of the piece over ``outer`` (``algorithm``): the node's ``g`` devices
+       together send one ``x`` across its link, as one rank per node would;
+    3. all-gather of the pieces over ``inner`` (the fast links).
+    """
+    g = axes_size(inner)
+    n = x.shape[0]
+    padded, _ = pad_to_multiple(x, g)
+    piece = jnp.reshape(padded, (g, -1))[lax.axis_index(inner)]
+    piece = sum_over(piece, outer, algorithm) / axes_size(outer)
+    return all_gather_invariant(piece, inner)[:n]
 
 
 def _power_iteration(
-    mats: list[jax.Array], qs: list[jax.Array], axes: tuple[str, ...], algorithm: str
+    mats: list[jax.Array], qs: list[jax.Array], ctx: ReduceContext
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
-    """Steps 2-4 of the module docstring on batches ``(g, N, M)``.
+    """Steps 3-4 of the module docstring on batches ``(g, N, M)``, ``qs`` orthonormal
+    ``(g, N, r)``.
 
     Returns:
-      ``(p_hat, q_local, q_mean)`` per batch: the orthogonalized mean of ``P = M Q``,
-      this device's ``M^T P_hat`` and its mean over ``axes``.
+      ``(p_hat, q_local, q_mean)`` per batch: the orthogonalized mean of ``P = M^T Q``
+      ``(g, M, r)``, this device's ``M P_hat`` ``(g, N, r)`` and its mean over the devices.
     """
-    ps = _orthogonalize_batches(
-        _mean_all([mt @ q for mt, q in zip(mats, qs, strict=True)], axes, algorithm)
-    )
-    q_local = [jnp.einsum("gnm,gnr->gmr", mt, p) for mt, p in zip(mats, ps, strict=True)]
-    return ps, q_local, _mean_all(q_local, axes, algorithm)
+    ps = [jnp.einsum("gnm,gnr->gmr", mt, q) for mt, q in zip(mats, qs, strict=True)]
+    ps = _orthogonalize_batches(_mean_all(ps, ctx))
+    q_local = [jnp.einsum("gnm,gmr->gnr", mt, p) for mt, p in zip(mats, ps, strict=True)]
+    return ps, q_local, _mean_all(q_local, ctx)
 
 
 def _unbatched(approx: list[jax.Array], xs: list[jax.Array], lay: _Layout) -> list[jax.Array]:
@@ -307,8 +384,14 @@ def powersgd(
 ) -> Compressor:
     """PowerSGD low-rank compression (matrices only; other leaves go uncompressed).
 
-    Matrices are computed in batches (:func:`shape_groups`): one ``P = M Q`` and one
-    ``Q = M^T P`` per batch; the QRs of batches with similar row counts are stacked into
+    The algorithm is PyTorch's ``powerSGD_hook`` (module docstring; its remaining
+    differences: docs/compression.md). Its ``start_powerSGD_iter`` is
+    ``sync_gradients(warmup_steps=...)``: plain all-reduces before, error feedback from
+    then on. Hierarchical PowerSGD, the gradients averaged inside the node first and only
+    ``P`` and ``Q`` sent across nodes, is ``sync_gradients(compress_stage='inter')``.
+
+    Matrices are computed in batches (:func:`shape_groups`): one ``P = M^T Q`` and one
+    ``Q = M P`` per batch; the QRs of batches with similar row counts are stacked into
     one (zero-padded rows, at most doubling the QR's rows). A batch may hold matrices of
     different shapes, zero-padded to its largest ``(n, m)``; the result is the unpadded
     one: zero rows and columns add nothing to the products and stay zero through the QR
@@ -318,8 +401,8 @@ def powersgd(
     Args:
       rank: approximation rank ``r`` (>= 1); capped at ``min(n, m)`` per matrix.
       warm_start: reuse last step's ``Q`` (else a fresh random ``Q`` each step).
-      min_compression_rate: compress a matrix only if ``n m / (r (n + m))`` reaches this
-        (>= 1).
+      min_compression_rate: compress a matrix only if ``n m / (r (n + m))`` exceeds this
+        (>= 1; the hook's test).
       error_feedback: per-device residuals (recommended; PowerSGD is biased).
       seed: seed of the initial ``Q`` (the same on every device).
       max_padding: zero padding allowed to merge shapes into fewer batches, as a
@@ -337,6 +420,10 @@ def powersgd(
 
     Example:
       >>> tx = jaxcomm.sync_gradients(compression=jaxcomm.compression.powersgd(rank=4))
+      >>> # as powerSGD_hook(start_powerSGD_iter=10), hierarchical across nodes
+      >>> tx = jaxcomm.sync_gradients(
+      ...     compression=jaxcomm.compression.powersgd(rank=4), warmup_steps=10,
+      ...     compress_stage="inter")
     """
     rank = check_int("rank", rank, minimum=1, fix="e.g. 4")
     min_rate = check_range("min_compression_rate", min_compression_rate, 1.0, float("inf"))
@@ -363,12 +450,13 @@ class _Config(NamedTuple):
 
 
 def _supports(cfg: _Config, shape: tuple[int, ...]) -> bool:
-    """``Compressor.supports``: a matrix whose rank-``r`` factors save ``min_rate``."""
+    """``Compressor.supports``: a matrix whose rank-``r`` factors save more than
+    ``min_rate`` (the hook's ``_should_compress``: ``r (n + m) min_rate < n m``)."""
     if len(shape) < 2:
         return False
     n, m = matrix_shape(shape)
     r = min(cfg.rank, n, m)
-    return n * m >= cfg.min_rate * r * (n + m)
+    return n * m > cfg.min_rate * r * (n + m)
 
 
 def _init(cfg: _Config, specs: list[Any]) -> PowerSGDState:
@@ -396,17 +484,20 @@ def _reduce(
     mats = [
         c.reshape(len(g), n, m) for c, g, (n, m, _) in zip(cs, lay.groups, lay.pads, strict=True)
     ]
-    qs = list(state.q) if cfg.warm_start else _first_q(ctx.key, lay)
-    # Over every data axis: with compress_stage='inter' the matrices arrive averaged
-    # over the inner axis (equal within a node, but typed varying there through the
-    # per-device residual), and a mean over the outer axes alone would leave P and Q
-    # typed varying. The mean over all axes has the same value and is provably
-    # replicated; through 'hierarchical' its inter-node share is 1/g of the factors.
-    ps, q_local, q_mean = _power_iteration(mats, qs, decision_axes(ctx), ctx.algorithm)
-    approx = [jnp.einsum("gnr,gmr->gnm", p, q) for p, q in zip(ps, q_mean, strict=True)]
+    # Step 2: the hook orthogonalizes Q before every use. In exact arithmetic P_hat is the
+    # same without (it spans M^T Q either way), but M^T Q of a warm Q (= M P_hat) is
+    # conditioned like M^T M, and its QR then loses the weaker directions in f32.
+    qs = _restarted(list(state.q), lay, cfg.seed) if cfg.warm_start else _first_q(ctx.key, lay)
+    qs = _orthogonalize_batches(qs)
+    # The factors' means go over every data axis. With compress_stage='inter' the
+    # matrices arrive averaged over the inner axis (equal within a node, but typed varying
+    # there through the per-device residual): _mean_all sends each device's share of
+    # them over the outer axes and gathers the node's, typed replicated.
+    ps, q_local, q_mean = _power_iteration(mats, qs, ctx)
+    approx = [jnp.einsum("gnr,gmr->gnm", q, p) for p, q in zip(ps, q_mean, strict=True)]
     out = _unbatched(approx, xs, lay)  # step 5
     res = state.residual
     if cfg.error_feedback:
-        sent = [jnp.einsum("gnr,gmr->gnm", p, q) for p, q in zip(ps, q_local, strict=True)]
+        sent = [jnp.einsum("gnr,gmr->gnm", q, p) for p, q in zip(ps, q_local, strict=True)]
         res = ef.new_residuals(cs, [s.reshape(c.shape) for s, c in zip(sent, cs, strict=True)])
     return out, PowerSGDState(tuple(q_mean), res)
