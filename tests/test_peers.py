@@ -3,6 +3,8 @@ run (the bench itself needs root, a testbed and PyTorch; it is not part of the s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from experiments.bench import peers
@@ -110,6 +112,28 @@ def test_budget_verdicts_exposure_and_table():
     assert "best jaxcomm row at equal accuracy (exposed comm): jaxcomm stacked" in table
     assert "jaxcomm's best / PyTorch's best at equal accuracy: 0.875" in table
     assert "torch DDP f32, tuned buckets: equal (the update of torch-f32)" in table
+
+
+def test_budget_json_stopped_early(tmp_path, capsys):
+    run = {
+        "seeds": [0, 1, 2],
+        "rows": {
+            "jax-f32": {"accuracy": [0.9, 0.92, 0.94]},
+            "torch-f32": {"accuracy": [0.91, 0.93, 0.95]},
+            "jax-powersgd": {"accuracy": [0.5]},  # stopped after one seed: cut
+            "torch-bf16": {"accuracy": []},
+        },
+    }
+    complete, cut = peers.complete_rows(run)
+    assert list(complete) == ["jax-f32", "torch-f32"]
+    assert cut == {"jax-powersgd": [0.5], "torch-bf16": []}
+    path = tmp_path / "budget.json"
+    path.write_text(json.dumps(run))
+    assert peers.main(["--table-of", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "f32 band: [0.900, 0.950]" in out
+    assert "cut (not every seed ran): jaxcomm PowerSGD; seeds done: 0.500" in out
+    assert "| jaxcomm PowerSGD |" not in out
 
 
 def test_budget_arguments():

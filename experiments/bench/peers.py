@@ -12,8 +12,8 @@ and number of steps in every row.
 Rows (:data:`JAX_ROWS`, :data:`experiments.bench.peers_torch.ROWS`): each framework's
 compute-only twin and f32 baseline, PyTorch's DDP knobs and communication hooks, and
 jaxcomm's stacked row (the ablation's ``+batching`` row, ``experiments.rows``), PowerSGD at
-the same rank as PyTorch's, the sharded optimizer with int8 gradients and bf16 params, and
-local steps.
+the same rank and start as PyTorch's, the sharded optimizer with int8 gradients and bf16
+params, and local steps.
 
 Schedule: every row runs ``--warmup`` untimed steps (compilation, PowerSGD's start
 iteration, the bucket tuning before them), then ``--rounds`` rounds in which every row runs
@@ -30,8 +30,20 @@ load. Per row, over the rounds:
   steps (batch norm in eval mode; not for the compute-only twins, whose devices train
   apart).
 
+Training budget (``--budget N``): instead of the timed rounds, each row is trained ``N``
+steps from each seed of ``--seeds`` (initialisation and data order), without the testbed
+and without root (accuracy does not depend on the link; :func:`budget_worker`), and the
+table gives each row's test accuracy per seed, mean, spread and verdict against the f32
+band: ``[min, max]`` of every seed's accuracy of the two f32 baselines (jaxcomm's flat
+psum, DDP f32); a row whose mean lies inside it has ``equal`` accuracy, over it ``above``
+(both count as equal accuracy), under it ``below`` (:func:`budget_summary`). With
+``--timed-json`` (a timed run's JSON) each row's exposed communication joins the table,
+and the least exposed row of each framework among those of equal accuracy is named with
+the ratio of their times (:func:`equal_accuracy_exposure`).
+
 Example:
   sudo python -m experiments.bench peers --link 250mbit --json docs/results/peers.json
+  python -m experiments.bench peers --budget 300 --timed-json docs/results/peers.json
 """
 
 from __future__ import annotations
@@ -136,8 +148,12 @@ class _JaxRow:
             dp_kwargs["compiler_options"] = options
             self.settings = row.describe() | {"adaptive pinned at": args.stacked_rung}
         elif name == "jax-powersgd":
+            # the hook's start: f32 all-reduce for the first powersgd_start steps
             comp = jaxcomm.compression.powersgd(rank=args.rank)
-            tx = optax.chain(jaxcomm.sync_gradients(compression=comp, algorithm="flat"), adam)
+            sync = jaxcomm.sync_gradients(
+                compression=comp, algorithm="flat", warmup_steps=args.powersgd_start
+            )
+            tx = optax.chain(sync, adam)
         elif name == "jax-sharded":
             tx = optax.chain(jaxcomm.sync_gradients(compression=jaxcomm.compression.int8()), adam)
             dp_kwargs |= {"shard_optimizer": True, "param_gather": jaxcomm.compression.bf16()}
@@ -720,6 +736,40 @@ def build_budget_table(budget: dict[str, Any], exposure: dict[str, Any] | None =
     return "\n".join(lines)
 
 
+def complete_rows(run: dict[str, Any]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """A budget JSON's rows split into those with an accuracy for every seed and the rest
+    (a run stopped early, ``'partial'``: its last rows are cut, not averaged over fewer
+    seeds).
+
+    Returns:
+      ``(complete, cut)``: row -> accuracies per seed.
+    """
+    n = len(run["seeds"])
+    complete = {r: v["accuracy"] for r, v in run["rows"].items() if len(v["accuracy"]) == n}
+    cut = {r: v["accuracy"] for r, v in run["rows"].items() if r not in complete}
+    return complete, cut
+
+
+def table_of(path: str, timed_json: str | None) -> int:
+    """``--table-of``: the budget table of a budget run's JSON (also one stopped early)."""
+    with open(path) as f:
+        run = json.load(f)
+    complete, cut = complete_rows(run)
+    budget = budget_summary(complete)
+    exposure = None
+    if timed_json:
+        with open(timed_json) as f:
+            timed = json.load(f)
+        exposure = equal_accuracy_exposure(budget, timed.get("summary") or summarize(timed))
+    print(f"{run.get('command')}\nseeds {run['seeds']}; {run.get('uptime_before')} / "
+          f"{run.get('uptime_now') or run.get('uptime_after')}")  # fmt: skip
+    print(build_budget_table(budget, exposure))
+    for name, accs in cut.items():
+        done = " ".join(f"{a:.3f}" for a in accs) or "none"
+        print(f"cut (not every seed ran): {labels().get(name, name)}; seeds done: {done}")
+    return 0
+
+
 def budget_main(args: argparse.Namespace, argv: list[str]) -> int:
     """``--budget``: the training-budget comparison (see :func:`budget_worker`)."""
     import jax
@@ -743,8 +793,11 @@ def budget_main(args: argparse.Namespace, argv: list[str]) -> int:
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
 
     def progress(partial: dict[str, Any]) -> None:  # what is done so far, if the run stops
+        now = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        head = {"partial": True, "command": "python -m experiments.bench peers " + " ".join(argv),
+                "uptime_before": uptime_before, "uptime_now": now}  # fmt: skip
         with open(args.json, "w") as f:
-            json.dump({"partial": True, "command": " ".join(argv)} | partial, f, indent=1)
+            json.dump(head | partial, f, indent=1)
 
     run = budget_worker(args, progress)
     budget = budget_summary({r: v["accuracy"] for r, v in run["rows"].items()})
@@ -905,7 +958,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m experiments.bench peers",
         description="PyTorch DDP (gloo) with its communication hooks beside jaxcomm's rows, "
-        "ResNet-18 on digits, one run on the emulated network (needs root and iproute2).",
+        "ResNet-18 on digits, one run on the emulated network (needs root and iproute2); "
+        "with --budget, their test accuracy over seeds after a training budget (no testbed).",
     )
     p.add_argument("--link", default="250mbit", help="tc rate of the link between the nodes")
     p.add_argument("--nodes", type=int, default=2)
@@ -925,7 +979,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8, help="steps of every row in a round")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD rank (both frameworks)")
     p.add_argument("--powersgd-start", type=int, default=2,
-                   help="torch's start_powerSGD_iter (f32 all-reduce before it)")  # fmt: skip
+                   help="PowerSGD's first compressed step (both frameworks: torch's "
+                   "start_powerSGD_iter, jaxcomm's sync_gradients(warmup_steps=...); "
+                   "f32 all-reduce before it)")  # fmt: skip
     p.add_argument("--sync-every", type=int, default=8, help="local steps: H")
     p.add_argument("--stacked-rung", default="int4",
                    help="the rung the stacked row's adaptive compressor is held on")  # fmt: skip
@@ -952,6 +1008,13 @@ def _parser() -> argparse.ArgumentParser:
         "prints each row's test accuracy per seed, mean, spread and its verdict against "
         "the f32 rows' band (0: the timed rounds)",
     )
+    p.add_argument(
+        "--table-of",
+        default=None,
+        metavar="JSON",
+        help="print the budget table of a --budget run's JSON (also of one stopped early: "
+        "rows without every seed are listed as cut) and exit; with --timed-json",
+    )
     p.add_argument("--seeds", default="0,1,2",
                    help="--budget: comma-separated seeds (initialisation, data order)")  # fmt: skip
     p.add_argument(
@@ -961,7 +1024,9 @@ def _parser() -> argparse.ArgumentParser:
         "table, and the best row of each framework at equal accuracy and the ratio of "
         "their exposed times are printed",
     )
-    p.add_argument("--json", default="runs/peers.json", help="output JSON path")
+    p.add_argument("--json", default="runs/peers.json",
+                   help="output JSON path (--budget: rewritten after every row and seed, "
+                   "marked partial until the run ends)")  # fmt: skip
     p.add_argument("--plot", default=None, help="write the plot (PNG) here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
@@ -1058,6 +1123,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.table_of:
+        return table_of(args.table_of, args.timed_json)
     if args.rows is None:
         args.rows = ",".join(default_rows(args.budget))
     why = validate(args, [r.name for r in peers_torch.ROWS])
