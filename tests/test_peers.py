@@ -134,6 +134,15 @@ def test_budget_json_stopped_early(tmp_path, capsys):
     assert "f32 band: [0.900, 0.950]" in out
     assert "cut (not every seed ran): jaxcomm PowerSGD; seeds done: 0.500" in out
     assert "| jaxcomm PowerSGD |" not in out
+    # a second run's rows join (a row from the first file that ran every seed)
+    more = {"seeds": [0, 1, 2], "rows": {"jax-powersgd": {"accuracy": [0.9, 0.91, 0.92]},
+                                         "jax-f32": {"accuracy": [0.1, 0.1, 0.1]}}}  # fmt: skip
+    path2 = tmp_path / "more.json"
+    path2.write_text(json.dumps(more))
+    assert peers.main(["--table-of", f"{path},{path2}"]) == 0
+    out = capsys.readouterr().out
+    assert "| jaxcomm PowerSGD | 0.900 0.910 0.920 | 0.910 |" in out
+    assert "f32 band: [0.900, 0.950]" in out  # jax-f32 from the first file
 
 
 def test_budget_arguments():
@@ -146,7 +155,6 @@ def test_budget_arguments():
     assert peers.default_rows(300) == list(peers.BUDGET_ROWS)
     assert "jax-compute" in peers.default_rows(0)
     bad = {
-        ("--rows=jax-stacked,torch-fp16",): "needs an f32 row",
         ("--seeds=0,x",): "comma-separated integers",
         ("--seeds=1,1",): "each once",
         ("--torch-ranks-per-node=3", "--devices-per-node=3"): "a multiple of the 6 devices",

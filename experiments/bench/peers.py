@@ -750,10 +750,21 @@ def complete_rows(run: dict[str, Any]) -> tuple[dict[str, list[float]], dict[str
     return complete, cut
 
 
-def table_of(path: str, timed_json: str | None) -> int:
-    """``--table-of``: the budget table of a budget run's JSON (also one stopped early)."""
-    with open(path) as f:
-        run = json.load(f)
+def table_of(paths: str, timed_json: str | None) -> int:
+    """``--table-of``: the budget table of budget runs' JSONs (comma-separated, the same
+    seeds and settings; a row is taken from the first file where it ran every seed), also
+    of runs stopped early."""
+    run: dict[str, Any] = {}
+    for path in paths.split(","):
+        with open(path) as f:
+            part = json.load(f)
+        if not run:
+            run = part
+            continue
+        if part["seeds"] != run["seeds"]:
+            raise SystemExit(f"--table-of: {path} has seeds {part['seeds']}, not {run['seeds']}")
+        have, _ = complete_rows(run)
+        run["rows"] |= {r: v for r, v in part["rows"].items() if r not in have}
     complete, cut = complete_rows(run)
     budget = budget_summary(complete)
     exposure = None
@@ -800,9 +811,12 @@ def budget_main(args: argparse.Namespace, argv: list[str]) -> int:
             json.dump(head | partial, f, indent=1)
 
     run = budget_worker(args, progress)
-    budget = budget_summary({r: v["accuracy"] for r, v in run["rows"].items()})
-    exposure = None
-    if args.timed_json:
+    exposure = budget = None
+    try:
+        budget = budget_summary({r: v["accuracy"] for r, v in run["rows"].items()})
+    except ValueError as e:  # no f32 row: its table comes from --table-of with one that has
+        print(f"{e}; join this JSON with one that has: --table-of A.json,B.json")
+    if args.timed_json and budget is not None:
         with open(args.timed_json) as f:
             timed = json.load(f)
         exposure = equal_accuracy_exposure(budget, timed.get("summary") or summarize(timed))
@@ -826,7 +840,11 @@ def budget_main(args: argparse.Namespace, argv: list[str]) -> int:
         f"as {args.nodes} x {args.devices_per_node}, PyTorch {run['torch_ranks']} gloo "
         f"ranks x {run['torch_threads']} threads, loopback"
     )
-    print(build_budget_table(budget, exposure))
+    if budget is not None:
+        print(build_budget_table(budget, exposure))
+    else:
+        for name, r in run["rows"].items():
+            print(f"  {labels().get(name, name)}: {r['accuracy']}")
     print(f"load: {uptime_before} / {uptime}; {run['seconds']:.0f} s")
     with open(args.json, "w") as f:
         json.dump(run, f, indent=1)
@@ -1012,8 +1030,9 @@ def _parser() -> argparse.ArgumentParser:
         "--table-of",
         default=None,
         metavar="JSON",
-        help="print the budget table of a --budget run's JSON (also of one stopped early: "
-        "rows without every seed are listed as cut) and exit; with --timed-json",
+        help="print the budget table of --budget runs' JSONs (comma-separated: rows joined; "
+        "also of runs stopped early: rows without every seed are listed as cut) and exit; "
+        "with --timed-json",
     )
     p.add_argument("--seeds", default="0,1,2",
                    help="--budget: comma-separated seeds (initialisation, data order)")  # fmt: skip
@@ -1099,8 +1118,6 @@ def _validate_budget(args: argparse.Namespace, rows: list[str], known: set[str])
         return f"--seeds {args.seeds!r}: comma-separated integers, e.g. 0,1,2"
     if not seeds or len(set(seeds)) != len(seeds):
         return f"--seeds {args.seeds!r}: at least one, each once, e.g. 0,1,2"
-    if not any(r in rows for r in BASELINES.values()):
-        return f"--rows: the budget needs an f32 row ({sorted(BASELINES.values())}) for its band"
     devices, world = args.nodes * args.devices_per_node, args.nodes * args.torch_ranks_per_node
     for n, what in ((devices, "devices"), (world, "PyTorch ranks")):
         if args.batch % n:
