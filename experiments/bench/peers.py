@@ -12,8 +12,8 @@ and number of steps in every row.
 Rows (:data:`JAX_ROWS`, :data:`experiments.bench.peers_torch.ROWS`): each framework's
 compute-only twin and f32 baseline, PyTorch's DDP knobs and communication hooks, and
 jaxcomm's stacked row (the ablation's ``+batching`` row, ``experiments.rows``), PowerSGD at
-the same rank as PyTorch's, the sharded optimizer with int8 gradients and bf16 params, and
-local steps.
+the same rank and start as PyTorch's, the sharded optimizer with int8 gradients and bf16
+params, and local steps.
 
 Schedule: every row runs ``--warmup`` untimed steps (compilation, PowerSGD's start
 iteration, the bucket tuning before them), then ``--rounds`` rounds in which every row runs
@@ -30,8 +30,20 @@ load. Per row, over the rounds:
   steps (batch norm in eval mode; not for the compute-only twins, whose devices train
   apart).
 
+Training budget (``--budget N``): instead of the timed rounds, each row is trained ``N``
+steps from each seed of ``--seeds`` (initialisation and data order), without the testbed
+and without root (accuracy does not depend on the link; :func:`budget_worker`), and the
+table gives each row's test accuracy per seed, mean, spread and verdict against the f32
+band: ``[min, max]`` of every seed's accuracy of the two f32 baselines (jaxcomm's flat
+psum, DDP f32); a row whose mean lies inside it has ``equal`` accuracy, over it ``above``
+(both count as equal accuracy), under it ``below`` (:func:`budget_summary`). With
+``--timed-json`` (a timed run's JSON) each row's exposed communication joins the table,
+and the least exposed row of each framework among those of equal accuracy is named with
+the ratio of their times (:func:`equal_accuracy_exposure`).
+
 Example:
   sudo python -m experiments.bench peers --link 250mbit --json docs/results/peers.json
+  python -m experiments.bench peers --budget 300 --timed-json docs/results/peers.json
 """
 
 from __future__ import annotations
@@ -44,10 +56,20 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["JAX_ROWS", "build_table", "main", "plot", "summarize"]
+__all__ = [
+    "BUDGET_ROWS",
+    "JAX_ROWS",
+    "budget_summary",
+    "build_budget_table",
+    "build_table",
+    "equal_accuracy_exposure",
+    "main",
+    "plot",
+    "summarize",
+]
 
 JAX_ROWS: dict[str, str] = {  # key (--rows) -> name in the table
     "jax-compute": "jaxcomm compute only (no sync)",
@@ -121,13 +143,17 @@ class _JaxRow:
             (row,) = [r for r in rows.resolve_rows() if r.row.config == "+batching"]
             sync, options, mesh_kwargs = row.build()
             sync = rows.pin_adaptive(sync, args.stacked_rung)
-            mesh = jaxcomm.make_mesh(**mesh_kwargs)
+            mesh = jaxcomm.make_mesh(**mesh_kwargs, devices=list(mesh.devices.flat))
             tx = optax.chain(jaxcomm.sync_gradients(**sync), adam)
             dp_kwargs["compiler_options"] = options
             self.settings = row.describe() | {"adaptive pinned at": args.stacked_rung}
         elif name == "jax-powersgd":
+            # the hook's start: f32 all-reduce for the first powersgd_start steps
             comp = jaxcomm.compression.powersgd(rank=args.rank)
-            tx = optax.chain(jaxcomm.sync_gradients(compression=comp, algorithm="flat"), adam)
+            sync = jaxcomm.sync_gradients(
+                compression=comp, algorithm="flat", warmup_steps=args.powersgd_start
+            )
+            tx = optax.chain(sync, adam)
         elif name == "jax-sharded":
             tx = optax.chain(jaxcomm.sync_gradients(compression=jaxcomm.compression.int8()), adam)
             dp_kwargs |= {"shard_optimizer": True, "param_gather": jaxcomm.compression.bf16()}
@@ -146,6 +172,12 @@ class _JaxRow:
             _loss_fn(parts[0]), tx, mesh, with_model_state=True, **dp_kwargs
         )
         self.state = self.dp.init(*parts[1:])
+
+    def reset(self, params: Any, model_state: Any) -> None:
+        """Starts again from ``params`` and ``model_state`` (fresh optimizer and
+        compressor state, step 0), the compiled step kept."""
+        self.state = self.dp.init(params, model_state)
+        self.steps = 0
 
     def run(self, n: int, data: dict[str, Any]) -> float:
         """``n`` steps; returns seconds per step (each step waited for, as on CPU)."""
@@ -168,14 +200,17 @@ class _JaxRow:
         def host(tree):
             return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data), tree)
 
-        @jax.jit
-        def predict(params, stats, x):
-            model = nnx.merge(graphdef, params, stats)
-            model.eval()
-            return jnp.argmax(model(x), -1)
+        if getattr(self, "_predict", None) is None:  # compiled once per row
 
+            @jax.jit
+            def predict(params, stats, x):
+                model = nnx.merge(graphdef, params, stats)
+                model.eval()
+                return jnp.argmax(model(x), -1)
+
+            self._predict = predict
         params, stats = host(self.state.params), host(self.state.model_state)
-        pred = np.asarray(predict(params, stats, data["x_test"]))
+        pred = np.asarray(self._predict(params, stats, data["x_test"]))
         return float(np.mean(pred == data["y_test"]))
 
 
@@ -203,19 +238,49 @@ def _batch(data: dict[str, Any], step: int) -> dict[str, Any]:
     return {"x": data["x_train"][idx], "y": data["y_train"][idx]}
 
 
+def _jax_model(seed: int) -> tuple[Any, Any, Any]:
+    """``(graphdef, params, batch_stats)`` of the Flax ResNet-18 drawn from ``seed``: one
+    compiled initialiser (the values of eager construction), the values kept on the host."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxcomm.models import resnet
+
+    def create():
+        return nnx.split(resnet("resnet18", 10, seed=seed), nnx.Param, nnx.BatchStat)
+
+    graphdef = nnx.eval_shape(create)[0]
+    params, stats = jax.tree.map(np.asarray, jax.jit(create)()[1:])
+    return graphdef, params, stats
+
+
+def _torch_cfg(args: argparse.Namespace, data: dict[str, Any], seed: int, ranks_per_node: int,
+               threads: int) -> dict[str, Any]:  # fmt: skip
+    """The settings of :class:`experiments.bench.peers_torch.TorchRows` (images NCHW)."""
+    import numpy as np
+
+    def nchw(x):
+        return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+
+    return {"x_train": nchw(data["x_train"]), "y_train": data["y_train"],
+            "x_test": nchw(data["x_test"]), "y_test": data["y_test"],
+            "order": data["order"], "batch": args.batch, "lr": args.lr, "seed": seed,
+            "powersgd_rank": args.rank, "powersgd_start": args.powersgd_start,
+            "ranks_per_node": ranks_per_node, "threads": threads}  # fmt: skip
+
+
 # -- the worker (one per node, inside the testbed) ---------------------------------------
 class _Torch:
-    """This node's PyTorch ranks, driven through queues."""
+    """Node ``node``'s PyTorch ranks (``cfg['ranks_per_node']`` of them, out of ``nodes``
+    times that), driven through queues; the group meets at ``addr:port``."""
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], node: int, nodes: int, addr: str, port: int):
         import multiprocessing as mp
 
         from experiments.bench import peers_torch
 
-        node = int(os.environ["JAXCOMM_PROCESS_ID"])
-        nodes = int(os.environ["JAXCOMM_NUM_PROCESSES"])
         dpn = cfg["ranks_per_node"]
-        addr = os.environ["JAXCOMM_COORDINATOR"].split(":")[0]
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.cmds = [ctx.Queue() for _ in range(dpn)]
@@ -223,7 +288,7 @@ class _Torch:
         self.procs = [
             ctx.Process(
                 target=peers_torch.rank_main,
-                args=(r, nodes * dpn, addr, TORCH_PORT, cfg, q, self.results),
+                args=(r, nodes * dpn, addr, port, cfg, q, self.results),
                 daemon=True,
             )
             for r, q in zip(self.ranks, self.cmds, strict=True)
@@ -282,10 +347,8 @@ def worker(args: argparse.Namespace) -> int:
     jaxcomm.init_distributed(collective_timeout_s=900, heartbeat_timeout_s=120)
     import jax
     import numpy as np
-    from flax import nnx
 
     from experiments.bench.digits import data_order
-    from jaxcomm.models import resnet
     from jaxcomm.tools.testbed import payload_bytes
 
     me = jax.process_index()
@@ -298,22 +361,17 @@ def worker(args: argparse.Namespace) -> int:
     torch_rows = [r for r in rows if framework(r) == "torch"]
     torch_side = None
     if torch_rows:
-        cfg = {  # NCHW for torch
-            "x_train": np.ascontiguousarray(x_tr.transpose(0, 3, 1, 2)), "y_train": y_tr,
-            "x_test": np.ascontiguousarray(x_te.transpose(0, 3, 1, 2)), "y_test": y_te,
-            "order": order, "batch": args.batch, "lr": args.lr, "seed": args.seed,
-            "powersgd_rank": args.rank, "powersgd_start": args.powersgd_start,
-            "ranks_per_node": args.torch_ranks_per_node,
-            "threads": max(1, jax.local_device_count() // args.torch_ranks_per_node),
-        }  # fmt: skip
-        torch_side = _Torch(cfg)
+        threads = max(1, jax.local_device_count() // args.torch_ranks_per_node)
+        cfg = _torch_cfg(args, data, args.seed, args.torch_ranks_per_node, threads)
+        torch_side = _Torch(
+            cfg,
+            node=int(os.environ["JAXCOMM_PROCESS_ID"]),
+            nodes=int(os.environ["JAXCOMM_NUM_PROCESSES"]),
+            addr=os.environ["JAXCOMM_COORDINATOR"].split(":")[0],
+            port=TORCH_PORT,
+        )
 
-    def create():
-        return nnx.split(resnet("resnet18", 10, seed=args.seed), nnx.Param, nnx.BatchStat)
-
-    # one compiled initialiser (the values of eager construction), kept on the host
-    graphdef = nnx.eval_shape(create)[0]
-    params, stats = jax.tree.map(np.asarray, jax.jit(create)()[1:])
+    graphdef, params, stats = _jax_model(args.seed)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     info: dict[str, Any] = {"jaxcomm": {"params": n_params, "grad_bytes": 4 * n_params}}
     mesh = jaxcomm.make_mesh()
@@ -390,6 +448,407 @@ def worker(args: argparse.Namespace) -> int:
         }
         with open(args.worker_out, "w") as f:
             json.dump(out, f)
+    return 0
+
+
+# -- the training budget (no testbed) -------------------------------------------------------
+#: Rows of the training budget by default: the f32 baselines, the rows that change the
+#: update (compression), each once. Left out: the compute-only twins (no synchronised
+#: model); DDP's bucket settings and ``gradient_as_bucket_view`` (the same update as
+#: ``torch-f32``: see :data:`SAME_UPDATE`); the rest on request (``--rows``).
+BUDGET_ROWS = ("jax-f32", "jax-stacked", "jax-powersgd", "torch-f32", "torch-fp16",
+               "torch-bf16", "torch-powersgd")  # fmt: skip
+#: Timed rows that compute the same update as a budget row (two ranks: a + b = b + a in
+#: f32 whatever the bucket bounds), so they take that row's accuracy verdict.
+SAME_UPDATE = {"torch-f32-tuned": "torch-f32", "torch-f32-view": "torch-f32"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def budget_worker(
+    args: argparse.Namespace, progress: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Trains every row of ``args.rows`` ``args.budget`` steps from each seed of
+    ``args.seeds``; returns each row's test accuracy per seed.
+
+    No testbed (accuracy does not depend on the link): JAX rows in this process on the
+    first ``nodes x devices_per_node`` devices, as a ``(nodes, devices_per_node)`` mesh
+    whose topology is the testbed's (``JAXCOMM_TOPO_FILE``, so the stacked row compresses
+    the same stage); PyTorch rows as ``nodes x torch_ranks_per_node`` gloo ranks on
+    loopback. Every row of a seed starts from that seed's initialisation and sees that
+    seed's data order. Rows run one after the other, all seeds of a row before the next
+    (each JAX row compiled once), in ``--rows`` order; the PyTorch rows run in a thread
+    beside the JAX rows (their ranks are processes of their own).
+
+    Args:
+      args: the parsed command line (``rows``, ``seeds`` as lists).
+      progress: called with the results so far after every (row, seed).
+
+    Returns:
+      ``{'rows': {row: {'accuracy': [per seed], 'seconds': [per seed], 'error'?}}, ...}``
+      with the seeds, devices, ranks, threads and topology.
+    """
+    import tempfile
+    import threading
+
+    import jax
+
+    import jaxcomm
+    from experiments.bench.digits import data_order
+    from jaxcomm.tools.testbed import Testbed
+
+    n = args.nodes * args.devices_per_node
+    mesh = jaxcomm.make_mesh(intra=args.devices_per_node, devices=jax.devices()[:n])
+    x_tr, y_tr, x_te, y_te = digits_images(args.px)
+    datas = {
+        seed: {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te,
+               "order": data_order(seed, args.budget, args.batch), "batch": args.batch}
+        for seed in args.seeds
+    }  # fmt: skip
+    rows = [r for r in args.rows if r not in TWINS.values()]
+    world = args.nodes * args.torch_ranks_per_node
+    threads = max(1, (os.cpu_count() or 1) // world)
+    topo = Testbed(nodes=args.nodes, devices_per_node=args.devices_per_node,
+                   link=args.link).topology()  # fmt: skip
+    out: dict[str, Any] = {
+        "rows": {r: {"accuracy": [], "seconds": []} for r in rows},
+        "seeds": list(args.seeds), "torch_threads": threads, "jax_devices": n,
+        "torch_ranks": world, "topology": topo,
+    }  # fmt: skip
+    lock = threading.Lock()
+
+    def record(name: str, seed: int, acc: float, seconds: float) -> None:
+        with lock:
+            out["rows"][name]["accuracy"].append(acc)
+            out["rows"][name]["seconds"].append(seconds)
+            print(f"  {name} seed {seed}: accuracy {acc:.3f} ({seconds:.0f} s)", flush=True)
+            if progress is not None:
+                progress(out)
+
+    torch_rows = [r for r in rows if framework(r) == "torch"]
+    failures: list[BaseException] = []
+
+    def torch_part() -> None:
+        try:
+            _budget_torch(args, torch_rows, datas, world, threads, record, out["rows"])
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            failures.append(e)
+
+    thread = threading.Thread(target=torch_part, daemon=True)
+    if torch_rows:
+        thread.start()
+    with tempfile.TemporaryDirectory() as d:
+        topo_file = os.path.join(d, "topology.json")
+        with open(topo_file, "w") as f:
+            json.dump(topo, f)
+        old_topo = os.environ.get("JAXCOMM_TOPO_FILE")
+        os.environ["JAXCOMM_TOPO_FILE"] = topo_file
+        try:
+            _budget_jax(args, [r for r in rows if framework(r) == "jaxcomm"], datas, mesh,
+                        record)  # fmt: skip
+        finally:
+            if old_topo is None:
+                os.environ.pop("JAXCOMM_TOPO_FILE", None)
+            else:
+                os.environ["JAXCOMM_TOPO_FILE"] = old_topo
+    if torch_rows:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return out
+
+
+def _budget_torch(args, rows, datas, world, threads, record, results) -> None:
+    """The PyTorch rows of :func:`budget_worker`: one set of ranks, re-seeded per run."""
+    first = next(iter(datas))
+    cfg = _torch_cfg(args, datas[first], first, world, threads)
+    side = _Torch(cfg, node=0, nodes=1, addr="127.0.0.1", port=_free_port())
+    try:
+        for name in rows:
+            for seed, data in datas.items():
+                t0 = time.perf_counter()
+                side.ask("reseed", seed, data["order"])
+                answers = side.ask("run", name, args.budget)
+                ans = next((a for a in answers.values() if "error" in a), answers[0])
+                if "error" in ans:
+                    results[name]["error"] = ans["error"]
+                    print(f"  {name} seed {seed}: failed: {ans['error']}", flush=True)
+                    side.ask("drop", name)
+                    break
+                acc = side.ask("eval", name)[0]["accuracy"]
+                side.ask("drop", name)
+                record(name, seed, acc, time.perf_counter() - t0)
+    finally:
+        side.close()
+
+
+def _budget_jax(args, rows, datas, mesh, record) -> None:
+    """The JAX rows of :func:`budget_worker`: each compiled once, its state re-initialised
+    from each seed's model."""
+    models = {seed: _jax_model(seed) for seed in datas}
+    for name in rows:
+        row = None
+        for seed, data in datas.items():
+            t0 = time.perf_counter()
+            graphdef, params, stats = models[seed]
+            if row is None:
+                seeded = argparse.Namespace(**{**vars(args), "seed": seed})
+                row = _JaxRow(name, seeded, models[seed], mesh)
+            else:
+                row.reset(params, stats)
+            row.run(args.budget, data)
+            record(name, seed, row.accuracy(graphdef, data), time.perf_counter() - t0)
+        del row
+
+
+def budget_summary(
+    accuracies: dict[str, Sequence[float]], baselines: Sequence[str] = tuple(BASELINES.values())
+) -> dict[str, Any]:
+    """Mean, spread and equal-accuracy verdict of each row's test accuracy over seeds.
+
+    The f32 band is ``[min, max]`` of every seed's accuracy of the f32 baseline rows
+    present (``baselines``: jaxcomm's flat f32 psum and PyTorch's DDP f32). A row's
+    verdict compares its mean with the band: ``'equal'`` inside it (ends included),
+    ``'above'`` over it, ``'below'`` under it; ``'equal'`` and ``'above'`` count as equal
+    accuracy (at least f32's).
+
+    Args:
+      accuracies: row -> test accuracy per seed (a failed row: an empty list).
+      baselines: the f32 rows that make the band.
+
+    Returns:
+      ``{'band': [lo, hi], 'band_rows': [...], 'rows': {row: {'label', 'framework',
+      'accuracy', 'mean', 'std', 'range', 'verdict'}}}``; ``std`` is the sample standard
+      deviation (None for one seed); a row without accuracies has None figures.
+
+    Raises:
+      ValueError: no baseline row has an accuracy (no band).
+    """
+    band_rows = [r for r in baselines if accuracies.get(r)]
+    if not band_rows:
+        raise ValueError(
+            f"budget_summary: no accuracy of the f32 rows {list(baselines)}; the band of "
+            "equal accuracy needs at least one (add them to --rows)"
+        )
+    f32 = [a for r in band_rows for a in accuracies[r]]
+    lo, hi = min(f32), max(f32)
+    out: dict[str, dict[str, Any]] = {}
+    for name, accs in accuracies.items():
+        accs = list(accs)
+        mean = statistics.fmean(accs) if accs else None
+        verdict = None
+        if mean is not None:
+            verdict = "below" if mean < lo else "above" if mean > hi else "equal"
+        out[name] = {
+            "label": labels().get(name, name),
+            "framework": framework(name),
+            "accuracy": accs,
+            "mean": mean,
+            "std": statistics.stdev(accs) if len(accs) > 1 else None,
+            "range": [min(accs), max(accs)] if accs else None,
+            "verdict": verdict,
+        }
+    return {"band": [lo, hi], "band_rows": band_rows, "rows": out}
+
+
+def equal_accuracy_exposure(budget: dict[str, Any], timed: dict[str, dict[str, Any]]) -> dict:
+    """Joins the budget's verdicts with a timed run's exposed communication.
+
+    Args:
+      budget: :func:`budget_summary`'s result.
+      timed: :func:`summarize`'s result of a timed run (the rows' ``exposed_comm_s``).
+
+    Returns:
+      ``{'rows': {timed row: {'exposed_comm_s', 'verdict', 'verdict_of'}}, 'best':
+      {framework: row or None}, 'ratio': jaxcomm's best / PyTorch's best exposed time (None
+      unless both exist)}``; a timed row takes the verdict of the budget row of the same key
+      or of :data:`SAME_UPDATE`; best: the least exposed time among the rows of equal
+      accuracy (verdict ``'equal'`` or ``'above'``).
+    """
+    rows: dict[str, dict[str, Any]] = {}
+    for name, t in timed.items():
+        if name in TWINS.values() or t.get("exposed_comm_s") is None:
+            continue
+        src = name if name in budget["rows"] else SAME_UPDATE.get(name)
+        verdict = budget["rows"][src]["verdict"] if src in budget["rows"] else None
+        rows[name] = {"exposed_comm_s": t["exposed_comm_s"], "verdict": verdict,
+                      "verdict_of": src}  # fmt: skip
+    best: dict[str, str | None] = {}
+    for fw in ("jaxcomm", "torch"):
+        ok = [n for n, r in rows.items()
+              if framework(n) == fw and r["verdict"] in ("equal", "above")]  # fmt: skip
+        best[fw] = min(ok, key=lambda n: rows[n]["exposed_comm_s"]) if ok else None
+    ratio = None
+    if best["jaxcomm"] and best["torch"]:
+        ratio = rows[best["jaxcomm"]]["exposed_comm_s"] / rows[best["torch"]]["exposed_comm_s"]
+    return {"rows": rows, "best": best, "ratio": ratio}
+
+
+def build_budget_table(budget: dict[str, Any], exposure: dict[str, Any] | None = None) -> str:
+    """A Markdown table of :func:`budget_summary` (with the timed run's exposed time when
+    ``exposure`` is given), then the band's definition and, with ``exposure``, the best
+    row of each framework at equal accuracy and their ratio."""
+
+    def f(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lo, hi = budget["band"]
+    exp_rows = (exposure or {}).get("rows", {})
+    lines = [
+        "| row | test acc per seed | mean | std (min-max) | vs f32 band | exposed comm s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in budget["rows"].items():
+        if r["mean"] is None:
+            lines.append(f"| {r['label']} | failed | | | | |")
+            continue
+        seeds = " ".join(f"{a:.3f}" for a in r["accuracy"])
+        spread = f"{f(r['std'], '.3f')} ({r['range'][0]:.3f}-{r['range'][1]:.3f})"
+        exp = exp_rows.get(name, {}).get("exposed_comm_s")
+        lines.append(f"| {r['label']} | {seeds} | {r['mean']:.3f} | {spread} | "
+                     f"{r['verdict']} | {f(exp, '.3f')} |")  # fmt: skip
+    band = ", ".join(labels().get(b, b) for b in budget["band_rows"])
+    lines.append("")
+    lines.append(f"f32 band: [{lo:.3f}, {hi:.3f}], min-max of every seed of {band}; "
+                 "a row's mean inside it: equal, over it: above (both count as equal "
+                 "accuracy), under it: below.")  # fmt: skip
+    if exposure is not None:
+        for name, r in exp_rows.items():
+            if name not in budget["rows"] and r["verdict_of"]:
+                lines.append(
+                    f"{labels().get(name, name)}: {r['verdict']} (the update of "
+                    f"{r['verdict_of']}), {r['exposed_comm_s']:.3f} s exposed."
+                )
+        for fw, name in exposure["best"].items():
+            what = "none"
+            if name is not None:
+                what = f"{labels().get(name, name)}, {exp_rows[name]['exposed_comm_s']:.3f} s"
+            lines.append(f"best {fw} row at equal accuracy (exposed comm): {what}")
+        if exposure["ratio"] is not None:
+            lines.append(f"exposed time, jaxcomm's best / PyTorch's best at equal accuracy: "
+                         f"{exposure['ratio']:.3f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def complete_rows(run: dict[str, Any]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """A budget JSON's rows split into those with an accuracy for every seed and the rest
+    (a run stopped early, ``'partial'``: its last rows are cut, not averaged over fewer
+    seeds).
+
+    Returns:
+      ``(complete, cut)``: row -> accuracies per seed.
+    """
+    n = len(run["seeds"])
+    complete = {r: v["accuracy"] for r, v in run["rows"].items() if len(v["accuracy"]) == n}
+    cut = {r: v["accuracy"] for r, v in run["rows"].items() if r not in complete}
+    return complete, cut
+
+
+def table_of(paths: str, timed_json: str | None) -> int:
+    """``--table-of``: the budget table of budget runs' JSONs (comma-separated, the same
+    seeds and settings; a row is taken from the first file where it ran every seed), also
+    of runs stopped early."""
+    run: dict[str, Any] = {}
+    for path in paths.split(","):
+        with open(path) as f:
+            part = json.load(f)
+        if not run:
+            run = part
+            continue
+        if part["seeds"] != run["seeds"]:
+            raise SystemExit(f"--table-of: {path} has seeds {part['seeds']}, not {run['seeds']}")
+        have, _ = complete_rows(run)
+        run["rows"] |= {r: v for r, v in part["rows"].items() if r not in have}
+    complete, cut = complete_rows(run)
+    budget = budget_summary(complete)
+    exposure = None
+    if timed_json:
+        with open(timed_json) as f:
+            timed = json.load(f)
+        exposure = equal_accuracy_exposure(budget, timed.get("summary") or summarize(timed))
+    print(f"{run.get('command')}\nseeds {run['seeds']}; {run.get('uptime_before')} / "
+          f"{run.get('uptime_now') or run.get('uptime_after')}")  # fmt: skip
+    print(build_budget_table(budget, exposure))
+    for name, accs in cut.items():
+        done = " ".join(f"{a:.3f}" for a in accs) or "none"
+        print(f"cut (not every seed ran): {labels().get(name, name)}; seeds done: {done}")
+    return 0
+
+
+def budget_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--budget``: the training-budget comparison (see :func:`budget_worker`)."""
+    import jax
+
+    need = args.nodes * args.devices_per_node
+    if jax.device_count() < need:
+        from experiments.bench.digits import reexec_with_fake_devices
+
+        return reexec_with_fake_devices("peers", argv, need)
+    if any(framework(r) == "torch" for r in args.rows):
+        try:
+            import torch  # noqa: F401
+            import torchvision  # noqa: F401
+        except ImportError as e:
+            print(f"bench peers: {e}; pip install -e '.[bench]'", file=sys.stderr)
+            return 2
+    os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+    load_before = os.getloadavg()
+    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    t0 = time.perf_counter()
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+
+    def progress(partial: dict[str, Any]) -> None:  # what is done so far, if the run stops
+        now = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        head = {"partial": True, "command": "python -m experiments.bench peers " + " ".join(argv),
+                "uptime_before": uptime_before, "uptime_now": now}  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(head | partial, f, indent=1)
+
+    run = budget_worker(args, progress)
+    exposure = budget = None
+    try:
+        budget = budget_summary({r: v["accuracy"] for r, v in run["rows"].items()})
+    except ValueError as e:  # no f32 row: its table comes from --table-of with one that has
+        print(f"{e}; join this JSON with one that has: --table-of A.json,B.json")
+    if args.timed_json and budget is not None:
+        with open(args.timed_json) as f:
+            timed = json.load(f)
+        exposure = equal_accuracy_exposure(budget, timed.get("summary") or summarize(timed))
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    run |= {
+        "budget": budget,
+        "exposure": exposure,
+        "timed_json": args.timed_json,
+        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "worker_out")},
+        "command": "python -m experiments.bench peers " + " ".join(argv),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "load_avg_before": load_before,
+        "uptime_before": uptime_before,
+        "uptime_after": uptime,
+        "seconds": time.perf_counter() - t0,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    print(
+        f"\nTraining budget: ResNet-18 on digits at {args.px} px, global batch {args.batch}, "
+        f"Adam lr {args.lr}, {args.budget} steps, seeds {args.seeds}; JAX {need} devices "
+        f"as {args.nodes} x {args.devices_per_node}, PyTorch {run['torch_ranks']} gloo "
+        f"ranks x {run['torch_threads']} threads, loopback"
+    )
+    if budget is not None:
+        print(build_budget_table(budget, exposure))
+    else:
+        for name, r in run["rows"].items():
+            print(f"  {labels().get(name, name)}: {r['accuracy']}")
+    print(f"load: {uptime_before} / {uptime}; {run['seconds']:.0f} s")
+    with open(args.json, "w") as f:
+        json.dump(run, f, indent=1)
+    print(f"wrote {args.json}")
     return 0
 
 
@@ -513,14 +972,12 @@ def plot(summary: dict[str, dict[str, Any]], path: str, title: str) -> None:
 
 # -- the command -------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    from experiments.bench import peers_torch
-
-    torch_names = [r.name for r in peers_torch.ROWS]
     keys = ", ".join(labels())
     p = argparse.ArgumentParser(
         prog="python -m experiments.bench peers",
         description="PyTorch DDP (gloo) with its communication hooks beside jaxcomm's rows, "
-        "ResNet-18 on digits, one run on the emulated network (needs root and iproute2).",
+        "ResNet-18 on digits, one run on the emulated network (needs root and iproute2); "
+        "with --budget, their test accuracy over seeds after a training budget (no testbed).",
     )
     p.add_argument("--link", default="250mbit", help="tc rate of the link between the nodes")
     p.add_argument("--nodes", type=int, default=2)
@@ -540,7 +997,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8, help="steps of every row in a round")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD rank (both frameworks)")
     p.add_argument("--powersgd-start", type=int, default=2,
-                   help="torch's start_powerSGD_iter (f32 all-reduce before it)")  # fmt: skip
+                   help="PowerSGD's first compressed step (both frameworks: torch's "
+                   "start_powerSGD_iter, jaxcomm's sync_gradients(warmup_steps=...); "
+                   "f32 all-reduce before it)")  # fmt: skip
     p.add_argument("--sync-every", type=int, default=8, help="local steps: H")
     p.add_argument("--stacked-rung", default="int4",
                    help="the rung the stacked row's adaptive compressor is held on")  # fmt: skip
@@ -550,15 +1009,58 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--rows",
-        default=",".join(_interleave([r for r in JAX_ROWS if r not in LEFT_OUT], torch_names)),
+        default=None,
         help=f"comma-separated row keys, in the order each round runs them: {keys} "
-        "(default: all but those in LEFT_OUT)",
+        "(default: all but those in LEFT_OUT; with --budget: "
+        f"{','.join(BUDGET_ROWS)})",
     )
-    p.add_argument("--json", default="runs/peers.json", help="output JSON path")
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=0,
+        help="training-budget mode instead of the timed rounds: train every row of --rows "
+        "(but the compute-only twins) this many steps from each of --seeds without the "
+        "testbed (no root; accuracy does not depend on the link): JAX rows in one process "
+        "on nodes x devices-per-node CPU devices (fake ones if needed) with the testbed's "
+        "topology, PyTorch rows as nodes x torch-ranks-per-node gloo ranks on loopback; "
+        "prints each row's test accuracy per seed, mean, spread and its verdict against "
+        "the f32 rows' band (0: the timed rounds)",
+    )
+    p.add_argument(
+        "--table-of",
+        default=None,
+        metavar="JSON",
+        help="print the budget table of --budget runs' JSONs (comma-separated: rows joined; "
+        "also of runs stopped early: rows without every seed are listed as cut) and exit; "
+        "with --timed-json",
+    )
+    p.add_argument("--seeds", default="0,1,2",
+                   help="--budget: comma-separated seeds (initialisation, data order)")  # fmt: skip
+    p.add_argument(
+        "--timed-json",
+        default=None,
+        help="--budget: a timed run's JSON; its exposed communication per row joins the "
+        "table, and the best row of each framework at equal accuracy and the ratio of "
+        "their exposed times are printed",
+    )
+    p.add_argument("--json", default="runs/peers.json",
+                   help="output JSON path (--budget: rewritten after every row and seed, "
+                   "marked partial until the run ends)")  # fmt: skip
     p.add_argument("--plot", default=None, help="write the plot (PNG) here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     return p
+
+
+def default_rows(budget: int) -> list[str]:
+    """The rows ``--rows`` defaults to: :data:`BUDGET_ROWS` with ``--budget``, else every
+    row but those in :data:`LEFT_OUT`, the two frameworks' rows interleaved."""
+    from experiments.bench import peers_torch
+
+    if budget:
+        return list(BUDGET_ROWS)
+    torch_names = [r.name for r in peers_torch.ROWS]
+    return _interleave([r for r in JAX_ROWS if r not in LEFT_OUT], torch_names)
 
 
 def _interleave(a: list[str], b: list[str]) -> list[str]:
@@ -570,8 +1072,10 @@ def _interleave(a: list[str], b: list[str]) -> list[str]:
 
 def validate(args: argparse.Namespace, torch_names: Sequence[str]) -> str | None:
     """Why these arguments cannot run, or None."""
-    rows = [r for r in args.rows.split(",") if r]
+    rows = [r for r in (args.rows or ",".join(default_rows(args.budget))).split(",") if r]
     known = set(JAX_ROWS) | set(torch_names)
+    if args.budget:
+        return _validate_budget(args, rows, known)
     bad = [r for r in rows if r not in known]
     if bad:
         return f"--rows: unknown {bad}; choose from {sorted(known)}"
@@ -602,15 +1106,51 @@ def validate(args: argparse.Namespace, torch_names: Sequence[str]) -> str | None
     return None
 
 
+def _validate_budget(args: argparse.Namespace, rows: list[str], known: set[str]) -> str | None:
+    bad = [r for r in rows if r not in known]
+    if bad:
+        return f"--rows: unknown {bad}; choose from {sorted(known)}"
+    if args.budget < 1:
+        return f"--budget {args.budget}: at least 1 step"
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x]
+    except ValueError:
+        return f"--seeds {args.seeds!r}: comma-separated integers, e.g. 0,1,2"
+    if not seeds or len(set(seeds)) != len(seeds):
+        return f"--seeds {args.seeds!r}: at least one, each once, e.g. 0,1,2"
+    devices, world = args.nodes * args.devices_per_node, args.nodes * args.torch_ranks_per_node
+    for n, what in ((devices, "devices"), (world, "PyTorch ranks")):
+        if args.batch % n:
+            return f"--batch {args.batch}: a multiple of the {n} {what}"
+    if args.px % 8 or args.px < 8:
+        return f"--px {args.px}: a multiple of 8"
+    if "jax-local" in rows and args.budget % args.sync_every:
+        return f"--budget {args.budget}: a multiple of --sync-every {args.sync_every}"
+    if any(r.startswith("torch") and "powersgd" in r for r in rows) and (
+        args.powersgd_start < 2 or args.budget <= args.powersgd_start
+    ):
+        return (f"--powersgd-start {args.powersgd_start}: at least 2 and below --budget "
+                f"{args.budget}")  # fmt: skip
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from experiments.bench import peers_torch
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.table_of:
+        return table_of(args.table_of, args.timed_json)
+    if args.rows is None:
+        args.rows = ",".join(default_rows(args.budget))
     why = validate(args, [r.name for r in peers_torch.ROWS])
     if why:
         parser.error(why)
     args.rows = [r for r in args.rows.split(",") if r]
+    if args.budget:
+        args.seeds = [int(x) for x in args.seeds.split(",") if x]
+        return budget_main(args, argv)
     if args.worker:
         return worker(args)
     if any(framework(r) == "torch" for r in args.rows):
@@ -630,8 +1170,7 @@ def main(argv: list[str] | None = None) -> int:
     # glibc's per-thread malloc arenas hold freed memory: ten models in a process add up
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")
     load_before = os.getloadavg()
-    worker_args = [a for a in (argv if argv is not None else sys.argv[1:])]
-    worker_args = _strip(worker_args, ("--json", "--plot"))
+    worker_args = _strip(argv, ("--json", "--plot"))
     rc, run = run_worker("peers", worker_args, nodes=args.nodes,
                          devices_per_node=args.devices_per_node, link=args.link)  # fmt: skip
     if rc != 0:
@@ -645,7 +1184,7 @@ def main(argv: list[str] | None = None) -> int:
         "left_out": {k: why for k, why in LEFT_OUT.items() if k not in args.rows},
         "link": args.link,
         "config": {k: v for k, v in vars(args).items() if k not in ("worker", "worker_out")},
-        "command": "python -m experiments.bench peers " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m experiments.bench peers " + " ".join(argv),
         "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "load_avg_before": load_before,
         "load_avg_after": load_after,

@@ -265,6 +265,21 @@ class TorchRows:
         model.train()
         return {"accuracy": float((pred == self.cfg["y_test"]).mean())}
 
+    def reseed(self, seed: int, order: Any) -> dict[str, Any]:
+        """Rows built from now on start from ``seed`` and see the batches of ``order``."""
+        self.cfg = {**self.cfg, "seed": seed, "order": order}
+        return {}
+
+    def drop(self, name: str) -> dict[str, Any]:
+        """Frees row ``name``'s model, optimizer and process group (the training budget
+        trains each row once per seed)."""
+        import torch.distributed as dist
+
+        row = self.rows.pop(name, None)
+        if row is not None and row.get("group") is not None:
+            dist.destroy_process_group(row["group"])
+        return {}
+
     def info(self) -> dict[str, Any]:
         """The model's parameter count and f32 gradient bytes."""
         n = sum(p.numel() for p in self._model().parameters())
@@ -275,8 +290,9 @@ def rank_main(rank: int, world: int, addr: str, port: int, cfg: dict, cmds, resu
     """A PyTorch rank: joins gloo, then serves the worker's commands until ``stop``.
 
     Commands (tuples): ``('info',)``, ``('tune', candidates, steps)``, ``('run', row, n)``,
-    ``('eval', row)``, ``('stop',)``. Each answer is put on ``results`` as ``(rank,
-    dict)``; a rank that cannot go on answers ``(rank, {'fatal': traceback})`` and exits.
+    ``('eval', row)``, ``('drop', row)``, ``('reseed', seed, order)``, ``('stop',)``. Each
+    answer is put on ``results`` as ``(rank, dict)``; a rank that cannot go on answers
+    ``(rank, {'fatal': traceback})`` and exits.
     """
     try:
         import torch
@@ -297,7 +313,8 @@ def rank_main(rank: int, world: int, addr: str, port: int, cfg: dict, cmds, resu
             if cmd[0] == "stop":
                 break
             handler = {"info": rows.info, "tune": rows.tune, "run": rows.run,
-                       "eval": rows.evaluate}[cmd[0]]  # fmt: skip
+                       "eval": rows.evaluate, "drop": rows.drop,
+                       "reseed": rows.reseed}[cmd[0]]  # fmt: skip
             results.put((rank, handler(*cmd[1:])))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the worker prints it and stops the run
