@@ -435,7 +435,7 @@ def test_refuses_a_batch_that_does_not_divide(runs):
 def test_checkpoint_round_trip_and_onto_four_devices(runs, tmp_path):
     """orbax: bit for bit on the same devices, then restored onto 4 devices (2 x 2: every
     leaf split over 2 devices instead of 4) and trained on to the 8-device result."""
-    from experiments.checkpoint import Checkpointer
+    from jaxcomm import Checkpointer
 
     dp, _, _ = runs["hyb"]
     batches = runs["batches"]
