@@ -148,11 +148,11 @@ class _JaxRow:
             dp_kwargs["compiler_options"] = options
             self.settings = row.describe() | {"adaptive pinned at": args.stacked_rung}
         elif name == "jax-powersgd":
-            # the hook's start: f32 all-reduce for the first powersgd_start steps
-            comp = jaxcomm.compression.powersgd(rank=args.rank)
-            sync = jaxcomm.sync_gradients(
-                compression=comp, algorithm="flat", warmup_steps=args.powersgd_start
-            )
+            # the hook's start: f32 all-reduce for the first powersgd_start steps. The
+            # factors' all-reduces are hierarchical (the default algorithm): across a
+            # node's link they carry the hook's bytes; no padding, as the hook batches none
+            comp = jaxcomm.compression.powersgd(rank=args.rank, max_padding=0.0)
+            sync = jaxcomm.sync_gradients(compression=comp, warmup_steps=args.powersgd_start)
             tx = optax.chain(sync, adam)
         elif name == "jax-sharded":
             tx = optax.chain(jaxcomm.sync_gradients(compression=jaxcomm.compression.int8()), adam)
