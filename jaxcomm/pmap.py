@@ -137,11 +137,6 @@ class PmapAdapter(LinenAdapter):
     the ``tx`` it closes over: no recording; its sync is seen in its state, and what the
     step makes of the gradients in its jaxpr, :meth:`PmapDataParallel._check_optax_step`)."""
 
-    def __init__(self, name: str, check_batch: Callable):
-        super().__init__(name, check_batch)
-        # The last call's new replicated leaves in rows, by id: (leaf, its rows).
-        self.rows: dict[int, tuple] = {}
-
     @staticmethod
     def is_node(a: Any) -> bool:
         return _is_state(a)
@@ -162,50 +157,6 @@ class PmapAdapter(LinenAdapter):
         rest = jax.tree.map(lambda x: _Slot() if _is_state(x) else x, out, is_leaf=_is_state)
         return jax.tree.leaves(tuple(new)), rest
 
-    def write_back(self, objs: tuple, states: Any, out: Any) -> Any:
-        """The step's outputs with its new states in their places; keeps the rows the
-        program made of the new replicated leaves (:class:`_PmapStep`), by leaf, for
-        :meth:`PmapDataParallel._to_rows`."""
-        out, rows = out
-        self.rows = {
-            id(x): (x, r)
-            for x, r in zip(jax.tree.leaves(states), rows, strict=True)
-            if r is not None
-        }
-        return LinenAdapter.write_back(objs, states, out)
-
-
-class _PmapStep(FlaxStep):
-    """The pmap entry's engine: its program also returns, in pmap's rows, the replicated
-    leaves of each new state that the entry returns with ``out_axes=0``, so that the entry
-    hands them back from the same launch (as ``jax.pmap`` does) rather than from a program
-    of its own each step (``experiments.bench overhead``, docs/benchmarks.md).
-
-    Args:
-      rows_out: per state the step returns, whether it goes back in rows; read after the
-        step was traced (the front end's ``_body`` records it while it traces).
-    """
-
-    def __init__(self, *args: Any, rows_out: Callable[[], list[bool]], **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._rows_out = rows_out
-
-    def _stacked_step(self, plan, leaves, args, share=None, *, communicate=True, **kwargs):
-        new, out = super()._stacked_step(
-            plan, leaves, args, share, communicate=communicate, **kwargs
-        )
-        lifted = set(plan.lifted) if communicate else set()
-        wanted = [
-            want
-            for sub, want in zip(plan.treedef.children(), self._rows_out(), strict=True)
-            for _ in range(sub.num_leaves)
-        ]
-        rows = [
-            None if per or not want else x if i in lifted else x[None]
-            for i, (x, per, want) in enumerate(zip(new, plan.per, wanted, strict=True))
-        ]
-        return new, (out, rows)
-
 
 def _rows_hint() -> str:
     """On several processes: how pmap_data_parallel's rows differ from jax.pmap's."""
@@ -221,9 +172,6 @@ def _rows_hint() -> str:
 
 def _check_rows(data: Any, num_devices: int) -> None:
     """Refuses a batch argument whose leading axis is not the devices (pmap's layout)."""
-    leaves = jax.tree.leaves(data)
-    if all(np.shape(x)[:1] == (num_devices,) for x in leaves):
-        return  # (every call: the paths are read only for the message)
     for path, x in jax.tree_util.tree_flatten_with_path(data)[0]:
         shape = np.shape(x)
         if not shape or shape[0] != num_devices:
@@ -370,10 +318,7 @@ class PmapDataParallel(FlaxFrontEnd):
         self._sharded = shard is not None
         self._form: _Form | None = None  # the optax form's places, found at the first call
         self._optax_checked = False  # the optax form's step was read for a kept mean
-        # Per state the step returns (traced): whether out_axes gives it back in rows.
-        self._state_rows_out: list[bool] = []
-        self._out_axes_of: dict = {}  # by the outputs' structure: one out_axes entry per leaf
-        engine = _PmapStep(
+        engine = FlaxStep(
             self._body,
             mesh,
             PmapAdapter(self._name, check_batch=_check_rows),
@@ -381,7 +326,6 @@ class PmapDataParallel(FlaxFrontEnd):
             check_replicas=check_replicas,
             axis_name=axis_name,
             shard=shard,
-            rows_out=lambda: self._state_rows_out,
         )
         super().__init__(engine, fn)
         self.axis_name = axis_name
@@ -418,13 +362,8 @@ class PmapDataParallel(FlaxFrontEnd):
             )
         return list(self._in_axes)
 
-    def _flat_out_axes(self, out: Any, treedef: Any = None) -> list:
-        """One ``out_axes`` entry per output leaf (a ``TrainState`` counts as one); with
-        ``treedef`` (``out``'s, states as leaves), read once per output structure."""
-        if treedef is not None:
-            if treedef not in self._out_axes_of:
-                self._out_axes_of[treedef] = self._flat_out_axes(out)
-            return self._out_axes_of[treedef]
+    def _flat_out_axes(self, out: Any) -> list:
+        """One ``out_axes`` entry per output leaf (a ``TrainState`` counts as one)."""
         axes_def = jax.tree.structure(self._out_axes, is_leaf=lambda x: x is None)
         try:
             subtrees = axes_def.flatten_up_to(out)
@@ -470,7 +409,6 @@ class PmapDataParallel(FlaxFrontEnd):
             return x[None]
 
         axes = self._flat_out_axes(out)
-        self._state_rows_out = [a == 0 for x, a in zip(flat, axes, strict=True) if _is_state(x)]
         return jax.tree.unflatten(treedef, [row(x, a) for x, a in zip(flat, axes, strict=True)])
 
     # -- the optax form ------------------------------------------------------------------
@@ -695,20 +633,11 @@ class PmapDataParallel(FlaxFrontEnd):
         return jax.tree.unflatten(treedef, leaves)
 
     def _to_rows(self, leaves: list, per: list[bool]) -> list:
-        """The replicated leaves as pmap's rows (those the step's program returned in rows
-        already, else from a program of their own); remembers each row's replica."""
-        made = self.engine.adapter.rows
-        rows: dict[int, jax.Array] = {}
-        for i, f in enumerate(per):
-            hit = None if f else made.get(id(leaves[i]))
-            if hit is not None and hit[0] is leaves[i]:
-                rows[i] = hit[1]
-        missing = [i for i, f in enumerate(per) if not f and i not in rows]
-        if missing:
-            launched = self._replicas_to_rows([leaves[i] for i in missing])
-            rows.update(zip(missing, launched, strict=True))
+        """The replicated leaves as pmap's rows; remembers each row's replica."""
+        idx = [i for i, f in enumerate(per) if not f]
+        rows = self._replicas_to_rows([leaves[i] for i in idx])
         leaves = list(leaves)
-        for i, r in rows.items():
+        for i, r in zip(idx, rows, strict=True):
             self._replica_of[id(r)] = (r, leaves[i])
             leaves[i] = r
         return leaves
@@ -912,7 +841,7 @@ class PmapDataParallel(FlaxFrontEnd):
         self._replica_of = {}  # a later call takes only these rows without a launch
         flat, treedef = jax.tree.flatten(out, is_leaf=_is_state)
         # Outputs come one row per device as the step made them; out_axes=None: row 0.
-        flat_axes = self._flat_out_axes(out, treedef)
+        flat_axes = self._flat_out_axes(out)
         idx = [i for i, a in enumerate(flat_axes) if a is None and not _is_state(flat[i])]
         for i, x in zip(idx, self._row0([flat[i] for i in idx]) if idx else (), strict=True):
             flat[i] = x
@@ -922,7 +851,6 @@ class PmapDataParallel(FlaxFrontEnd):
             if _is_state(x):
                 flat[i] = self._keep_held(k, x, next(layouts), rows=a == 0)
                 k += 1
-        self.engine.adapter.rows = {}  # taken; held by the outputs only
         out = jax.tree.unflatten(treedef, flat)
         if self._form is not None:
             out = self._unpack_outputs(out)
