@@ -175,11 +175,11 @@ class LinenAdapter:
         return states, lambda: None, bool(states)
 
     def exit(self, objs: tuple, out: Any) -> tuple[list, Any]:
-        is_state = lambda x: isinstance(x, TrainState)  # noqa: E731
+        is_state = self.is_node
         new = [x for x in jax.tree.leaves(out, is_leaf=is_state) if is_state(x)]
         if len(new) != len(objs):
             raise ValueError(
-                f"linen_data_parallel: the step takes {len(objs)} TrainState(s) and returns "
+                f"{self.name}: the step takes {len(objs)} TrainState(s) and returns "
                 f"{len(new)}; return each new state, e.g. (state, metrics)."
             )
         rest = jax.tree.map(lambda x: _Slot() if is_state(x) else x, out, is_leaf=is_state)

@@ -75,7 +75,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.axis_names import check_axis_name
 from jaxcomm.flax_step import FlaxFrontEnd, FlaxStep, check_decorator_args, key_data
-from jaxcomm.linen import LinenAdapter, _Slot
+from jaxcomm.linen import LinenAdapter
 from jaxcomm.mesh import DATA_AXES
 from jaxcomm.replicas import check_replicas as compare_replicas
 from jaxcomm.sharded import shard_options
@@ -146,16 +146,6 @@ class PmapAdapter(LinenAdapter):
         if any(isinstance(s, OptaxState) for s in states):
             return states, lambda: None, False
         return LinenAdapter.enter(graphdef, states, hooks)
-
-    def exit(self, objs: tuple, out: Any) -> tuple[list, Any]:
-        new = [x for x in jax.tree.leaves(out, is_leaf=_is_state) if _is_state(x)]
-        if len(new) != len(objs):
-            raise ValueError(
-                f"{self.name}: the step takes {len(objs)} TrainState(s) and returns "
-                f"{len(new)}; return each new state, e.g. (state, metrics)."
-            )
-        rest = jax.tree.map(lambda x: _Slot() if _is_state(x) else x, out, is_leaf=_is_state)
-        return jax.tree.leaves(tuple(new)), rest
 
 
 def _rows_hint() -> str:
