@@ -326,6 +326,16 @@ def check_decorator_args(name: str, mesh: Any, axes: Any, check_replicas: Any) -
     return n, check_axes(axes)
 
 
+class Split(NamedTuple):
+    """An adapter's split of the step's state objects (:meth:`Adapter.split`)."""
+
+    graphdef: Any  # the static part: keys the engine's plans (compared by identity first)
+    leaves: list  # the state's leaves, in the order of ``treedef``
+    treedef: Any  # ``jax.tree.unflatten(treedef, leaves)`` is what ``Adapter.enter`` takes
+    kinds: tuple[str, ...]  # each leaf's kind (PARAM, OPT, METRIC, KEY, OTHER)
+    targets: Any = None  # the adapter's own: where ``write_back`` writes the new leaves
+
+
 class Adapter(Protocol):
     """What one kind of Flax state (NNX objects, Linen ``TrainState`` s) tells the engine.
 
@@ -348,8 +358,10 @@ class Adapter(Protocol):
         """Whether a step argument is state (else it is the batch)."""
         ...
 
-    def split(self, objs: tuple) -> tuple[Any, Any, tuple[str, ...]]:
-        """``(graphdef, state, kinds)``: a static part, the state pytree, each leaf's kind."""
+    def split(self, objs: tuple) -> Split:
+        """The objects' static part, their state's leaves and structure, each leaf's kind.
+        Called on every step: what depends on the structure alone is read once per
+        structure."""
         ...
 
     def enter(self, graphdef: Any, state: Any, hooks: TraceHooks) -> tuple:
@@ -362,8 +374,9 @@ class Adapter(Protocol):
         """The new state leaves after the step, and its outputs without the state."""
         ...
 
-    def write_back(self, objs: tuple, state: Any, out: Any) -> Any:
-        """What the call returns, the new ``state`` written back into ``objs``."""
+    def write_back(self, objs: tuple, split: Split, new: list, out: Any) -> Any:
+        """What the call returns, the new state's leaves ``new`` (in the order of
+        ``split.treedef``) written back into ``objs``."""
         ...
 
     def optimizers(self, objs: tuple) -> list[tuple]:
@@ -452,6 +465,10 @@ class FlaxStep:
       check_replicas: every this many calls, compare the replicated state by its bits.
       axis_name: a name the step uses for the data axes, bound to them while it traces.
       shard: ``shard_optimizer=True``: the ``ShardedOptimizer`` arguments; else None.
+      state_rows: pmap's layout (``adapter.rows_out``): read while the step traces, per
+        state argument whether the step's new state goes back in rows; the program then
+        returns ``(outputs, rows)`` in the place of the outputs, ``rows`` each new
+        replicated leaf of those states as ``(devices, ...)`` (None for the others).
     """
 
     def __init__(
@@ -464,8 +481,10 @@ class FlaxStep:
         check_replicas: int,
         axis_name: str | None = None,
         shard: dict | None = None,
+        state_rows: Callable[[], list[bool]] | None = None,
     ):
         self.adapter = adapter
+        self._state_rows = state_rows
         self.name = adapter.name
         check_mesh_axes(self.name, axes, mesh)
         self.fn = fn
@@ -495,6 +514,11 @@ class FlaxStep:
         self._feedback_step: Any = None
         self._opts: list = []  # the optimizer layout of the last prepared state
         self._layouts: dict = {}  # by the state's structure: (optimizer layout, marked)
+        # The last call's (graphdef, treedef, batch structure, nodes, (plan, step)): a call
+        # with the same structures takes its plan without a lookup.
+        self._last: tuple | None = None
+        # (batch structure, shapes) of batches laid out already that passed the checks.
+        self._batches_checked: set = set()
         # shard_optimizer=True: the ShardedOptimizer's arguments, and one per optimizer
         # (by its position among the step's optimizers), built at the first call.
         self._shard_args = shard
@@ -522,9 +546,24 @@ class FlaxStep:
             leaves = _scatter(leaves, plan.opts, opt_states)
         result, out = self._local(plan, leaves, args, communicate=communicate, phase=phase)
         new = stack_leaves(result, plan.per)
-        for i in plan.lifted if communicate else ():
+        lifted = plan.lifted if communicate else ()
+        for i in lifted:
             new[i] = new[i][None]  # each device's copy; read back as replicated in _jit
-        return new, out
+        if self._state_rows is None:
+            return new, out
+        # The replicated leaves of each state that goes back in pmap's rows, as each
+        # device's row too (the outputs' P(axes)), from this program: the entry returns
+        # them without a program of its own.
+        wanted = [
+            want
+            for sub, want in zip(plan.treedef.children(), self._state_rows(), strict=True)
+            for _ in range(sub.num_leaves)
+        ]
+        rows = [
+            None if per or not want else x if i in lifted else x[None]
+            for i, (x, per, want) in enumerate(zip(new, plan.per, wanted, strict=True))
+        ]
+        return new, (out, rows)
 
     def _local(self, plan, leaves, args, rec=None, *, communicate=True, phase=NO_HOST_PHASE):
         """One device's step on its local leaves; returns the new leaves and outputs."""
@@ -886,18 +925,37 @@ class FlaxStep:
     # -- call -------------------------------------------------------------------------
     def prepare(self, args: tuple) -> tuple:
         """The step's objects, its plan and jitted step, and its inputs on the mesh:
-        ``(objs, plan, step, leaves, data)``."""
-        nodes = [self.adapter.is_node(a) for a in args]
+        ``(objs, plan, step, leaves, data)``; ``objs`` is ``(objects, split)``.
+
+        Once warm (the structures of the state and the batch those of the call before), the
+        plan is the last call's: nothing is looked up, checked or built again."""
+        adapter = self.adapter
+        nodes = tuple(adapter.is_node(a) for a in args)
         objs = tuple(a for a, n in zip(args, nodes, strict=True) if n)
-        data = [None if n else a for a, n in zip(args, nodes, strict=True)]
-        for a in data:
-            jax.tree.map(lambda x: refuse_nnx_object(x, self.name), a)
         if self._shard_args is not None:
             objs = self._shard_optimizers(objs)
-        graphdef, state, kinds = self.adapter.split(objs)
-        leaves, treedef = jax.tree.flatten(state)
-        data = self._shard(data)
+        split = adapter.split(objs)
+        data, data_def = self._shard([None if n else a for a, n in zip(args, nodes, strict=True)])
+        last = self._last
+        if (
+            last is not None
+            and split.graphdef is last[0]
+            and (split.treedef is last[1] or split.treedef == last[1])
+            and data_def == last[2]
+            and nodes == last[3]
+        ):
+            plan, step = last[4]
+        else:
+            plan, step = self._plan_for(objs, split, data, data_def, nodes)
+        leaves = [self._put(x, f) for x, f in zip(split.leaves, plan.per, strict=True)]
+        return (objs, split), plan, step, leaves, data
+
+    def _plan_for(self, objs: tuple, split: Split, data: list, data_def: Any, nodes: tuple):
+        """The plan and jitted step for the structures of ``split`` and ``data``
+        (:meth:`_plan`, built once per structure); remembered as the last call's."""
+        graphdef, treedef, leaves = split.graphdef, split.treedef, split.leaves
         if (graphdef, treedef) not in self._layouts:  # paths depend on the structure only
+            state = jax.tree.unflatten(treedef, leaves)
             self._layouts[graphdef, treedef] = _opt_layout(self.adapter, objs, state)
         opts, marked = self._layouts[graphdef, treedef]
         # A per-device leaf stored by an earlier step (or a sharded optimizer's chunks)
@@ -908,11 +966,11 @@ class FlaxStep:
             else x
             for x, m in zip(leaves, marked, strict=True)
         ]
-        base = Plan(graphdef, treedef, kinds, None, tuple(nodes), opts)
+        base = Plan(graphdef, treedef, split.kinds, None, nodes, opts)
         plan, step = self._plan(base, local, data, marked)
         self._opts = plan.opts
-        leaves = [self._put(x, f) for x, f in zip(leaves, plan.per, strict=True)]
-        return objs, plan, step, leaves, data
+        self._last = (graphdef, treedef, data_def, nodes, (plan, step))
+        return plan, step
 
     def _put(self, x: Any, per_device: bool) -> jax.Array:
         """A state leaf on the mesh: replicated, or one entry per device."""
@@ -961,7 +1019,7 @@ class FlaxStep:
         return self._compiled_steps[key]
 
     def __call__(self, *args):
-        objs, plan, step, leaves, data = self.prepare(args)
+        (objs, split), plan, step, leaves, data = self.prepare(args)
         phase = None
         if self.feedback is None:
             phase = self._phase(plan, leaves)
@@ -979,7 +1037,7 @@ class FlaxStep:
             compare_replicas(key_data(new), mesh=self.mesh, what=f"state (step {self._calls})")
         if self.feedback is not None:
             self.feedback.after_step(new)
-        return self.adapter.write_back(objs, jax.tree.unflatten(plan.treedef, new), out)
+        return self.adapter.write_back(objs, split, new, out)
 
     # -- shard_optimizer=True ----------------------------------------------------------
     def _shard_optimizers(self, objs: tuple) -> tuple:
@@ -1063,13 +1121,27 @@ class FlaxStep:
         return _scatter(state, self._opts, opt_states)
 
     # -- the batch ---------------------------------------------------------------------
-    def _shard(self, data):
+    def _shard(self, data: list) -> tuple[list, Any]:
+        """The batch arguments on the mesh (``None`` in the places of the state), and their
+        structure. A batch laid out already whose structure and shapes passed the checks
+        before passes without them (they read only those)."""
+        flat, data_def = jax.tree.flatten(data)
+        laid_out = all(isinstance(x, jax.Array) and x.sharding == self.batch_sharding for x in flat)
+        if laid_out and (data_def, tuple(x.shape for x in flat)) in self._batches_checked:
+            return data, data_def
+        for a in data:
+            jax.tree.map(lambda x: refuse_nnx_object(x, self.name), a)
         self.adapter.check_batch(data, self.num_devices)
         if self.adapter.global_batch:
             refuse_pmap_layout(data, self.num_devices, self.name, self.batch_sharding)
         many = jax.process_count() > 1
         if many and not self._batch_checked:
             self._check_global_batch(data)
+        if laid_out:
+            if len(self._batches_checked) >= 64:
+                self._batches_checked.clear()
+            self._batches_checked.add((data_def, tuple(x.shape for x in flat)))
+            return data, data_def
 
         def put(x):
             if isinstance(x, jax.Array) and x.sharding == self.batch_sharding:
@@ -1087,7 +1159,7 @@ class FlaxStep:
                 )
             return jax.device_put(x, self.batch_sharding)
 
-        return jax.tree.map(put, data)
+        return jax.tree.map(put, data), data_def
 
     def _check_global_batch(self, data: Any) -> None:
         """Refuses, at the first call on several processes, a batch that is not the same

@@ -44,6 +44,7 @@ from jaxcomm.flax_step import (
     FlaxFrontEnd,
     FlaxStep,
     Recording,
+    Split,
     TraceHooks,
     check_decorator_args,
     plain_path,
@@ -159,14 +160,14 @@ class LinenAdapter:
     def is_node(a: Any) -> bool:
         return isinstance(a, TrainState)
 
-    def split(self, objs: tuple) -> tuple[Any, Any, tuple[str, ...]]:
+    def split(self, objs: tuple) -> Split:
         leaves, treedef = jax.tree.flatten(objs)
         # A leaf's kind follows from its path, dtype and shape: found once per structure.
         key = (treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
         if key not in self._kinds:
             flat = jax.tree_util.tree_flatten_with_path(objs)[0]
             self._kinds[key] = tuple(_linen_kind(p, x) for p, x in flat)
-        return None, objs, self._kinds[key]
+        return Split(None, leaves, treedef, self._kinds[key])
 
     @staticmethod
     def enter(graphdef: Any, states: Any, hooks: TraceHooks) -> tuple:
@@ -186,8 +187,8 @@ class LinenAdapter:
         return jax.tree.leaves(tuple(new)), rest
 
     @staticmethod
-    def write_back(objs: tuple, states: Any, out: Any) -> Any:
-        it = iter(states)
+    def write_back(objs: tuple, split: Split, new: list, out: Any) -> Any:
+        it = iter(jax.tree.unflatten(split.treedef, new))
         return jax.tree.map(
             lambda x: next(it) if isinstance(x, _Slot) else x,
             out,

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
@@ -90,6 +90,7 @@ from jaxcomm.flax_step import (
     FlaxFrontEnd,
     FlaxStep,
     Recording,
+    Split,
     TraceHooks,
     check_decorator_args,
     key_data,
@@ -195,9 +196,81 @@ def _update(optimizer: nnx.Optimizer, model: Any, grads: Any, /, **kwargs: Any) 
 _FLAX_UPDATES = (nnx.Optimizer.update, nnx.ModelAndOptimizer.update)
 
 
+def _is_variable(x: Any) -> bool:
+    # By its type: isinstance goes through Variable's metaclass (for tracers), twice as
+    # slow in the flatten of every call.
+    return issubclass(type(x), nnx.Variable)
+
+
+class _Warm(NamedTuple):
+    """How to read one structure's state without Flax's graph traversal.
+
+    The objects flattened as a JAX pytree (``nnx.Pytree`` s are pytrees) with their
+    ``Variable`` s as leaves, and those ``Variable`` s flattened in turn, give two
+    treedefs that hold every node's type and static attributes, each ``Variable``'s type
+    and metadata; which leaves are the same ``Variable`` (shared) is read from their
+    identities. Equal treedefs and the same sharing: the objects have the structure
+    ``nnx.split`` read (its ``GraphDef``), and its state's leaves are the ``Variable`` s'
+    values at ``order``, written back into those ``Variable`` s."""
+
+    variables_def: Any  # the objects' treedef, Variables as leaves
+    values_def: Any  # the Variables' treedef (types, metadata), their values as leaves
+    order: tuple[int, ...]  # state leaf i is the value of Variable order[i] of the flatten
+    shared: tuple[tuple[int, ...], ...]  # Variables that occur more than once: positions
+    distinct: int  # how many distinct Variables
+    structure: _Structure
+    treedef: Any  # the state's treedef (nnx.split's State)
+
+    def matches(self, variables: list) -> bool:
+        """Whether ``variables`` (this call's, in flatten order) are shared as at the
+        structure's first sight (with equal treedefs: the same graph)."""
+        return len({id(v) for v in variables}) == self.distinct and all(
+            variables[j] is variables[g[0]] for g in self.shared for j in g[1:]
+        )
+
+
+def _warm(
+    variables: list, variables_def: Any, structure: _Structure, state: Any, treedef: Any
+) -> _Warm | None:
+    """The :class:`_Warm` reading of a structure (``nnx.split`` gave ``state``, of
+    structure ``treedef``); None where the objects hold state outside ``Variable`` s, a
+    ``Variable`` whose value is not one leaf, or array references (``ref``, ``hijax``
+    metadata), which only Flax's ``nnx.split`` / ``nnx.update`` read and write."""
+    if not all(_is_variable(v) for v in variables):
+        return None  # a plain array attribute, a graph node that is not a pytree
+    values, values_def = jax.tree.flatten(variables)
+    in_state = jax.tree.leaves(state, is_leaf=_is_variable)
+    leaves = jax.tree.leaves(state)
+    if len(values) != len(variables) or len(leaves) != len(in_state):
+        return None  # a Variable whose value is not one array
+    first: dict[int, int] = {}
+    for j, v in enumerate(variables):
+        first.setdefault(id(v), j)
+    order = tuple(first.get(id(v), -1) for v in in_state)
+    if -1 in order or len(order) != len(first):
+        return None
+    if any(values[j] is not x for j, x in zip(order, leaves, strict=True)):
+        return None
+    for v in in_state:
+        meta = v.get_metadata()
+        if meta.get("ref") or meta.get("hijax"):
+            return None  # an array reference: written through Flax (nnx.update)
+    positions: dict[int, list[int]] = {}
+    for j, v in enumerate(variables):
+        positions.setdefault(id(v), []).append(j)
+    shared = tuple(tuple(p) for p in positions.values() if len(p) > 1)
+    return _Warm(variables_def, values_def, order, shared, len(first), structure, treedef)
+
+
 class NnxAdapter:
     """NNX state for the engine (:class:`jaxcomm.flax_step.Adapter`): graph nodes split by
-    ``Variable`` type, updated in place."""
+    ``Variable`` type, updated in place.
+
+    Per call, the objects' structure is recognised from their pytree flatten (a few
+    microseconds per node; :class:`_Warm`) and their state read from and written into
+    their ``Variable`` s; Flax's ``nnx.split`` (its graph traversal, about ten times
+    slower) runs at a structure's first sight and where the warm reading does not apply.
+    """
 
     name = "nnx_data_parallel"
     global_batch = True
@@ -207,18 +280,39 @@ class NnxAdapter:
         "wrt=nnx.Param)"
     )
 
+    def __init__(self):
+        # By the objects' treedef (Variables as leaves): the warm reading, or None.
+        self._warm: dict[Any, _Warm | None] = {}
+
     @staticmethod
     def is_node(a: Any) -> bool:
         return isinstance(a, nnx.Pytree)
 
-    @staticmethod
-    def split(objs: tuple) -> tuple[_Structure, Any, tuple[str, ...]]:
-        """The objects' interned structure (the engine's "graphdef"), their state and each
-        state leaf's kind. Per call only Flax's split runs: the checks and kinds are the
+    def split(self, objs: tuple) -> Split:
+        """The objects' interned structure (the engine's "graphdef"), their state's leaves
+        and treedef, and each leaf's kind; ``targets``: the ``Variable`` s the new leaves
+        are written into (None: through ``nnx.update``). The checks and kinds are the
         structure's, read once."""
+        variables, variables_def = jax.tree.flatten(objs, is_leaf=_is_variable)
+        try:
+            warm = self._warm.get(variables_def, False)
+        except Exception:  # a static attribute that does not hash or compare: no warm path
+            warm = None
+        if warm:
+            values, values_def = jax.tree.flatten(variables)
+            if values_def == warm.values_def and warm.matches(variables):
+                structure = warm.structure
+                leaves = [values[j] for j in warm.order]
+                targets = [variables[j] for j in warm.order]
+                return Split(structure, leaves, warm.treedef, structure.kinds, targets)
         graphdef, state = nnx.split(objs)
         structure = _structure(objs, graphdef, state)
-        return structure, state, structure.kinds
+        leaves, treedef = jax.tree.flatten(state)
+        if warm is not None:  # first sight, or the Variables' metadata or sharing changed
+            if len(self._warm) >= _MAX_STRUCTURES:
+                self._warm.clear()
+            self._warm[variables_def] = _warm(variables, variables_def, structure, state, treedef)
+        return Split(structure, leaves, treedef, structure.kinds)
 
     @staticmethod
     def enter(graphdef: _Structure, state: Any, hooks: TraceHooks) -> tuple:
@@ -250,8 +344,12 @@ class NnxAdapter:
         return jax.tree.leaves(nnx.split(objs)[1]), out
 
     @staticmethod
-    def write_back(objs: tuple, state: Any, out: Any) -> Any:
-        nnx.update(objs, state)
+    def write_back(objs: tuple, split: Split, new: list, out: Any) -> Any:
+        if split.targets is None:
+            nnx.update(objs, jax.tree.unflatten(split.treedef, new))
+        else:  # the Variables the leaves were read from (as nnx.update writes them)
+            for v, x in zip(split.targets, new, strict=True):
+                v.set_raw_value(x)
         return out
 
     def optimizers(self, objs: tuple) -> list[tuple]:

@@ -10,7 +10,10 @@ from experiments.bench import overhead
 
 def test_entries_and_twins_compute_the_same_and_the_json_holds_the_rows(tmp_path, capsys):
     path = tmp_path / "overhead.json"
-    only = "data_parallel,linen_data_parallel,nnx_data_parallel,pmap_data_parallel rows"
+    only = (
+        "data_parallel,linen_data_parallel,nnx_data_parallel,pmap_data_parallel rows,"
+        "pmap_data_parallel optax"
+    )
     assert (
         overhead.main(["--rounds", "1", "--steps", "2", "--only", only, "--json", str(path)]) == 0
     )

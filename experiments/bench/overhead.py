@@ -10,7 +10,9 @@ batch, already on the devices, in interleaved rounds:
 - ``nnx_data_parallel`` vs ``jax.jit(jax.shard_map(...))`` over ``nnx.split`` state (split
   once, outside the loop, as a functional NNX loop keeps it);
 - ``pmap_data_parallel`` (``in_axes=(None, 0), out_axes=(None, 0)``, and the older rows
-  form) vs ``jax.pmap`` of the step with ``lax.pmean``.
+  form) vs ``jax.pmap`` of the step with ``lax.pmean``;
+- ``pmap_data_parallel`` in the optax form (``update(params, opt_state, batch)``, ``tx``
+  closed over, the state in rows) vs ``jax.pmap`` of the same with ``lax.pmean``.
 
 Every jaxcomm entry uses ``sync_gradients(algorithm='flat')`` (one all-reduce, as the twins'
 ``lax.pmean``). Per step it records the time until the result is ready (``step``; on a CPU
@@ -45,6 +47,7 @@ ENTRIES = (
     "nnx_data_parallel",
     "pmap_data_parallel unreplicated",
     "pmap_data_parallel rows",
+    "pmap_data_parallel optax",
 )
 COMPRESSIONS = ("none", "int8", "adaptive")  # of every entry's sync (the twins: lax.pmean)
 
@@ -270,12 +273,52 @@ def _pairs(mesh: Any, compression: str = "none") -> dict[str, tuple[Callable, Ca
         step = looped(first_loss(jax.pmap(pmean_step, axis_name="batch")), state, pmap_rows)
         return step, step
 
+    def update_fn(tx, mean: bool):
+        def update(p, o, b):
+            loss, g = jax.value_and_grad(loss_fn)(p, b)
+            u, o = tx.update(lax.pmean(g, "batch") if mean else g, o, p)
+            return optax.apply_updates(p, u), o, lax.pmean(loss, "batch")
+
+        return update
+
+    def updated(step_fn: Callable, tx, b: Any) -> Callable:
+        box = list(jax_utils.replicate((params0, tx.init(params0))))
+
+        def one():
+            box[0], box[1], loss = step_fn(*box, b)
+            return loss
+
+        return one
+
+    def optax_entry():
+        from jaxcomm.pmap import OptaxState  # the engine's state node for the optax form
+
+        tx = synced(optax.sgd(lr))
+        step = jaxcomm.pmap_data_parallel(mesh)(update_fn(tx, False), axis_name="batch")
+        on_mesh = placed(rows, step)
+        program: list = []
+
+        def alone_later():
+            # The entry finds the optax form's state at its first call; its program is
+            # built from the node after that (run() calls this after the first steps).
+            if not program:
+                program.append(alone(step.engine, OptaxState(params0, tx.init(params0)), on_mesh))
+            return program[0]()
+
+        return updated(step, tx, on_mesh), alone_later
+
+    def optax_twin():
+        tx = optax.sgd(lr)
+        step = updated(jax.pmap(update_fn(tx, True), axis_name="batch"), tx, pmap_rows)
+        return step, step
+
     return {
         "data_parallel": (dp_entry, dp_twin),
         "linen_data_parallel": (linen_entry, linen_twin),
         "nnx_data_parallel": (nnx_entry, nnx_twin),
         "pmap_data_parallel unreplicated": (pmap_entry, pmap_twin),
         "pmap_data_parallel rows": (rows_entry, rows_twin),
+        "pmap_data_parallel optax": (optax_entry, optax_twin),
     }
 
 
