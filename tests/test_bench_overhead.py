@@ -24,6 +24,8 @@ def test_entries_and_twins_compute_the_same_and_the_json_holds_the_rows(tmp_path
         assert row["loss_gap"] < 1e-5, (name, row["loss_gap"])
         assert row["step_ms"] > 0 and row["twin_step_ms"] > 0 and row["program_ms"] > 0
         assert row["ratio"] == pytest.approx(row["step_ms"] / row["twin_step_ms"], rel=1e-9)
+        assert row["cpu_ms"] > 0 and row["twin_cpu_ms"] > 0
+        assert row["cpu_ratio"] == pytest.approx(row["cpu_ms"] / row["twin_cpu_ms"], rel=1e-9)
     assert "| pmap_data_parallel rows |" in capsys.readouterr().out
 
 

@@ -18,9 +18,11 @@ Every jaxcomm entry uses ``sync_gradients(algorithm='flat')`` (one all-reduce, a
 ``lax.pmean``). Per step it records the time until the result is ready (``step``; on a CPU
 mesh a jaxcomm call waits for its result itself, see ``jaxcomm.backend``), the entry's own
 compiled program run alone on its inputs (``program``: what the devices do, and the wait),
-and the difference (``host``: the work the entry does around its program). The table
-reports medians over rounds and each entry's step over its twin's (goal: at most 1.1). The
-twins' losses are checked equal to the entries'.
+and the difference (``host``: the work the entry does around its program), and the main
+thread's CPU time per step of the entry and of its twin (``time.thread_time``: the host's
+own work, which other processes on a loaded machine do not stretch as they stretch the
+wall clock). The table reports medians over rounds and each entry's step over its twin's
+(goal: at most 1.1). The twins' losses are checked equal to the entries'.
 """
 
 from __future__ import annotations
@@ -322,9 +324,12 @@ def _pairs(mesh: Any, compression: str = "none") -> dict[str, tuple[Callable, Ca
     }
 
 
-def _time(step: Callable, n: int) -> tuple[float, float, Any]:
-    """Median seconds per step until the call returns and until its result is ready."""
+def _time(step: Callable, n: int) -> tuple[float, float, float, Any]:
+    """Median seconds per step until the call returns and until its result is ready, and
+    the main thread's CPU seconds per step (``time.thread_time``: the host's own work,
+    which other processes on a loaded machine do not stretch)."""
     calls, steps, loss = [], [], None
+    c0 = time.thread_time()
     for _ in range(n):
         t0 = time.perf_counter()
         loss = step()
@@ -333,7 +338,8 @@ def _time(step: Callable, n: int) -> tuple[float, float, Any]:
         t2 = time.perf_counter()
         calls.append(t1 - t0)
         steps.append(t2 - t0)
-    return statistics.median(calls), statistics.median(steps), loss
+    cpu = (time.thread_time() - c0) / n
+    return statistics.median(calls), statistics.median(steps), cpu, loss
 
 
 def run(
@@ -349,9 +355,11 @@ def run(
       ``{'rows': {name: row}}``; a row has the entry's ``call_ms`` and ``step_ms``, its
       compiled program's alone (``program_ms``), ``host_ms`` (step minus program: the work
       around the program), the twin's ``twin_step_ms``, ``ratio`` (the entry's step over
-      the twin's) and its ``ratio_range`` over rounds, and ``loss_gap`` (the largest
+      the twin's) and its ``ratio_range`` over rounds, the main thread's CPU time per step
+      of the entry and the twin (``cpu_ms``, ``twin_cpu_ms``, ``cpu_ratio``: the host's
+      own work, robust to other processes' load), and ``loss_gap`` (the largest
       difference of their losses over the first steps). Times are medians over rounds of
-      per-step medians.
+      per-step medians (CPU: of per-round means).
     """
     import jaxcomm
 
@@ -370,13 +378,15 @@ def run(
     for _ in range(rounds):
         for k in names:
             entry, program, twin = made[k]
-            e_call, e_step, _ = _time(entry, steps)
-            _, p_step, _ = _time(program, steps)
-            _, t_step, _ = _time(twin, steps)
-            samples[k].append((e_call, e_step, p_step, t_step))
+            e_call, e_step, e_cpu, _ = _time(entry, steps)
+            _, p_step, _, _ = _time(program, steps)
+            _, t_step, t_cpu, _ = _time(twin, steps)
+            samples[k].append((e_call, e_step, p_step, t_step, e_cpu, t_cpu))
     rows = {}
     for k, s in samples.items():
-        call, step, prog, twin = (statistics.median(x[i] for x in s) * 1e3 for i in range(4))
+        call, step, prog, twin, cpu, twin_cpu = (
+            statistics.median(x[i] for x in s) * 1e3 for i in range(6)
+        )
         ratios = [x[1] / x[3] for x in s]
         rows[k] = {
             "call_ms": call,
@@ -386,6 +396,9 @@ def run(
             "twin_step_ms": twin,
             "ratio": statistics.median(ratios),
             "ratio_range": [min(ratios), max(ratios)],
+            "cpu_ms": cpu,
+            "twin_cpu_ms": twin_cpu,
+            "cpu_ratio": statistics.median(x[4] / x[5] for x in s),
             "loss_gap": gaps[k],
         }
     return {"rows": rows, "rounds": rounds, "steps": steps, "compression": compression}
@@ -393,14 +406,16 @@ def run(
 
 def _table(res: dict) -> str:
     lines = [
-        "| entry | step ms | its program alone ms | host ms | twin step ms | step / twin (range) |",
-        "|---|---|---|---|---|---|",
+        "| entry | step ms | its program alone ms | host ms | twin step ms | step / twin (range) "
+        "| main-thread CPU ms, entry / twin |",
+        "|---|---|---|---|---|---|---|",
     ]
     for k, r in res["rows"].items():
         lo, hi = r["ratio_range"]
         lines.append(
             f"| {k} | {r['step_ms']:.3f} | {r['program_ms']:.3f} | {r['host_ms']:.3f} | "
-            f"{r['twin_step_ms']:.3f} | {r['ratio']:.2f} ({lo:.2f}-{hi:.2f}) |"
+            f"{r['twin_step_ms']:.3f} | {r['ratio']:.2f} ({lo:.2f}-{hi:.2f}) | "
+            f"{r['cpu_ms']:.3f} / {r['twin_cpu_ms']:.3f} ({r['cpu_ratio']:.2f}) |"
         )
     return "\n".join(lines)
 
