@@ -229,6 +229,14 @@ class _Warm(NamedTuple):
         )
 
 
+def _equal(a: Any, b: Any) -> bool:
+    """``a == b`` for treedefs; False where their metadata do not compare (an array)."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
 def _warm(
     variables: list, variables_def: Any, structure: _Structure, state: Any, treedef: Any
 ) -> _Warm | None:
@@ -300,7 +308,7 @@ class NnxAdapter:
             warm = None
         if warm:
             values, values_def = jax.tree.flatten(variables)
-            if values_def == warm.values_def and warm.matches(variables):
+            if _equal(values_def, warm.values_def) and warm.matches(variables):
                 structure = warm.structure
                 leaves = [values[j] for j in warm.order]
                 targets = [variables[j] for j in warm.order]
