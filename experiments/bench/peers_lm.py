@@ -34,13 +34,15 @@ per step from the ``tc`` counters), plus:
   itself needs; exposed - line rate is what the step spends on the codec, the in-node
   gathers and reduce-scatters and the collectives' calls;
 * ``held_out_bpb``: held-out loss (bits per byte) after all ``warmup + rounds x steps``
-  steps, on ``--eval-windows`` fixed held-out windows;
-* the f32 band: ``[min, max]`` of the two f32 rows' held-out losses; a row inside it (or
-  below it) trains as well as f32.
+  steps, on ``--eval-windows`` fixed held-out windows, per seed of ``--seeds`` (the timed
+  rounds run the first seed; every other seed trains each row again, untimed, from its
+  own initialisation and data order);
+* the f32 band: ``[min, max]`` over every seed of the two f32 rows' held-out losses; a
+  row whose mean is inside it (or under it) trains as well as f32.
 
 Example:
-  sudo python -m experiments.bench peers --workload gpt --link 50mbit \\
-      --json docs/results/peers_gpt_testbed_50mbit.json
+  sudo python -m experiments.bench peers --workload gpt --model gpt-mini --context 64 \\
+      --link 50mbit --seeds 0,1,2 --json docs/results/peers_gpt_testbed_50mbit.json
 """
 
 from __future__ import annotations
@@ -466,7 +468,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="JAX devices per node process; PyTorch ranks per node, 1 thread "
                    "each")  # fmt: skip
     p.add_argument("--model", default="gpt-mini", help="a jaxcomm.models.GPT_CONFIGS name")
-    p.add_argument("--context", type=int, default=128, help="bytes per window")
+    p.add_argument("--context", type=int, default=64, help="bytes per window")
     p.add_argument("--batch", type=int, default=8, help="global batch of windows (every row)")
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (constant)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps of every row")
