@@ -130,7 +130,8 @@ class HybridParams:
         given = jax.tree.leaves(opt_state)
         targets = [NamedSharding(self.mesh, s) for s in self._state_specs]
         if len(given) == len(targets) and all(
-            isinstance(x, jax.Array) and x.sharding == t for x, t in zip(given, targets, strict=True)
+            isinstance(x, jax.Array) and x.sharding == t
+            for x, t in zip(given, targets, strict=True)
         ):
             return objs  # laid out (a later call, or a state restored in this layout)
         return adapter.with_opt_state(objs, i, self._new_state(tx, params, opt_state, targets))
@@ -138,9 +139,7 @@ class HybridParams:
     def _new_state(self, tx: Any, params: Any, opt_state: Any, targets: list) -> Any:
         layout = self.layout
         leaves, treedef = jax.tree.flatten(params)
-        split = jax.tree.unflatten(
-            treedef, jax.device_put(leaves, self._param_shardings)
-        )
+        split = jax.tree.unflatten(treedef, jax.device_put(leaves, self._param_shardings))
         fresh = jax.tree.leaves(jax.jit(tx.init)(params))
         given = jax.tree.leaves(opt_state)
         if len(fresh) == len(given) and all(
@@ -161,9 +160,7 @@ class HybridParams:
             )
         # A trained state without per-device leaves (Adam's moments of the whole params):
         # the same values, split like the params.
-        return jax.tree.unflatten(
-            jax.tree.structure(opt_state), jax.device_put(given, targets)
-        )
+        return jax.tree.unflatten(jax.tree.structure(opt_state), jax.device_put(given, targets))
 
     def placement(self, kinds: tuple, opts: list, marked: list[bool], param: str) -> tuple:
         """``(specs, marked)`` of the engine's state leaves: each param leaf's split spec
@@ -187,7 +184,7 @@ class HybridParams:
             for i, s in zip(params, self._param_shardings, strict=True):
                 specs[i] = s.spec
             flags = list(marked)
-            (_, idx), = opts
+            ((_, idx),) = opts
             for j, s, per in zip(idx, self._state_specs, self.layout.per, strict=True):
                 if per:
                     flags[j] = True

@@ -35,8 +35,8 @@ from flax.training.train_state import TrainState
 from jax.sharding import Mesh
 
 from jaxcomm.axis_names import check_axis_name
-from jaxcomm.flax_hybrid import check_shard_params
 from jaxcomm.dynamic_scale import DynamicScale
+from jaxcomm.flax_hybrid import check_shard_params
 from jaxcomm.flax_step import (
     KEY,
     OPT,

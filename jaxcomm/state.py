@@ -225,9 +225,7 @@ def infer_per_device(
             seen["vary"] = step(unstack_leaves(state, flags), *a)
             return jnp.zeros(())
 
-        state = jax.tree.unflatten(
-            treedef, global_abstract(local, flags, mesh, axes, base_specs)
-        )
+        state = jax.tree.unflatten(treedef, global_abstract(local, flags, mesh, axes, base_specs))
         specs = (leaf_specs(local, flags, axes, base_specs), *arg_specs)
         mapped = jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=True)
         jax.eval_shape(mapped, state, *args)
