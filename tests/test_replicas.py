@@ -163,27 +163,28 @@ def test_replicas_agree_with_sharded_optimizer(mesh, params, name):
         assert len(dp.sharded.shard_plan.plan.buffers) > 1
 
 
-# shard_params=True (jaxcomm.hybrid): each compressor once, the algorithms, compress_stage
-# and warm-up spread over the rows. The leaves stored split over 'intra' are compared
-# across 'inter' (the devices holding the same block) by helpers.assert_copies_equal.
+# shard_params=True (jaxcomm.hybrid): the compressors whose state or decisions the layout
+# places differently (fp16's skip and adaptive's rung over both data axes, residuals and
+# PowerSGD's Q per device, random_k's seeds), the algorithms, compress_stage and warm-up
+# spread over five rows (f32, bf16, int4, topk with error feedback: tests/test_hybrid.py).
+# The leaves stored split over 'intra' are compared across 'inter' (the devices holding
+# the same block) by helpers.assert_copies_equal.
 HYBRID = {
-    "f32": {},
-    "bf16-flat-warmup": {"algorithm": "flat", "compression": C.bf16, "warmup_steps": 1},
     "fp16-tree": {"algorithm": "tree", "compression": C.fp16},
     "int8-ef-ring-inter": {
         "algorithm": "ring",
         "compression": lambda: C.int8(block=32, error_feedback=True),
         "compress_stage": "inter",
     },
-    "int4-halving-doubling": {
-        "algorithm": "halving_doubling",
-        "compression": lambda: C.int4(block=32),
+    "random_k-flat-warmup": {
+        "algorithm": "flat",
+        "compression": lambda: C.random_k(0.25),
+        "warmup_steps": 1,
     },
-    "topk-ef": {"compression": lambda: C.topk(0.1, error_feedback=True)},
-    "random_k-auto": {"algorithm": "auto", "compression": lambda: C.random_k(0.25)},
     "powersgd": {"compression": lambda: C.powersgd(rank=2)},
-    "adaptive": {
-        "compression": lambda: C.adaptive(0.5, adjustment_step=1, error_low=0.2, error_high=0.3)
+    "adaptive-halving-doubling": {
+        "algorithm": "halving_doubling",
+        "compression": lambda: C.adaptive(0.5, adjustment_step=1, error_low=0.2, error_high=0.3),
     },
 }
 
