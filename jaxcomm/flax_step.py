@@ -757,7 +757,11 @@ class FlaxStep:
         for _, tx, params in {id(t): (s, t, p) for s, t, p in indirect}.values():
             check_sync_inputs(tx, params, self.mesh, self.name)
         self._inputs_checked = self._inputs_checked or bool(indirect)
-        self._check_processes([x for x, f in zip(leaves, per, strict=True) if not f])
+        # (a layout's split leaves, placed from the replicated params, are not compared)
+        split = [s != P() for s in base.specs] or [False] * len(leaves)
+        self._check_processes(
+            [x for x, f, s in zip(leaves, per, split, strict=True) if not (f or s)]
+        )
         plan = base._replace(per=tuple(per))
         varying = [
             i

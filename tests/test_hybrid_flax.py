@@ -111,6 +111,20 @@ def test_nnx_split_params_serve_plain_flax_code(nnx_runs):
     np.testing.assert_allclose(logits(m_hyb, x), logits(m_ref, x), rtol=1e-5, atol=1e-6)
 
 
+def test_nnx_only_the_sync_of_the_blocks_crosses_inter(nnx_runs, mesh):
+    """The compiled NNX step (jaxcomm.wire_bytes): the params' all-gathers and the
+    gradients' reduce-scatters over 'intra'; over 'inter' the sync of this device's blocks
+    (1/4 of the MLP's gradient bytes, the (3,) bias whole: 2060 bytes, as data_parallel's
+    hybrid step) and scalars (the loss, the metric's sum and count)."""
+    m, opt, _, step = nnx_runs["hyb"]
+    compiled = step.compile(m, opt, nnx.metrics.Average("loss"), _batches(1)[0])
+    wb = jaxcomm.wire_bytes(compiled, mesh=mesh)
+    intra = {c["kind"] for c in wb["collectives"] if c["axes"] == ("intra",)}
+    assert {"all-gather", "reduce-scatter"} <= intra
+    cross = [c for c in wb["collectives"] if "inter" in c["axes"]]
+    assert sum(c["operand_bytes"] for c in cross if c["operand_bytes"] > 64) == 2060, cross
+
+
 class LinenMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
