@@ -156,7 +156,9 @@ class HybridParams:
                 "init gives (it was trained, or restored from a checkpoint of another "
                 "layout) and holds per-device leaves (error-feedback residuals, PowerSGD "
                 "factors) whose blocks the hybrid layout cannot derive. Build the optimizer "
-                "anew before the first step, or restore a state saved from this step."
+                "anew before the first step, or restore a state saved from this step into "
+                "the layout: train_step.shard_optimizer_state(model, optimizer) first, then "
+                "restore with nnx.state(optimizer) (its shardings) as the target."
             )
         # A trained state without per-device leaves (Adam's moments of the whole params):
         # the same values, split like the params.

@@ -1069,12 +1069,15 @@ class FlaxStep:
     def shard_optimizer_state(self, *args) -> Any:
         """Lays each optimizer's state out sharded now, as the first call does; see
         :meth:`FlaxFrontEnd.shard_optimizer_state`."""
+        objs = tuple(a for a in args if self.adapter.is_node(a))
+        if self._params is not None:  # shard_params=True: the hybrid layout's state
+            return self.adapter.laid_out(self._params.lay_out(self.adapter, objs))
         if self._shard_args is None:
             raise ValueError(
                 f"{self.name}: shard_optimizer_state needs the step built with "
-                "shard_optimizer=True."
+                "shard_optimizer=True or shard_params=True."
             )
-        objs = self._shard_optimizers(tuple(a for a in args if self.adapter.is_node(a)))
+        objs = self._shard_optimizers(objs)
         return self.adapter.laid_out(objs)
 
     # -- the FrontEnd protocol ---------------------------------------------------------
@@ -1230,7 +1233,10 @@ class FlaxFrontEnd:
     def shard_optimizer_state(self, *args) -> Any:
         """Lays each optimizer's state out sharded now, as the first call does
         (``shard_optimizer=True``): e.g. before restoring a checkpoint of the sharded
-        state, whose structure (``ShardedState`` chunks, stacked) it then has.
+        state, whose structure (``ShardedState`` chunks, stacked) it then has. With
+        ``shard_params=True``: the hybrid layout's state (Adam's moments split over
+        ``'intra'``, error-feedback residuals per device), whose shardings a restore
+        then takes.
 
         Args:
           *args: the step's arguments (its ``nnx.Optimizer`` and model, or its
@@ -1241,8 +1247,9 @@ class FlaxFrontEnd:
           its sharded ``opt_state`` (a tuple of them for several).
 
         Raises:
-          ValueError: the step was built without ``shard_optimizer=True``; or as at the
-            first call (a transform that does not shard, a trained state).
+          ValueError: the step was built without ``shard_optimizer=True`` or
+            ``shard_params=True``; or as at the first call (a transform that does not
+            shard, a trained state).
 
         Example:
           >>> train_step.shard_optimizer_state(model, optimizer)

@@ -125,6 +125,61 @@ def test_nnx_only_the_sync_of_the_blocks_crosses_inter(nnx_runs, mesh):
     assert sum(c["operand_bytes"] for c in cross if c["operand_bytes"] > 64) == 2060, cross
 
 
+def _fresh(tx):
+    model = MLP(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def test_nnx_resumes_from_a_host_copy_bit_for_bit(nnx_runs):
+    """One step, the state copied to the host (what a checkpoint holds), put into fresh
+    objects, two more steps: the three-step run's params, bit for bit (the trained Adam
+    state, without per-device leaves, is laid out again at the next call)."""
+    m_hyb, _, _, step = nnx_runs["hyb"]
+    batches = _batches()
+    model, optimizer = _fresh(_tx())
+    step(model, optimizer, nnx.metrics.Average("loss"), batches[0])
+    saved = jax.device_get(nnx.state((model, optimizer)))
+    model, optimizer = _fresh(_tx())
+    nnx.update((model, optimizer), saved)
+    for b in batches[1:]:
+        step(model, optimizer, nnx.metrics.Average("loss"), b)
+    for a, b in zip(_params(model), _params(m_hyb), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_nnx_error_feedback_per_device_and_resumed_into_the_layout(mesh):
+    """int8 with error feedback: the residuals of each device's blocks are stored per
+    device, copies across 'inter' equal by their bits. A host copy of that state is
+    refused (its blocks cannot be derived); laid out first with shard_optimizer_state and
+    restored with its shardings, it trains on as the straight run, bit for bit."""
+    tx = lambda: _tx(compression=jaxcomm.compression.int8(error_feedback=True), min_size=0)  # noqa: E731
+    step = jaxcomm.nnx_data_parallel(mesh, shard_params=True)(nnx_step)
+    batches = _batches()
+    model, optimizer = _fresh(tx())
+    for i, b in enumerate(batches):
+        step(model, optimizer, nnx.metrics.Average("loss"), b)
+        assert assert_copies_equal(nnx.state((model, optimizer))) > 0
+        if i == 1:
+            saved = jax.device_get(nnx.state((model, optimizer)))
+    assert step.per_device_paths and all("compression" in p for p in step.per_device_paths)
+    straight = _params(model)
+
+    model, optimizer = _fresh(tx())
+    nnx.update((model, optimizer), saved)
+    with pytest.raises(ValueError, match=r"per-device leaves.*shard_optimizer_state"):
+        step(model, optimizer, nnx.metrics.Average("loss"), batches[2])
+    model, optimizer = _fresh(tx())
+    step.shard_optimizer_state(model, optimizer)
+    target = nnx.state((model, optimizer))
+    nnx.update(
+        (model, optimizer),
+        jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), saved, target),
+    )
+    step(model, optimizer, nnx.metrics.Average("loss"), batches[2])
+    for a, b in zip(_params(model), straight, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 class LinenMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
