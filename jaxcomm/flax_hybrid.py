@@ -23,11 +23,17 @@ out:
    transforms on the block).
 4. **stored again**: the params the update writes into the model are the new blocks
    gathered (what code after the update sees); the step stores the blocks themselves (the
-   gathered copies are unused after the step, and XLA drops them).
+   gathered copies are unused after the step, and XLA drops them), or, for a param the
+   step changed after the update, this device's slice of it.
+
+A param the step changes after the update (a mask, a max-norm) is stored as this
+device's slice of the changed param (:meth:`_Trace.store`), if it is the same on every
+node (computed from the updated params and shared values); one computed from each
+device's own values is refused.
 
 Not implemented (refused by name): several optimizers or models in one step, an optimizer
-over a subset of the params (``wrt``), params changed after the update (a mask, a
-max-norm), the profiler's feedback and compute-only twin, ``shard_optimizer=True``.
+over a subset of the params (``wrt``), the profiler's feedback and compute-only twin,
+``shard_optimizer=True``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.hybrid import HybridOptimizer
+from jaxcomm.state import varying_axes
 
 __all__ = ["HybridParams", "check_shard_params", "spec_axes"]
 
@@ -264,20 +271,42 @@ class _Trace:
 
     def store(self, result: list, kinds: tuple, stored: list, paths: Callable, param: str) -> list:
         """The step's new leaves with each param leaf as the engine stores it: its new
-        block (the param the update wrote), or the stored block (not trained)."""
+        block (the param the update wrote), the stored block (not trained), or this
+        device's block of a param the step changed after the update (a mask, a max-norm),
+        which must be the same on every node.
+
+        Raises:
+          ValueError: a param changed after the update from values that differ across
+            nodes (its part of the batch, its own gradients).
+        """
         out = list(result)
+        outer = frozenset(self.owner.axes[:-1])
+        j = -1
         for i, k in enumerate(kinds):
             if k != param:
                 continue
+            j += 1
             x = out[i]
             if id(x) in self._stored:
                 out[i] = self._stored[id(x)]
             elif x is not stored[i]:
-                raise NotImplementedError(
-                    f"{self.owner.where}(shard_params=True): param {paths(i)} was changed "
-                    "after the optimizer's update (a mask, a max-norm, a restore of a "
-                    "skipped step); the hybrid layout stores the update's blocks only. "
-                    "Put the change in the optimizer (an optax transform after "
-                    "jaxcomm.sync_gradients), or shard_params=False."
-                )
+                if varying_axes(x) & outer:
+                    raise ValueError(
+                        f"{self.owner.where}(shard_params=True): param {paths(i)} was "
+                        "changed after the optimizer's update from values that differ "
+                        f"across {sorted(outer)} (each device's part of the batch, its own "
+                        "gradients), so the nodes' copies would drift apart. Compute the "
+                        "change from the updated params and values every device shares "
+                        "(a lax.pmean-ed value)."
+                    )
+                out[i] = self._block(x, self.layout.dims[j])
         return out
+
+    def _block(self, x: jax.Array, dim: int | None) -> jax.Array:
+        """This device's block of a whole (gathered) param: its slice along ``dim`` at
+        its position in the node (the leaf itself if kept whole)."""
+        if dim is None:
+            return x
+        size = x.shape[dim] // self.owner.layout.intra
+        start = lax.axis_index(self.owner.axes[-1]) * size
+        return lax.dynamic_slice_in_dim(x, start, size, axis=dim)
