@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_replicas_equal, per_device, replicated, train
+from helpers import assert_copies_equal, assert_replicas_equal, per_device, replicated, train
 from mlp import mlp_init, mlp_loss
 
 import jaxcomm
@@ -161,6 +161,49 @@ def test_replicas_agree_with_sharded_optimizer(mesh, params, name):
     assert _changed(state.params, params)
     if "shard_bucket_bytes" in step_kw:
         assert len(dp.sharded.shard_plan.plan.buffers) > 1
+
+
+# shard_params=True (jaxcomm.hybrid): the compressors whose state or decisions the layout
+# places differently (fp16's skip and adaptive's rung over both data axes, residuals and
+# PowerSGD's Q per device, random_k's seeds), the algorithms, compress_stage and warm-up
+# spread over five rows (f32, bf16, int4, topk with error feedback: tests/test_hybrid.py).
+# The leaves stored split over 'intra' are compared across 'inter' (the devices holding
+# the same block) by helpers.assert_copies_equal.
+HYBRID = {
+    "fp16-tree": {"algorithm": "tree", "compression": C.fp16},
+    "int8-ef-ring-inter": {
+        "algorithm": "ring",
+        "compression": lambda: C.int8(block=32, error_feedback=True),
+        "compress_stage": "inter",
+    },
+    "random_k-flat-warmup": {
+        "algorithm": "flat",
+        "compression": lambda: C.random_k(0.25),
+        "warmup_steps": 1,
+    },
+    "powersgd": {"compression": lambda: C.powersgd(rank=2)},
+    "adaptive-halving-doubling": {
+        "algorithm": "halving_doubling",
+        "compression": lambda: C.adaptive(0.5, adjustment_step=1, error_low=0.2, error_high=0.3),
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_replicas_agree_with_hybrid_sharded_params(mesh, params, name):
+    kw = dict(HYBRID[name])
+    if "compression" in kw:
+        kw["compression"] = kw["compression"]()
+    tx = optax.chain(jaxcomm.sync_gradients(min_size=16, **kw), optax.adam(1e-2))
+    dp = jaxcomm.data_parallel(
+        mlp_loss, tx, mesh, shard_params=True, check_replicas=1, compiler_options=FAST
+    )
+    state = dp.init(params)
+    for batch in _batches():
+        state, metrics = train(dp, state, [batch])
+        assert assert_copies_equal(state) > 0  # the split leaves, across 'inter'
+    assert np.isfinite(float(metrics["loss"]))
+    assert _changed(state.params, params)
 
 
 def test_replicas_agree_with_a_codec_of_ones_own(mesh, params):
