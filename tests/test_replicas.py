@@ -230,6 +230,7 @@ def _label(p):
 
 WRAPPERS = {
     "multi_steps": lambda: optax.MultiSteps(optax.chain(_sync(), optax.sgd(0.1)), 2),
+    "multi_steps_inside": lambda: optax.chain(_sync(), optax.MultiSteps(optax.sgd(0.1), 2)),
     "apply_if_finite_inside": lambda: optax.chain(
         _sync(), optax.apply_if_finite(optax.adam(1e-2), 3)
     ),
@@ -255,6 +256,22 @@ def test_replicas_agree_under_optax_wrappers(mesh, params, name):
     )
     state, _ = train(dp, dp.init(params), _batches(4))
     assert _changed(state.params, params)
+
+
+def test_multi_steps_after_the_sync_equals_multi_steps_around_it(mesh, params):
+    # After the sync MultiSteps sums the synchronised gradients (its accumulators are
+    # replicated state); around it, each device's own, synchronised every k-th step: the
+    # same mean, within f32 rounding.
+    inside = optax.chain(jaxcomm.sync_gradients(), optax.MultiSteps(optax.adam(1e-2), 2))
+    around = optax.MultiSteps(optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-2)), 2)
+    out = []
+    for tx in (inside, around):
+        dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, check_replicas=1, compiler_options=FAST)
+        state, _ = train(dp, dp.init(params), _batches(4))
+        out.append(jax.tree.leaves(state.params))
+    assert _changed(out[0], jax.tree.leaves(params))
+    for a, b in zip(*out, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_masked_around_the_sync_is_refused(mesh, params):
