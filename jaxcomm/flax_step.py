@@ -49,6 +49,7 @@ from jaxcomm.axis_names import bound_names, call_step
 from jaxcomm.collectives import check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import check_same_on_processes, exchange, fingerprint
+from jaxcomm.flax_hybrid import HybridParams, spec_axes
 from jaxcomm.layout import untyped_update
 from jaxcomm.mesh import check_mesh_axes
 from jaxcomm.phase_clock import PhaseClock
@@ -123,6 +124,7 @@ class TraceHooks(NamedTuple):
     engines: dict  # shard_optimizer=True: the ShardedOptimizer of each optimizer index
     exact: dict  # a sharded optimizer's new params, by the identity of their update
     phase: HostPhase = NO_HOST_PHASE  # the host's decisions (None fields: on the devices)
+    view: Any = None  # shard_params=True: the trace of the params' layout (flax_hybrid)
 
 
 class Recording:
@@ -167,7 +169,9 @@ class Recording:
         invariant = jax.tree.map(lambda p: hooks.old.get(id(p), p), params)
         if hooks.communicate:  # the twin runs unchecked: every value is typed invariant
             _refuse_averaged_gradients(grads)
-        if self._engine is not None:
+        if hooks.view is not None:  # params stored by a layout (shard_params=True)
+            updates, state = hooks.view.update(grads, state, params, kwargs, hooks)
+        elif self._engine is not None:
             updates, state = self._sharded_update(grads, state, invariant, kwargs)
         else:
             request = SyncRequest(
@@ -418,6 +422,9 @@ class Plan(NamedTuple):
     # Params typed varying that the step's dataflow proves the same on every device
     # (jaxcomm.same_value): returned replicated by an unchecked per-device read.
     lifted: tuple = ()
+    # Per leaf, its PartitionSpec when not per device (empty: all replicated); a layout's
+    # split leaves (shard_params=True: params and optimizer state over 'intra').
+    specs: tuple = ()
 
 
 def _opt_layout(adapter: Adapter, objs: tuple, state: Any) -> tuple[list, list[bool]]:
@@ -465,6 +472,7 @@ class FlaxStep:
       check_replicas: every this many calls, compare the replicated state by its bits.
       axis_name: a name the step uses for the data axes, bound to them while it traces.
       shard: ``shard_optimizer=True``: the ``ShardedOptimizer`` arguments; else None.
+      shard_params: hybrid sharding (:mod:`jaxcomm.flax_hybrid`).
       state_rows: pmap's layout (``adapter.rows_out``): read while the step traces, per
         state argument whether the step's new state goes back in rows; the program then
         returns ``(outputs, rows)`` in the place of the outputs, ``rows`` each new
@@ -481,6 +489,7 @@ class FlaxStep:
         check_replicas: int,
         axis_name: str | None = None,
         shard: dict | None = None,
+        shard_params: bool = False,
         state_rows: Callable[[], list[bool]] | None = None,
     ):
         self.adapter = adapter
@@ -528,6 +537,10 @@ class FlaxStep:
         self.donate = (False, False)
         self._clock: PhaseClock | None = None  # the host's copy of the counts
         self._phase_steps: dict = {}  # (plan, HostPhase) -> the jitted step of that phase
+        # shard_params=True: the params and optimizer state laid out by the hybrid layout.
+        self._params = HybridParams(self.name, self.mesh, axes) if shard_params else None
+        # The axes over which an optimizer's update must agree (not those it is split over).
+        self._agree = set(axes) - (self._params.split_axes if shard_params else set())
 
     # -- inside shard_map -------------------------------------------------------------
     def _stacked_step(
@@ -568,10 +581,12 @@ class FlaxStep:
     def _local(self, plan, leaves, args, rec=None, *, communicate=True, phase=NO_HOST_PHASE):
         """One device's step on its local leaves; returns the new leaves and outputs."""
         dev = lax.axis_index(self.axes)
+        view = None if self._params is None else self._params.enter(plan.kinds, leaves, PARAM)
         inside = []
-        for x, k in zip(leaves, plan.kinds, strict=True):
+        for i, (x, k) in enumerate(zip(leaves, plan.kinds, strict=True)):
             if k == PARAM:
-                x = lax.pcast(x, self.axes, to="varying")  # each device's own gradient
+                # each device's own gradient (shard_params: of the params gathered)
+                x = lax.pcast(x, self.axes, to="varying") if view is None else view.seen[i]
             elif k == METRIC:
                 x = jnp.zeros_like(x)  # this device's sums and counts only
             elif k == KEY:
@@ -580,16 +595,22 @@ class FlaxStep:
         # Old invariant value of every param, by the identity of its varying copy.
         old = {id(v): x for v, x, k in zip(inside, leaves, plan.kinds, strict=True) if k == PARAM}
         log = Log([], [], self._checked_input if rec is None else rec["other_input"])
-        hooks = TraceHooks(log, old, communicate, self._engines, {}, phase)
+        hooks = TraceHooks(log, old, communicate, self._engines, {}, phase, view)
         objs, out = self._run_user(plan, inside, args, hooks)
         if rec is not None:
             rec["syncs"] = log.syncs
         self._check_updates(log, old, inside, rec)
         out_leaves, out = self.adapter.exit(objs, out)
         result, summed, averaged = self._new_leaves(plan.kinds, out_leaves, leaves, inside)
+        if view is not None:
+            result = view.store(result, plan.kinds, leaves, self._leaf_path(plan), PARAM)
         result, out = self._combine(result, leaves, summed, averaged, out, log)
-        if rec is not None:
-            rec["vary"] = [bool(varying_axes(x) & set(self.axes)) for x in result]
+        if rec is not None:  # varying beyond the leaf's layout (a split leaf over 'intra')
+            split = [spec_axes(s) for s in plan.specs] or [frozenset()] * len(result)
+            rec["vary"] = [
+                bool(varying_axes(x) & (set(self.axes) - a))
+                for x, a in zip(result, split, strict=True)
+            ]
         return result, out
 
     def _run_user(self, plan, inside, args, hooks):
@@ -629,7 +650,7 @@ class FlaxStep:
                         "params changed before it; call it once per step, and change params "
                         "after it (a mask or a max-norm on the updated params is kept)."
                     )
-                if rec is not None and varying_axes(u) & set(self.axes):
+                if rec is not None and varying_axes(u) & self._agree:
                     rec["varying_update"].append(index[id(p)])
 
     def _new_leaves(self, kinds, out_leaves, leaves, inside) -> tuple[list, list, list]:
@@ -764,6 +785,7 @@ class FlaxStep:
                 args=(glob_args,),
                 arg_specs=(P(self.axes),),
                 may_vary=[k == OPT for k in base.kinds],
+                base_specs=base.specs or None,
             )
         except (TypeError, ValueError) as e:
             refused = untyped_update(self.name, e)
@@ -774,7 +796,11 @@ class FlaxStep:
         for _, tx, params in {id(t): (s, t, p) for s, t, p in indirect}.values():
             check_sync_inputs(tx, params, self.mesh, self.name)
         self._inputs_checked = self._inputs_checked or bool(indirect)
-        self._check_processes([x for x, f in zip(leaves, per, strict=True) if not f])
+        # (a layout's split leaves, placed from the replicated params, are not compared)
+        split = [s != P() for s in base.specs] or [False] * len(leaves)
+        self._check_processes(
+            [x for x, f, s in zip(leaves, per, split, strict=True) if not (f or s)]
+        )
         plan = base._replace(per=tuple(per))
         varying = [
             i
@@ -783,7 +809,7 @@ class FlaxStep:
         ]
         if varying:
             plan = plan._replace(lifted=self._prove_params(plan, leaves, glob_args, varying, paths))
-        step = self._jit(plan, leaf_specs(leaves, per, self.axes))
+        step = self._jit(plan, self._specs(leaves, plan))
         self._plans[key] = (plan, step)
         return plan, step
 
@@ -914,6 +940,20 @@ class FlaxStep:
             "every device shares (a lax.pmean-ed value, a flag reduced with lax.pmin)."
         )
 
+    def _specs(self, leaves: list, plan: Plan) -> Any:
+        """The PartitionSpecs of the step's state leaves (:attr:`Plan.specs`)."""
+        return leaf_specs(leaves, plan.per, self.axes, plan.specs or None)
+
+    @staticmethod
+    def _leaf_path(plan: Plan) -> Callable[[int], str]:
+        """A state leaf's path by its index, for messages."""
+
+        def path(i: int) -> str:
+            tree = jax.tree.unflatten(plan.treedef, list(range(plan.treedef.num_leaves)))
+            return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][i][0])
+
+        return path
+
     def per_device_flags(self, treedef: Any) -> list[bool] | None:
         """Which leaves of state with structure ``treedef`` the compiled step stores per
         device (None before the step for that structure is built)."""
@@ -934,6 +974,8 @@ class FlaxStep:
         objs = tuple(a for a, n in zip(args, nodes, strict=True) if n)
         if self._shard_args is not None:
             objs = self._shard_optimizers(objs)
+        if self._params is not None:
+            objs = self._params.lay_out(adapter, objs)
         split = adapter.split(objs)
         data, data_def = self._shard([None if n else a for a, n in zip(args, nodes, strict=True)])
         last = self._last
@@ -947,7 +989,13 @@ class FlaxStep:
             plan, step = last[4]
         else:
             plan, step = self._plan_for(objs, split, data, data_def, nodes)
-        leaves = [self._put(x, f) for x, f in zip(split.leaves, plan.per, strict=True)]
+        if plan.specs:  # the params and optimizer state split (flax_hybrid)
+            leaves = [
+                self._put(x, f, s)
+                for x, f, s in zip(split.leaves, plan.per, plan.specs, strict=True)
+            ]
+        else:
+            leaves = [self._put(x, f) for x, f in zip(split.leaves, plan.per, strict=True)]
         return (objs, split), plan, step, leaves, data
 
     def _plan_for(self, objs: tuple, split: Split, data: list, data_def: Any, nodes: tuple):
@@ -958,6 +1006,9 @@ class FlaxStep:
             state = jax.tree.unflatten(treedef, leaves)
             self._layouts[graphdef, treedef] = _opt_layout(self.adapter, objs, state)
         opts, marked = self._layouts[graphdef, treedef]
+        specs: tuple = ()
+        if self._params is not None:  # the params and optimizer state split (flax_hybrid)
+            specs, marked = self._params.placement(split.kinds, opts, marked, PARAM)
         # A per-device leaf stored by an earlier step (or a sharded optimizer's chunks)
         # has its device axis already: its plan sees one device's shape.
         local = [
@@ -966,18 +1017,20 @@ class FlaxStep:
             else x
             for x, m in zip(leaves, marked, strict=True)
         ]
-        base = Plan(graphdef, treedef, split.kinds, None, nodes, opts)
+        base = Plan(graphdef, treedef, split.kinds, None, nodes, opts, specs=specs)
         plan, step = self._plan(base, local, data, marked)
         self._opts = plan.opts
         self._last = (graphdef, treedef, data_def, nodes, (plan, step))
         return plan, step
 
-    def _put(self, x: Any, per_device: bool) -> jax.Array:
-        """A state leaf on the mesh: replicated, or one entry per device."""
+    def _put(self, x: Any, per_device: bool, spec: P | None = None) -> jax.Array:
+        """A state leaf on the mesh: replicated (or laid out by ``spec``), or one entry
+        per device."""
         if not per_device:
-            if isinstance(x, jax.Array) and x.sharding == self.replicated:
+            to = self.replicated if spec is None else NamedSharding(self.mesh, spec)
+            if isinstance(x, jax.Array) and x.sharding == to:
                 return x  # a leaf the step returned: no call into the runtime
-            return jax.device_put(x, self.replicated)
+            return jax.device_put(x, to)
         if isinstance(x, jax.Array) and x.sharding == self.batch_sharding:
             return x  # stacked by an earlier call
         stacked = jnp.broadcast_to(x, (self.num_devices, *np.shape(x)))
@@ -990,7 +1043,8 @@ class FlaxStep:
         if self._clock is None:
             if not self.syncs:
                 return None
-            syncs = [] if self._shard_args is not None else self.syncs
+            laid_out = self._shard_args is not None or self._params is not None
+            syncs = [] if laid_out else self.syncs
             self._clock = PhaseClock(syncs, _gather(list(leaves), plan.opts), dict(self.mesh.shape))
         if not self._clock.active:
             return None
@@ -1000,7 +1054,7 @@ class FlaxStep:
         """The jitted step of one phase, built at its first use."""
         key = (id(plan), phase)
         if key not in self._phase_steps:
-            specs = leaf_specs(leaves, plan.per, self.axes)
+            specs = self._specs(leaves, plan)
             self._phase_steps[key] = self._jit(plan, specs, phase=phase)
         return self._phase_steps[key]
 
@@ -1076,12 +1130,15 @@ class FlaxStep:
     def shard_optimizer_state(self, *args) -> Any:
         """Lays each optimizer's state out sharded now, as the first call does; see
         :meth:`FlaxFrontEnd.shard_optimizer_state`."""
+        objs = tuple(a for a in args if self.adapter.is_node(a))
+        if self._params is not None:  # shard_params=True: the hybrid layout's state
+            return self.adapter.laid_out(self._params.lay_out(self.adapter, objs))
         if self._shard_args is None:
             raise ValueError(
                 f"{self.name}: shard_optimizer_state needs the step built with "
-                "shard_optimizer=True."
+                "shard_optimizer=True or shard_params=True."
             )
-        objs = self._shard_optimizers(tuple(a for a in args if self.adapter.is_node(a)))
+        objs = self._shard_optimizers(objs)
         return self.adapter.laid_out(objs)
 
     # -- the FrontEnd protocol ---------------------------------------------------------
@@ -1095,7 +1152,9 @@ class FlaxStep:
         passes ``feedback.before_step()`` and hands the new leaves to
         ``feedback.after_step``."""
         _, plan, _, leaves, data = self.prepare(args)
-        step = self._jit(plan, leaf_specs(leaves, plan.per, self.axes), write=feedback.write)
+        if self._params is not None:
+            self._params.layout.check_step(feedback=True, communicate=True)
+        step = self._jit(plan, self._specs(leaves, plan), write=feedback.write)
         share = jax.ShapeDtypeStruct((self.num_devices,), jnp.float32, sharding=self.batch_sharding)
         self._feedback_step = compile_on_every_process(
             step, (leaves, data, share), self.mesh, f"{self.name} step"
@@ -1108,7 +1167,7 @@ class FlaxStep:
         compiled (``communicate=False``: the twin, which decides on the devices)."""
         _, plan, _, leaves, data = self.prepare(args)
         phase = (self._phase(plan, leaves) if communicate else None) or NO_HOST_PHASE
-        specs = leaf_specs(leaves, plan.per, self.axes)
+        specs = self._specs(leaves, plan)
         step = self._jit(plan, specs, communicate=communicate, phase=phase)
         return compile_on_every_process(step, (leaves, data), self.mesh, f"{self.name} step")
 
@@ -1249,7 +1308,10 @@ class FlaxFrontEnd:
     def shard_optimizer_state(self, *args) -> Any:
         """Lays each optimizer's state out sharded now, as the first call does
         (``shard_optimizer=True``): e.g. before restoring a checkpoint of the sharded
-        state, whose structure (``ShardedState`` chunks, stacked) it then has.
+        state, whose structure (``ShardedState`` chunks, stacked) it then has. With
+        ``shard_params=True``: the hybrid layout's state (Adam's moments split over
+        ``'intra'``, error-feedback residuals per device), whose shardings a restore
+        then takes.
 
         Args:
           *args: the step's arguments (its ``nnx.Optimizer`` and model, or its
@@ -1260,8 +1322,9 @@ class FlaxFrontEnd:
           its sharded ``opt_state`` (a tuple of them for several).
 
         Raises:
-          ValueError: the step was built without ``shard_optimizer=True``; or as at the
-            first call (a transform that does not shard, a trained state).
+          ValueError: the step was built without ``shard_optimizer=True`` or
+            ``shard_params=True``; or as at the first call (a transform that does not
+            shard, a trained state).
 
         Example:
           >>> train_step.shard_optimizer_state(model, optimizer)

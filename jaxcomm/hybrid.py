@@ -107,7 +107,9 @@ _CHAIN_FIX = (
     "optax.chain(jaxcomm.sync_gradients(...), *transforms), the sync first: the gradients "
     "are reduce-scattered inside the node, the sync reduces each device's block across "
     "nodes and the transforms after it run on the block, e.g. optax.chain("
-    "jaxcomm.sync_gradients(), optax.adamw(1e-3))."
+    "jaxcomm.sync_gradients(), optax.adamw(1e-3)). A wrapper around the chain "
+    "(optax.MultiSteps, optax.masked) goes inside it, after the sync: optax.chain("
+    "jaxcomm.sync_gradients(), optax.MultiSteps(optax.adamw(1e-3), k))."
 )
 
 
@@ -399,7 +401,10 @@ class HybridOptimizer:
                 "(its local params would be per device, whole or split); use "
                 "optax.chain(jaxcomm.sync_gradients(...), ...), or shard_params=False."
             )
-        split_state(state, self.where)
+        try:
+            split_state(state, self.where)
+        except ValueError:  # its message names shard_optimizer's layout
+            raise ValueError(_CHAIN_FIX.format(where=self.where)) from None
         update = functools.partial(
             self.optimizer.update, sync_request=self._request(blocks, found.append)
         )
@@ -508,9 +513,11 @@ class HybridOptimizer:
                 raise ValueError(
                     f"{self.where}(shard_params=True): optimizer state {path} differs across "
                     f"the devices of a node (it is computed from each device's block) but is "
-                    "not shaped like a param leaf's block, so the layout cannot place it. "
-                    "Use transforms whose state mirrors the params (adam, adamw, sgd with "
-                    "momentum, lion), or shard_params=False."
+                    "not shaped like a param leaf's block, so the layout cannot place it "
+                    "(e.g. optax.apply_if_finite's counts: it decides from each device's "
+                    "block, and the devices of a node would decide apart). Use transforms "
+                    "whose state mirrors the params (adam, adamw, sgd with momentum, lion), "
+                    "or shard_params=False."
                 )
         self.local, self.per = local, dev
         refuse_unsplittable(self.optimizer, params, self.dims, self.mesh, self.axes, self.where)

@@ -167,26 +167,41 @@ class ReplicatedParams:
 
 
 def _accumulators(opt_state: Any) -> list[bool]:
-    """Flags the leaves of ``optax.MultiSteps``' ``acc_grads`` (one flag per leaf).
+    """Flags the leaves of ``optax.MultiSteps``' ``acc_grads`` that sum each device's own
+    gradients (one flag per leaf).
 
-    They hold each device's own gradient sums. MultiSteps passes them through a
-    ``lax.cond`` whose branches must agree in type, so the fixed point of the layout
-    inference cannot discover them from an invariant start: they are per device from the
-    outset.
+    A MultiSteps that wraps the sync, or comes before it in the chain, accumulates the
+    gradients before they are synchronised: each device holds its own sums. MultiSteps
+    passes them through a ``lax.cond`` whose branches must agree in type, so the fixed
+    point of the layout inference cannot discover them from an invariant start: they are
+    per device from the outset. A MultiSteps after the sync (``optax.chain(
+    jaxcomm.sync_gradients(), optax.MultiSteps(...))``) sums the synchronised gradients:
+    its accumulators are replicated like the rest of the state.
     """
 
-    def visit(node):
-        if isinstance(node, optax.MultiStepsState):
-            return node._replace(
-                **{
-                    f: jax.tree.map(lambda _, f=f: f == "acc_grads", getattr(node, f))
-                    for f in node._fields
-                }
-            )
-        return jax.tree.map(lambda _: False, node)
+    def is_node(x):
+        return isinstance(x, (optax.MultiStepsState, SyncGradientsState))
 
-    flags = jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
-    return jax.tree.leaves(flags)
+    nodes, treedef = jax.tree.flatten(opt_state, is_leaf=is_node)
+    seen_sync = False
+    flags = []
+    for node in nodes:
+        if isinstance(node, SyncGradientsState):
+            seen_sync = True
+        if isinstance(node, optax.MultiStepsState):
+            before_sync = _has_sync(node.inner_opt_state) or not seen_sync
+            flags.append(
+                node._replace(
+                    **{
+                        f: jax.tree.map(lambda _, f=f, b=before_sync: b and f == "acc_grads", v)
+                        for f, v in zip(node._fields, node, strict=True)
+                    }
+                )
+            )
+            seen_sync = seen_sync or _has_sync(node.inner_opt_state)
+        else:
+            flags.append(jax.tree.map(lambda _: False, node))
+    return jax.tree.leaves(jax.tree.unflatten(treedef, flags))
 
 
 def _has_sync(state: Any) -> bool:

@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 
 from jaxcomm.axis_names import check_axis_name
 from jaxcomm.dynamic_scale import DynamicScale
+from jaxcomm.flax_hybrid import check_shard_params
 from jaxcomm.flax_step import (
     KEY,
     OPT,
@@ -234,6 +235,7 @@ def linen_data_parallel(
     shard_optimizer: bool = False,
     param_gather: Any = None,
     shard_bucket_bytes: int | None = None,
+    shard_params: bool = False,
 ) -> Callable[[Callable], LinenDataParallel]:
     """Makes a Flax Linen train step on ``TrainState`` data-parallel (in place of ``jax.jit``).
 
@@ -265,6 +267,8 @@ def linen_data_parallel(
         normalises with the statistics of the global batch (SyncBatchNorm).
       shard_optimizer, param_gather, shard_bucket_bytes: sharded optimizer state, as
         :func:`nnx_data_parallel`'s (``state.opt_state`` becomes a ``ShardedState``).
+      shard_params: hybrid sharding, as :func:`nnx_data_parallel`'s: ``state.params``
+        and ``state.opt_state`` are stored split over ``'intra'``.
 
     Returns:
       A decorator; the decorated step is a :class:`LinenDataParallel`.
@@ -278,5 +282,6 @@ def linen_data_parallel(
     n, axes = check_decorator_args("linen_data_parallel", mesh, axes, check_replicas)
     name = check_axis_name(axis_name, axes, "linen_data_parallel")
     shard = shard_options("linen_data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
-    options = dict(axes=axes, check_replicas=n, axis_name=name, shard=shard)
+    hybrid = check_shard_params("linen_data_parallel", shard_params, shard_optimizer, axes)
+    options = dict(axes=axes, check_replicas=n, axis_name=name, shard=shard, shard_params=hybrid)
     return lambda fn: LinenDataParallel(FlaxStep(fn, mesh, LinenAdapter(), **options))

@@ -81,6 +81,7 @@ from flax.nnx.training.optimizer import to_opt_state
 from jax.sharding import Mesh
 
 from jaxcomm.axis_names import check_axis_name
+from jaxcomm.flax_hybrid import check_shard_params
 from jaxcomm.flax_step import (
     KEY,
     METRIC,
@@ -423,6 +424,7 @@ def nnx_data_parallel(
     shard_optimizer: bool = False,
     param_gather: Any = None,
     shard_bucket_bytes: int | None = None,
+    shard_params: bool = False,
 ) -> Callable[[Callable], NnxDataParallel]:
     """Makes an NNX train step data-parallel over ``mesh`` (use in place of ``nnx.jit``).
 
@@ -459,6 +461,13 @@ def nnx_data_parallel(
         ``jaxcomm.compression.bf16()`` / ``int8()`` (ZeRO++ qwZ).
       shard_bucket_bytes: with ``shard_optimizer``: the bucket bound of the packed
         gradients and params (64 MiB by default).
+      shard_params: hybrid sharding (as ``jaxcomm.data_parallel(shard_params=True)``,
+        :mod:`jaxcomm.flax_hybrid`): the model's ``nnx.Param`` s are stored split over the
+        innermost data axis (``'intra'``), replicated over the others, and so is the
+        optimizer's state (laid out at the first call); the step sees each param gathered
+        inside the node, and its ``optimizer.update`` reduce-scatters the gradients
+        inside the node and syncs each device's block across nodes. The optimizer is
+        ``optax.chain(jaxcomm.sync_gradients(...), *transforms)``.
 
     Returns:
       A decorator; the decorated step is a :class:`NnxDataParallel`.
@@ -472,5 +481,6 @@ def nnx_data_parallel(
     n, axes = check_decorator_args("nnx_data_parallel", mesh, axes, check_replicas)
     name = check_axis_name(axis_name, axes, "nnx_data_parallel")
     shard = shard_options("nnx_data_parallel", shard_optimizer, param_gather, shard_bucket_bytes)
-    options = dict(axes=axes, check_replicas=n, axis_name=name, shard=shard)
+    hybrid = check_shard_params("nnx_data_parallel", shard_params, shard_optimizer, axes)
+    options = dict(axes=axes, check_replicas=n, axis_name=name, shard=shard, shard_params=hybrid)
     return lambda fn: NnxDataParallel(FlaxStep(fn, mesh, NnxAdapter(), **options))

@@ -116,15 +116,19 @@ def marked_per_device(tree: Any) -> list[bool]:
     return jax.tree.leaves(flags)
 
 
-def leaf_specs(tree: Any, per_device: list[bool], axes: tuple[str, ...]) -> Any:
-    """PartitionSpecs of a global tree: ``P(axes)`` for flagged leaves, ``P()`` for others."""
+def leaf_specs(
+    tree: Any, per_device: list[bool], axes: tuple[str, ...], base: tuple | None = None
+) -> Any:
+    """PartitionSpecs of a global tree: ``P(axes)`` for flagged leaves, for the others
+    ``P()`` or their entry of ``base`` (a layout's split leaves: hybrid-sharded params)."""
     leaves, treedef = jax.tree.flatten(tree)
     if len(leaves) != len(per_device):
         raise ValueError(
             f"the state has {len(leaves)} leaves but its layout {len(per_device)}; build the "
             "state with the same DataParallel's init (its optimizer changed?)."
         )
-    return jax.tree.unflatten(treedef, [P(axes) if f else P() for f in per_device])
+    specs = [P(axes) if f else (base[i] if base else P()) for i, f in enumerate(per_device)]
+    return jax.tree.unflatten(treedef, specs)
 
 
 def _map_flagged(fn, tree: Any, per_device: list[bool]) -> Any:
@@ -145,16 +149,21 @@ def unstack_leaves(tree: Any, per_device: list[bool]) -> Any:
 
 
 def global_abstract(
-    local: Any, per_device: list[bool], mesh: Mesh, axes: tuple[str, ...]
+    local: Any,
+    per_device: list[bool],
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    base: tuple | None = None,
 ) -> list[jax.ShapeDtypeStruct]:
     """The global shapes and shardings of a state whose leaves have ``local`` shapes: a
     flagged leaf gets a leading axis of one entry per device, sharded along ``axes``; the
-    others are replicated."""
+    others are replicated, or laid out by their entry of ``base`` (:func:`leaf_specs`)."""
     devices = int(np.prod([mesh.shape[a] for a in axes]))
     out = []
-    for x, f in zip(jax.tree.leaves(local), per_device, strict=True):
+    specs = leaf_specs(list(per_device), per_device, axes, base)
+    for x, f, spec in zip(jax.tree.leaves(local), per_device, specs, strict=True):
         shape = (devices, *np.shape(x)) if f else tuple(np.shape(x))
-        sharding = NamedSharding(mesh, P(axes) if f else P())
+        sharding = NamedSharding(mesh, spec)
         out.append(jax.ShapeDtypeStruct(shape, jnp.result_type(x), sharding=sharding))
     return out
 
@@ -169,6 +178,7 @@ def infer_per_device(
     args: tuple = (),
     arg_specs: tuple = (),
     may_vary: list[bool] | None = None,
+    base_specs: tuple | None = None,
 ) -> list[bool]:
     """Which leaves of a step's state are stored per device: the fewest that let every other
     leaf be proven replicated by shard_map's replication check.
@@ -193,6 +203,8 @@ def infer_per_device(
       arg_specs: their PartitionSpecs.
       may_vary: per leaf: may become per device (default: all); a leaf that varies but may
         not is left to ``step``'s refusals.
+      base_specs: per leaf, how it is laid out when not per device (default ``P()``; a
+        layout's split leaves, :func:`leaf_specs`).
 
     Returns:
       One flag per leaf of ``local``: stored per device.
@@ -213,8 +225,8 @@ def infer_per_device(
             seen["vary"] = step(unstack_leaves(state, flags), *a)
             return jnp.zeros(())
 
-        state = jax.tree.unflatten(treedef, global_abstract(local, flags, mesh, axes))
-        specs = (leaf_specs(local, flags, axes), *arg_specs)
+        state = jax.tree.unflatten(treedef, global_abstract(local, flags, mesh, axes, base_specs))
+        specs = (leaf_specs(local, flags, axes, base_specs), *arg_specs)
         mapped = jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=True)
         jax.eval_shape(mapped, state, *args)
         nxt = [f or (v and ok) for f, v, ok in zip(flags, seen["vary"], allowed, strict=True)]

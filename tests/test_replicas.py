@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_replicas_equal, per_device, replicated, train
+from helpers import assert_copies_equal, assert_replicas_equal, per_device, replicated, train
 from mlp import mlp_init, mlp_loss
 
 import jaxcomm
@@ -163,6 +163,49 @@ def test_replicas_agree_with_sharded_optimizer(mesh, params, name):
         assert len(dp.sharded.shard_plan.plan.buffers) > 1
 
 
+# shard_params=True (jaxcomm.hybrid): the compressors whose state or decisions the layout
+# places differently (fp16's skip and adaptive's rung over both data axes, residuals and
+# PowerSGD's Q per device, random_k's seeds), the algorithms, compress_stage and warm-up
+# spread over five rows (f32, bf16, int4, topk with error feedback: tests/test_hybrid.py).
+# The leaves stored split over 'intra' are compared across 'inter' (the devices holding
+# the same block) by helpers.assert_copies_equal.
+HYBRID = {
+    "fp16-tree": {"algorithm": "tree", "compression": C.fp16},
+    "int8-ef-ring-inter": {
+        "algorithm": "ring",
+        "compression": lambda: C.int8(block=32, error_feedback=True),
+        "compress_stage": "inter",
+    },
+    "random_k-flat-warmup": {
+        "algorithm": "flat",
+        "compression": lambda: C.random_k(0.25),
+        "warmup_steps": 1,
+    },
+    "powersgd": {"compression": lambda: C.powersgd(rank=2)},
+    "adaptive-halving-doubling": {
+        "algorithm": "halving_doubling",
+        "compression": lambda: C.adaptive(0.5, adjustment_step=1, error_low=0.2, error_high=0.3),
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_replicas_agree_with_hybrid_sharded_params(mesh, params, name):
+    kw = dict(HYBRID[name])
+    if "compression" in kw:
+        kw["compression"] = kw["compression"]()
+    tx = optax.chain(jaxcomm.sync_gradients(min_size=16, **kw), optax.adam(1e-2))
+    dp = jaxcomm.data_parallel(
+        mlp_loss, tx, mesh, shard_params=True, check_replicas=1, compiler_options=FAST
+    )
+    state = dp.init(params)
+    for batch in _batches():
+        state, metrics = train(dp, state, [batch])
+        assert assert_copies_equal(state) > 0  # the split leaves, across 'inter'
+    assert np.isfinite(float(metrics["loss"]))
+    assert _changed(state.params, params)
+
+
 def test_replicas_agree_with_a_codec_of_ones_own(mesh, params):
     def mean(c, ctx, i, seed):  # values on a grid, summed by psum
         sent = jnp.round(c * 64) / 64
@@ -187,6 +230,7 @@ def _label(p):
 
 WRAPPERS = {
     "multi_steps": lambda: optax.MultiSteps(optax.chain(_sync(), optax.sgd(0.1)), 2),
+    "multi_steps_inside": lambda: optax.chain(_sync(), optax.MultiSteps(optax.sgd(0.1), 2)),
     "apply_if_finite_inside": lambda: optax.chain(
         _sync(), optax.apply_if_finite(optax.adam(1e-2), 3)
     ),
@@ -212,6 +256,22 @@ def test_replicas_agree_under_optax_wrappers(mesh, params, name):
     )
     state, _ = train(dp, dp.init(params), _batches(4))
     assert _changed(state.params, params)
+
+
+def test_multi_steps_after_the_sync_equals_multi_steps_around_it(mesh, params):
+    # After the sync MultiSteps sums the synchronised gradients (its accumulators are
+    # replicated state); around it, each device's own, synchronised every k-th step: the
+    # same mean, within f32 rounding.
+    inside = optax.chain(jaxcomm.sync_gradients(), optax.MultiSteps(optax.adam(1e-2), 2))
+    around = optax.MultiSteps(optax.chain(jaxcomm.sync_gradients(), optax.adam(1e-2)), 2)
+    out = []
+    for tx in (inside, around):
+        dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, check_replicas=1, compiler_options=FAST)
+        state, _ = train(dp, dp.init(params), _batches(4))
+        out.append(jax.tree.leaves(state.params))
+    assert _changed(out[0], jax.tree.leaves(params))
+    for a, b in zip(*out, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_masked_around_the_sync_is_refused(mesh, params):

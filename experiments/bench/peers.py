@@ -41,6 +41,9 @@ psum, DDP f32); a row whose mean lies inside it has ``equal`` accuracy, over it 
 and the least exposed row of each framework among those of equal accuracy is named with
 the ratio of their times (:func:`equal_accuracy_exposure`).
 
+``--workload gpt``: PyTorch FSDP2 beside jaxcomm's hybrid sharding on the byte-level GPT
+(:mod:`experiments.bench.peers_lm`, its PyTorch ranks :mod:`experiments.bench.peers_fsdp`).
+
 Example:
   sudo python -m experiments.bench peers --link 250mbit --json docs/results/peers.json
   python -m experiments.bench peers --budget 300 --timed-json docs/results/peers.json
@@ -273,13 +276,17 @@ def _torch_cfg(args: argparse.Namespace, data: dict[str, Any], seed: int, ranks_
 # -- the worker (one per node, inside the testbed) ---------------------------------------
 class _Torch:
     """Node ``node``'s PyTorch ranks (``cfg['ranks_per_node']`` of them, out of ``nodes``
-    times that), driven through queues; the group meets at ``addr:port``."""
+    times that), driven through queues; the group meets at ``addr:port``. ``target``: the
+    ranks' main function (default ``peers_torch.rank_main``; the GPT workload's:
+    ``peers_fsdp.rank_main``)."""
 
-    def __init__(self, cfg: dict[str, Any], node: int, nodes: int, addr: str, port: int):
+    def __init__(self, cfg: dict[str, Any], node: int, nodes: int, addr: str, port: int,
+                 target: Callable | None = None):  # fmt: skip
         import multiprocessing as mp
 
         from experiments.bench import peers_torch
 
+        target = target or peers_torch.rank_main
         dpn = cfg["ranks_per_node"]
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
@@ -287,7 +294,7 @@ class _Torch:
         self.ranks = [node * dpn + i for i in range(dpn)]
         self.procs = [
             ctx.Process(
-                target=peers_torch.rank_main,
+                target=target,
                 args=(r, nodes * dpn, addr, port, cfg, q, self.results),
                 daemon=True,
             )
@@ -349,7 +356,6 @@ def worker(args: argparse.Namespace) -> int:
     import numpy as np
 
     from experiments.bench.digits import data_order
-    from jaxcomm.tools.testbed import payload_bytes
 
     me = jax.process_index()
     x_tr, y_tr, x_te, y_te = digits_images(args.px)
@@ -380,36 +386,24 @@ def worker(args: argparse.Namespace) -> int:
                                           for r in rows}  # fmt: skip
     log = (lambda *a: print(*a, flush=True)) if me == 0 else (lambda *a: None)
 
-    def run(name: str, n: int, timed: bool) -> None:
+    def steps(name: str, n: int) -> float | None:
         res = results[name]
-        if res.get("error"):
-            return
-        before = _sent()
         if framework(name) == "torch":
-            ans = torch_side.ask("run", name, n)
-            errors = {r: a["error"] for r, a in ans.items() if "error" in a}
-            if errors:
-                res["error"] = next(iter(errors.values()))
-                res["trace"] = next(a["trace"] for a in ans.values() if "trace" in a)
-                log(f"  {name}: failed: {res['error']}")
-                return
+            ans = torch_run(torch_side, name, n, res, log)
+            if ans is None:
+                return None
             a = ans[min(ans)]
-            t = a["time_s"]
             for key in ("fix", "bucket_mb", "stock_error"):
                 if a.get(key) is not None:
                     res[key] = a[key]
-        else:
-            if name not in jrows:
-                jrows[name] = _JaxRow(name, args, (graphdef, params, stats), mesh)
-                res["settings"] = jrows[name].settings
-            t = jrows[name].run(n, data)
-        after = _sent()
-        if timed:
-            delta = (after[0] - before[0], after[1] - before[1])
-            res["times_s"].append(t)
-            res["bytes"].append(payload_bytes(delta) / n)
-            res["raw_bytes"].append(delta[0] / n)
-        log(f"  {name}: {t:.3f} s/step" + ("" if timed else " (warm-up)"))
+            return a["time_s"]
+        if name not in jrows:
+            jrows[name] = _JaxRow(name, args, (graphdef, params, stats), mesh)
+            res["settings"] = jrows[name].settings
+        return jrows[name].run(n, data)
+
+    def run(name: str, n: int, timed: bool) -> None:
+        measured_run(results[name], name, n, timed, steps, log)
 
     t_start = time.perf_counter()
     tune: dict[str, Any] | None = None
@@ -419,13 +413,7 @@ def worker(args: argparse.Namespace) -> int:
             cands = [float(c) for c in args.tune_buckets.split(",")]
             tune = torch_side.ask("tune", cands, args.tune_steps)[min(torch_side.ranks)]
             log(f"bucket tuning (s/step by bucket_cap_mb): {tune}")
-    log(f"warm-up: {args.warmup} steps per row")
-    for name in rows:
-        run(name, args.warmup, timed=False)
-    for r in range(args.rounds):
-        log(f"round {r + 1}/{args.rounds}")
-        for name in rows:
-            run(name, args.steps, timed=True)
+    rounds(rows, run, args, log)
     for name in rows:
         if results[name].get("error") or name in TWINS.values():
             continue
@@ -436,19 +424,90 @@ def worker(args: argparse.Namespace) -> int:
         results[name]["accuracy"] = acc
     if torch_side is not None:
         torch_side.close()
-    if me == 0:
-        out = {
-            "link_bps": int(os.environ.get("JAXCOMM_TESTBED_LINK_BPS", 0)),
-            "nodes": jax.process_count(),
-            "devices_per_node": jax.local_device_count(),
-            "model": info,
-            "bucket_tuning": tune,
-            "rows": results,
-            "seconds": time.perf_counter() - t_start,
-        }
-        with open(args.worker_out, "w") as f:
-            json.dump(out, f)
+    write_worker_out(args.worker_out, info, results, t_start, bucket_tuning=tune)
     return 0
+
+
+def torch_run(torch_side: _Torch, name: str, n: int, res: dict[str, Any],
+              log: Callable[..., None]) -> dict[int, dict[str, Any]] | None:  # fmt: skip
+    """``n`` steps of PyTorch row ``name`` on the local ranks: their answers by rank, or
+    None when a rank failed (the error and its trace recorded in ``res``)."""
+    ans = torch_side.ask("run", name, n)
+    errors = [a for a in ans.values() if "error" in a]
+    if not errors:
+        return ans
+    res["error"], res["trace"] = errors[0]["error"], errors[0].get("trace")
+    log(f"  {name}: failed: {res['error']}")
+    return None
+
+
+def measured_run(
+    res: dict[str, Any],
+    name: str,
+    n: int,
+    timed: bool,
+    steps: Callable[[str, int], float | None],
+    log: Callable[..., None],
+) -> None:
+    """Runs ``steps(name, n)`` (seconds per step, None if the row failed) unless the row
+    failed before; when ``timed``, appends its time and node 0's link bytes per step
+    (``tc`` counters read before and after) to ``res``."""
+    if res.get("error"):
+        return
+    before = _sent()
+    t = steps(name, n)
+    if t is None:
+        return
+    after = _sent()
+    if timed:
+        from jaxcomm.tools.testbed import payload_bytes
+
+        delta = (after[0] - before[0], after[1] - before[1])
+        res["times_s"].append(t)
+        res["bytes"].append(payload_bytes(delta) / n)
+        res["raw_bytes"].append(delta[0] / n)
+    log(f"  {name}: {t:.3f} s/step" + ("" if timed else " (warm-up)"))
+
+
+def rounds(
+    rows: Sequence[str],
+    run: Callable[[str, int, bool], None],
+    args: argparse.Namespace,
+    log: Callable[..., None],
+    after_warmup: Callable[[], None] | None = None,
+) -> None:
+    """The schedule: ``args.warmup`` untimed steps of every row, then ``args.rounds``
+    rounds in which every row runs ``args.steps`` timed steps, in ``rows`` order."""
+    log(f"warm-up: {args.warmup} steps per row")
+    for name in rows:
+        run(name, args.warmup, False)
+    if after_warmup is not None:
+        after_warmup()
+    for r in range(args.rounds):
+        log(f"round {r + 1}/{args.rounds}")
+        for name in rows:
+            run(name, args.steps, True)
+
+
+def write_worker_out(path: str, model: dict[str, Any], rows: dict[str, Any], t_start: float,
+                     **extra: Any) -> None:  # fmt: skip
+    """Node 0 writes the run's JSON: the link, the mesh, ``model``, ``extra``, ``rows`` and
+    the seconds since ``t_start``."""
+    import jax
+
+    if jax.process_index() != 0:
+        return
+    out = {
+        "link_bps": int(os.environ.get("JAXCOMM_TESTBED_LINK_BPS", 0)),
+        "nodes": jax.process_count(),
+        "devices_per_node": jax.local_device_count(),
+        "model": model,
+        **extra,
+        "rows": rows,
+        "seconds": time.perf_counter() - t_start,
+    }
+    with open(path, "w") as f:
+        json.dump(out, f)
 
 
 # -- the training budget (no testbed) -------------------------------------------------------
@@ -857,12 +916,21 @@ def _median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def summarize(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def summarize(
+    run: dict[str, Any],
+    *,
+    twins: dict[str, str] = TWINS,
+    baselines: dict[str, str] = BASELINES,
+    names: dict[str, str] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Per-row figures from the worker's per-round measurements.
 
     Args:
       run: the worker's JSON: ``rows`` maps a row name to ``times_s`` and ``bytes`` (one
         entry per round) and optionally ``accuracy``, ``error``, ``fix``.
+      twins, baselines: each framework's compute-only twin and f32 baseline row (the
+        GPT workload's differ: ``peers_lm``).
+      names: row key -> name in the table (default :func:`labels`).
 
     Returns:
       Row name -> ``step_time_s``, ``step_range_s``, ``compute_s``, ``exposed_comm_s``,
@@ -870,26 +938,27 @@ def summarize(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
       ``fix``; figures that cannot be computed (a failed row, a missing twin) are None.
     """
     rows = run["rows"]
+    names = labels() if names is None else names
     out: dict[str, dict[str, Any]] = {}
     for name, r in rows.items():
         fw = framework(name)
         times = r.get("times_s") or []
-        twin = rows.get(TWINS[fw], {}).get("times_s") or []
-        base = rows.get(BASELINES[fw], {}).get("times_s") or []
+        twin = rows.get(twins[fw], {}).get("times_s") or []
+        base = rows.get(baselines[fw], {}).get("times_s") or []
         paired = len(twin) == len(times)
         exposed = [t - c for t, c in zip(times, twin, strict=False)] if paired else []
         speed = (
             [b / t for b, t in zip(base, times, strict=False)] if len(base) == len(times) else []
         )
         out[name] = {
-            "label": labels().get(name, name),
+            "label": names.get(name, name),
             "framework": fw,
             "step_time_s": _median(times),
             "step_range_s": [min(times), max(times)] if times else None,
             "compute_s": _median(twin),
-            "exposed_comm_s": None if name == TWINS[fw] else _median(exposed),
-            "speedup": _median(speed) if name != TWINS[fw] else None,
-            "speedup_range": [min(speed), max(speed)] if speed and name != TWINS[fw] else None,
+            "exposed_comm_s": None if name == twins[fw] else _median(exposed),
+            "speedup": _median(speed) if name != twins[fw] else None,
+            "speedup_range": [min(speed), max(speed)] if speed and name != twins[fw] else None,
             "link_bytes_per_step": _median(r.get("bytes") or []),
             "accuracy": r.get("accuracy"),
             "error": r.get("error"),
@@ -978,6 +1047,15 @@ def _parser() -> argparse.ArgumentParser:
         description="PyTorch DDP (gloo) with its communication hooks beside jaxcomm's rows, "
         "ResNet-18 on digits, one run on the emulated network (needs root and iproute2); "
         "with --budget, their test accuracy over seeds after a training budget (no testbed).",
+    )
+    p.add_argument(
+        "--workload",
+        choices=["resnet18", "gpt"],
+        default="resnet18",
+        help="resnet18: DDP and its hooks (this help); gpt: PyTorch FSDP2 (HSDP f32 and "
+        "bf16 reduce, in-node FSDP with an int8 all-reduce hook) beside jaxcomm's "
+        "shard_params=True rows on the byte-level GPT, its own flags: "
+        "--workload gpt --help (experiments.bench.peers_lm)",
     )
     p.add_argument("--link", default="250mbit", help="tc rate of the link between the nodes")
     p.add_argument("--nodes", type=int, default=2)
@@ -1138,6 +1216,12 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.bench import peers_torch
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload", default="resnet18")
+    if pre.parse_known_args(argv)[0].workload == "gpt":
+        from experiments.bench import peers_lm
+
+        return peers_lm.main(argv)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.table_of:
@@ -1153,44 +1237,16 @@ def main(argv: list[str] | None = None) -> int:
         return budget_main(args, argv)
     if args.worker:
         return worker(args)
-    if any(framework(r) == "torch" for r in args.rows):
-        try:
-            import torch  # noqa: F401
-            import torchvision  # noqa: F401
-        except ImportError as e:
-            print(f"bench peers: {e}; pip install -e '.[bench]'", file=sys.stderr)
-            return 2
-    from experiments.bench.testbed import run_worker
-    from jaxcomm.tools import testbed
-
-    ok, why = testbed.available()
-    if not ok:
-        print(f"bench peers: cannot run here: {why}", file=sys.stderr)
-        return 2
-    # glibc's per-thread malloc arenas hold freed memory: ten models in a process add up
-    os.environ.setdefault("MALLOC_ARENA_MAX", "2")
-    load_before = os.getloadavg()
-    worker_args = _strip(argv, ("--json", "--plot"))
-    rc, run = run_worker("peers", worker_args, nodes=args.nodes,
-                         devices_per_node=args.devices_per_node, link=args.link)  # fmt: skip
-    if rc != 0:
-        print(f"bench peers: the run failed with {rc}", file=sys.stderr)
+    modules = ("torch", "torchvision") if any(framework(r) == "torch" for r in args.rows) else ()
+    rc, run = run_on_testbed(args, _strip(argv, ("--json", "--plot")), modules)
+    if run is None:
         return rc
     summary = summarize(run)
-    load_after = os.getloadavg()
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     run |= {
         "summary": summary,
         "left_out": {k: why for k, why in LEFT_OUT.items() if k not in args.rows},
-        "link": args.link,
-        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "worker_out")},
-        "command": "python -m experiments.bench peers " + " ".join(argv),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "load_avg_before": load_before,
-        "load_avg_after": load_after,
-        "uptime_after": uptime,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
+    } | run_record(args, argv)
+    uptime = run["uptime_after"]
     m = run["model"]
     print(
         f"\nResNet-18 on digits at {args.px} px, global batch {args.batch}, "
@@ -1203,7 +1259,7 @@ def main(argv: list[str] | None = None) -> int:
     if run.get("bucket_tuning"):
         print(f"  torch bucket tuning: {run['bucket_tuning']}")
     print(build_table(summary))
-    print(f"load: before {load_before[0]:.2f}; {uptime}")
+    print(f"load: before {run['load_avg_before'][0]:.2f}; {uptime}")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(run, f, indent=1)
@@ -1216,6 +1272,58 @@ def main(argv: list[str] | None = None) -> int:
         plot(summary, args.plot, title)
         print(f"wrote {args.plot}")
     return 0
+
+
+def run_on_testbed(
+    args: argparse.Namespace, worker_args: list[str], modules: Sequence[str] = ()
+) -> tuple[int, dict[str, Any] | None]:
+    """Runs this bench's worker on every node of a testbed (``args.nodes``,
+    ``args.devices_per_node``, ``args.link``) after checking that ``modules`` import and
+    that the testbed can run here (each failure printed).
+
+    Returns:
+      ``(returncode, run)``: node 0's JSON with ``load_avg_before`` and ``uptime_before``
+      added, or None when the run could not start or failed.
+    """
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            print(f"bench peers: {e}; pip install -e '.[bench]'", file=sys.stderr)
+            return 2, None
+    from experiments.bench.testbed import run_worker
+    from jaxcomm.tools import testbed
+
+    ok, why = testbed.available()
+    if not ok:
+        print(f"bench peers: cannot run here: {why}", file=sys.stderr)
+        return 2, None
+    # glibc's per-thread malloc arenas hold freed memory: ten models in a process add up
+    os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+    load_before = os.getloadavg()
+    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    rc, run = run_worker("peers", worker_args, nodes=args.nodes,
+                         devices_per_node=args.devices_per_node, link=args.link)  # fmt: skip
+    if rc != 0:
+        print(f"bench peers: the run failed with {rc}", file=sys.stderr)
+        return rc, None
+    return 0, run | {"load_avg_before": load_before, "uptime_before": uptime_before}
+
+
+def run_record(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """What a run's JSON records beside its figures: the link, the settings, the command,
+    the machine, the load after it (``uptime``) and the date."""
+    return {
+        "link": args.link,
+        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "worker_out")},
+        "command": "python -m experiments.bench peers " + " ".join(argv),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "load_avg_after": os.getloadavg(),
+        "uptime_after": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def _strip(argv: list[str], flags: Sequence[str]) -> list[str]:
