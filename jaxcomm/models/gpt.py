@@ -73,6 +73,10 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt-test": GPTConfig(layers=2, d_model=64, heads=4, context=64),
     "gpt-mini": GPTConfig(layers=4, d_model=128, heads=4, context=256),
     "gpt2-small": GPTConfig(layers=12, d_model=768, heads=12, context=1024),
+    # GPT-2 medium's width, 16 layers: the fewest whose replicated AdamW step (params,
+    # gradients, two moments: 16 bytes a param) exceeds 24 GiB on 8 devices (202.9M
+    # params, 201.9M at context 64: 24.06 GiB; 15 layers: 22.6 GiB)
+    "gpt-200m": GPTConfig(layers=16, d_model=1024, heads=16, context=1024),
     "gpt2-medium": GPTConfig(layers=24, d_model=1024, heads=16, context=1024),
     "gpt2-large": GPTConfig(layers=36, d_model=1280, heads=20, context=1024),
 }
