@@ -25,7 +25,7 @@ replicated state does not fit::
 
     python -m experiments.lm --preset cpu-smoke --train --config hybrid-sharded \
         --gather layer --model gpt-200m --context 64 --per-device-batch 1 \
-        --steps 8 --lr 6e-4 --lr-warmup 0 --eval-batches 0
+        --steps 6 --lr 3e-5 --lr-warmup 0 --eval-batches 0
 
 Results go to ``--out`` (``train.json``, ``results.json``, ``ablation.png``,
 ``memory.json``, ``meta.json``). On the testbed preset the command re-runs itself as one process per
