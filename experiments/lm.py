@@ -13,8 +13,19 @@ iproute2; ``gpu-node`` / ``cluster`` on GPUs) in its modes:
   ``experiments.ablation``, with each row's state (params + optimizer state) and its
   compiled step's buffers in MB per device.
 * ``--memory``: the model compiled from its shapes alone in the replicated and the
-  hybrid-sharded layout: state and step buffers per device (for a model too large to
-  allocate replicated, e.g. ``--model gpt2-medium``).
+  hybrid-sharded layouts (params gathered whole, and per layer): state and step buffers
+  per device (for a model too large to allocate replicated, e.g. ``--model
+  gpt2-medium``).
+
+``--gather layer`` makes the hybrid-sharded row gather the params one GPT block at a time
+(``jaxcomm.data_parallel(..., gather='layer')``); ``--train`` prints the loss of each
+step (up to 20) and the process's peak RSS, and ``--eval-batches 0`` skips the held-out
+evaluation (which gathers the params on every device), e.g. to train a model whose
+replicated state does not fit::
+
+    python -m experiments.lm --preset cpu-smoke --train --config hybrid-sharded \
+        --gather layer --model gpt-200m --context 64 --per-device-batch 1 \
+        --steps 6 --lr 3e-5 --lr-warmup 0 --eval-batches 0
 
 Results go to ``--out`` (``train.json``, ``results.json``, ``ablation.png``,
 ``memory.json``, ``meta.json``). On the testbed preset the command re-runs itself as one process per
@@ -25,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
+import resource
 import sys
 import time
 
@@ -41,9 +54,11 @@ from experiments.presets import LM_MODES, LM_PRESETS, default_preset_name
 HYBRID_ROW_AFTER = "+overlap"
 
 
-def lm_rows():
+def lm_rows(gather: str = "whole"):
     """The ablation rows of ``experiments.resnet152`` and, after them, the hybrid-sharded
-    row on the settings of the rows up to :data:`HYBRID_ROW_AFTER`."""
+    row on the settings of the rows up to :data:`HYBRID_ROW_AFTER`, its params gathered
+    as ``gather`` says (``jaxcomm.data_parallel(gather=...)``: ``'whole'`` at the loss's
+    start, ``'layer'`` one GPT block at a time)."""
     import jaxcomm
     from experiments.rows import ROWS, Row, resolve_rows
 
@@ -51,7 +66,7 @@ def lm_rows():
         "hybrid-sharded",
         "params, gradients and AdamW state over 'intra'; int8 + error feedback over 'inter'",
         sync={"compression": jaxcomm.compression.int8(block=64, error_feedback=True)},
-        data_parallel={"shard_params": True},
+        data_parallel={"shard_params": True, **({"gather": gather} if gather != "whole" else {})},
     )
     upto = [r.config for r in ROWS].index(HYBRID_ROW_AFTER) + 1
     return [*resolve_rows(), resolve_rows((*ROWS[:upto], hybrid))[-1]]
@@ -59,7 +74,10 @@ def lm_rows():
 
 _OVERRIDES = {
     # flag: (LMPreset field, type, help)
-    "model": (str, "GPT config (gpt-test, gpt-mini, gpt2-small, gpt2-medium, gpt2-large)"),
+    "model": (
+        str,
+        "GPT config (gpt-test, gpt-mini, gpt2-small, gpt-200m, gpt2-medium, gpt2-large)",
+    ),
     "context": (int, "bytes per training sequence"),
     "per_device_batch": (int, "sequences per device per step (global = this x devices)"),
     "steps": (int, "training steps (also the length of the learning-rate schedule)"),
@@ -70,7 +88,11 @@ _OVERRIDES = {
     "intra": (int, "devices per 'intra' mesh group (default: preset; none = per process)"),
     "lr": (float, "peak learning rate (AdamW)"),
     "lr_warmup": (int, "learning-rate warm-up steps"),
-    "eval_batches": (int, "held-out batches per evaluation"),
+    "eval_batches": (
+        int,
+        "held-out batches per evaluation (0: none, e.g. for a model "
+        "too large to evaluate with its params gathered on every device)",
+    ),
     "adapt_windows": (int, "windows of a driven adaptive row before timing; 0: not driven"),
 }
 
@@ -103,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--memory",
         action="store_true",
-        help="compile the step of --model in the replicated and the hybrid-sharded layout "
-        "from its shapes (nothing allocated): state and step buffers per device",
+        help="compile the step of --model in the replicated and the hybrid-sharded layouts "
+        "(params gathered whole, and per layer) from its shapes (nothing allocated): state "
+        "and step buffers per device",
     )
     g.add_argument("--rows", default=None, help="comma-separated ablation rows (default: all)")
     g.add_argument(
@@ -112,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="ablation row whose settings --train uses (default: +local steps, every "
         "technique of experiments.resnet152)",
+    )
+    g.add_argument(
+        "--gather",
+        choices=("whole", "layer"),
+        default="whole",
+        help="where the hybrid-sharded row gathers the params inside the node: whole (every "
+        "leaf at the loss's start, kept for the backward pass) or layer (one GPT block at a "
+        "time, gathered again in the backward pass: jaxcomm.gathered_layers)",
     )
     g.add_argument("--out", default="runs/lm", help="output folder")
     g.add_argument("--seed", type=int, default=0, help="model and data seed")
@@ -149,7 +180,7 @@ def _preset(args, jax, *, testbed: bool):
               fix=f"at most the {preset.model} config's context {longest}")  # fmt: skip
     check_int("--adapt-windows", preset.adapt_windows, minimum=0,
               fix="windows of driven adaptive rows before timing; 0: not driven")  # fmt: skip
-    check_int("--eval-batches", preset.eval_batches, minimum=1, fix="e.g. 8")
+    check_int("--eval-batches", preset.eval_batches, minimum=0, fix="e.g. 8; 0: none")
     return preset
 
 
@@ -181,18 +212,24 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
         donate=not driven, loss_fn=lm_step.make_loss_fn(parts.graphdef),
         layout=chosen.data_parallel,
     )  # fmt: skip
+    # The initial params live on in the state: drop the model's copy (a large model's)
+    n_params = _params(parts)
+    parts = parts._replace(params=None)
+    lm_step.make_model.cache_clear()
     windows = dict(global_batch=global_batch, context=preset.context)
     data = TextWindows(corpus.train, dp.batch_sharding, seed=args.seed, **windows)
     # the held-out windows: fixed positions of their own stream, the same before and after
     held_out = TextWindows(corpus.held_out, dp.batch_sharding, seed=args.seed + 1, **windows)
-    before = lm_step.evaluate(parts, state.params, held_out, batches=preset.eval_batches)
+    evaluate = functools.partial(lm_step.evaluate, parts, data=held_out,
+                                 batches=preset.eval_batches)  # fmt: skip
+    before = evaluate(state.params) if preset.eval_batches else None
     if driven:
         os.makedirs(args.out, exist_ok=True)
         log = os.path.join(args.out, "adapt.jsonl") if is_main else os.devnull
         jaxcomm.CommProfiler(log_file=log).drive(dp, state, data.batch(0))
     if is_main:
         print(
-            f"train: {preset.model} ({_params(parts):,} params), context {preset.context}, "
+            f"train: {preset.model} ({n_params:,} params), context {preset.context}, "
             f"{preset.dtype}, config {name} "
             f"({', '.join(chosen.techniques)}), mesh {dict(mesh.shape)}, global batch "
             f"{global_batch} x {preset.context} bytes, steps 0..{preset.steps}"
@@ -201,16 +238,21 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
         dp, state, data, start=0, stop=preset.steps, progress=is_main and not args.no_progress,
         log_every=1 if preset.steps <= 100 else 10,
     )  # fmt: skip
-    after = lm_step.evaluate(parts, state.params, held_out, batches=preset.eval_batches)
+    after = evaluate(state.params) if preset.eval_batches else None
     losses = summary["losses"]
     last = [losses[k] for k in sorted(losses)[-min(10, len(losses)) :]]
     step_s = summary["seconds"] / summary["timed_steps"] if summary["timed_steps"] else None
     result = {
         "preset": preset.name,
         "model": preset.model,
-        "params": _params(parts),
+        "params": n_params,
         "context": preset.context,
         "config": name,
+        "gather": (
+            chosen.data_parallel.get("gather", "whole")
+            if chosen.data_parallel.get("shard_params")
+            else None
+        ),  # fmt: skip
         "seed": args.seed,
         "global_batch": global_batch,
         "devices": int(mesh.devices.size),
@@ -220,11 +262,15 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
         "train_loss": sum(last) / len(last) if last else None,
         "held_out_loss_before": before,
         "held_out_loss": after,
-        "held_out_bits_per_byte": lm_step.bits_per_byte(after),
+        "held_out_bits_per_byte": None if after is None else lm_step.bits_per_byte(after),
         "held_out_tokens": preset.eval_batches * global_batch * preset.context,
         "step_time_s": step_s,
         "tokens_per_s": global_batch * preset.context / step_s if step_s else None,
         "settings": chosen.describe(),
+        # the process's high-water mark of resident memory (Linux: KiB), all devices' state
+        # and buffers together on a CPU mesh
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "load_average": os.getloadavg(),
     }
     if is_main:
         c = result["corpus"]
@@ -232,25 +278,38 @@ def _run_train(args, preset, resolved, *, is_main: bool) -> dict:
             f"train: corpus {c['train_bytes'] / 1e6:.2f} MB in {c['train_files']} files, "
             f"held out {c['held_out_bytes'] / 1e6:.2f} MB in {c['held_out_files']} files"
         )
+        held = (
+            f"held-out loss {before:.4f} -> {after:.4f} nats/byte = "
+            f"{result['held_out_bits_per_byte']:.3f} bits/byte ({result['held_out_tokens']:,} "
+            "bytes); "
+            if after is not None
+            else "no held-out evaluation; "
+        )
         print(
             f"train: loss {losses[min(losses)]:.4f} (step {min(losses)}) -> "
-            f"{result['train_loss']:.4f} (mean of the last {len(last)} logged); held-out "
-            f"loss {before:.4f} -> {after:.4f} nats/byte = {result['held_out_bits_per_byte']:.3f} "
-            f"bits/byte ({result['held_out_tokens']:,} bytes); "
+            f"{result['train_loss']:.4f} (mean of the last {len(last)} logged); {held}"
             + (
                 f"{step_s * 1e3:.1f} ms/step, {result['tokens_per_s']:,.0f} tokens/s"
                 if step_s
                 else ""
             )
+            + f"; peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB"
         )
+        if len(losses) <= 20:
+            print("train: step  loss")
+            for k in sorted(losses):
+                print(f"train: {k:>4}  {losses[k]:.4f}")
     return result
 
 
 def _run_memory(args, preset, *, is_main: bool) -> dict:
     """``--memory``: the preset's model compiled in the replicated and the hybrid-sharded
-    layout from its shapes alone (``DataParallel.abstract_state``: nothing allocated), each
-    layout's state per device from its shardings and its step's buffers per device from
-    XLA's memory analysis."""
+    layouts (params gathered whole, and per layer) from its shapes alone
+    (``DataParallel.abstract_state``: nothing allocated), each layout's state per device
+    from its shardings and its step's buffers per device from XLA's memory analysis. The
+    step donates its input state, as ``--train``'s does (``experiments.step.build_step``):
+    its peak is the arguments (the state, whose buffers the new state reuses) plus the
+    temporaries."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -282,11 +341,16 @@ def _run_memory(args, preset, *, is_main: bool) -> dict:
     result = {"model": preset.model, "params": n, "devices": devices, "mesh": dict(mesh.shape),
               "context": preset.context, "global_batch": global_batch, "layouts": {}}  # fmt: skip
     assert n == param_count(jaxcomm.models.gpt_config(preset.model, context=preset.context))
-    for name, layout in (("replicated", {}), ("hybrid-sharded", {"shard_params": True})):
+    layouts = (
+        ("replicated", {}),
+        ("hybrid-sharded", {"shard_params": True}),
+        ("hybrid-sharded, per layer", {"shard_params": True, "gather": "layer"}),
+    )
+    for name, layout in layouts:
         t0 = time.perf_counter()
         tx = lm_step.make_optimizer({"algorithm": "hierarchical"}, preset.lr)
         dp = jaxcomm.data_parallel(lm_step.make_loss_fn(graphdef), tx, mesh,
-                                   with_model_state=True, **layout)  # fmt: skip
+                                   with_model_state=True, donate=True, **layout)  # fmt: skip
         state = dp.abstract_state(params)._replace(model_state=model_state)
         stats = dp.compile(state, {"tokens": tokens}).memory_analysis()
         row = {"state_bytes_per_device": per_device(state), "compile_s": time.perf_counter() - t0}
@@ -295,13 +359,20 @@ def _run_memory(args, preset, *, is_main: bool) -> dict:
             row["program_memory"] = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in names}
         result["layouts"][name] = row
         if is_main:
-            temp = row.get("program_memory", {}).get("temp")
+            program = row.get("program_memory", {})
+            temp = program.get("temp")
+            peak = program.get("argument", 0) + program.get("temp", 0)
             print(
                 f"memory: {preset.model} ({n:,} params) {name} on {dict(mesh.shape)}: state "
                 f"{row['state_bytes_per_device'] / 1e6:,.1f} MB per device "
                 f"({row['state_bytes_per_device'] * devices / 1e6:,.1f} MB on the "
                 f"{devices} devices)"
-                + (f", step buffers {temp / 1e6:,.1f} MB per device" if temp else "")
+                + (
+                    f", step buffers {temp / 1e6:,.1f} MB per device; the step's peak "
+                    f"(state + buffers) {peak * devices / 1e9:,.1f} GB on the {devices} devices"
+                    if temp
+                    else ""
+                )
             )
     return result
 
@@ -331,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     link_bps = runtime.testbed_link_bps()
     is_main = jax.process_index() == 0
     modes = [m for m in LM_MODES if getattr(args, m)] or list(preset.modes)
-    resolved = _select_rows(lm_rows(), args.rows)
+    resolved = _select_rows(lm_rows(args.gather), args.rows)
     meta = {**_run_meta("python -m experiments.lm", argv, preset, modes, link_bps), "seconds": {}}
     if is_main:
         os.makedirs(args.out, exist_ok=True)
@@ -342,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if "train" in modes:
         t0 = time.perf_counter()
-        result = _run_train(args, preset, lm_rows(), is_main=is_main)
+        result = _run_train(args, preset, lm_rows(args.gather), is_main=is_main)
         meta["seconds"]["train"] = time.perf_counter() - t0
         if is_main:
             with open(os.path.join(args.out, "train.json"), "w") as f:

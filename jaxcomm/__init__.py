@@ -12,6 +12,7 @@ from jaxcomm import (
     distributed,
     dynamic_scale,
     elastic,
+    gathering,
     hlo,
     host_memory,
     ordering,
@@ -25,6 +26,7 @@ from jaxcomm.checkpoint import Checkpointer
 from jaxcomm.collectives import allreduce, flat_allreduce, hierarchical_allreduce
 from jaxcomm.diloco import LocalSGDState, local_sgd
 from jaxcomm.distributed import init_distributed
+from jaxcomm.gathering import gather_params, gathered_layers
 from jaxcomm.lift import lift_opt_state
 from jaxcomm.mesh import DATA_AXES, make_mesh
 from jaxcomm.nnx import (
@@ -93,6 +95,9 @@ __all__ = [
     "dynamic_scale",
     "elastic",
     "flat_allreduce",
+    "gather_params",
+    "gathered_layers",
+    "gathering",
     "gradient_sync",
     "hierarchical_allreduce",
     "hlo",

@@ -20,11 +20,13 @@ One step, inside the step core's ``jax.shard_map`` over the data axes (every axi
    (``lax.all_gather(..., tiled=True)``, one per leaf, which XLA schedules). The gathered
    params are what the backward pass keeps for the matmuls' gradients, so a device holds
    one gathered copy of the params during the step (besides its ``1/intra`` of params,
-   gradients and optimizer state); gathering per layer (peak near one layer's params, as
-   FSDP's re-gather after the forward pass) would need the gather inside rematerialised
-   layers (``jax.checkpoint`` around each, or a scan over layers): not implemented. A
-   remat policy around the whole loss does not do it: the values computed from the
-   gathered params (a transposed weight) are saved in their place.
+   gradients and optimizer state). With ``gather='layer'`` the loss gets the blocks and
+   the model gathers them one layer at a time (``jaxcomm.gathering``: a scan over the
+   layers whose rematerialised body gathers a layer's params, again in the backward
+   pass), so a device holds one layer's gathered params at a time, as FSDP's re-gather
+   after the forward pass. (A remat policy around the whole loss does not do it: the
+   values computed from the gathered params, a transposed weight, are saved in their
+   place.)
 2. **reduce-scatter**: the gradient of an all-gather is a reduce-scatter (JAX transposes
    one into the other), so each device gets the sum over its node of its block's gradient,
    inside the node; divided by ``intra`` it is the node's mean. Leaves kept whole (no
@@ -52,8 +54,9 @@ is one more :class:`~jaxcomm.layout.OptimizerLayout` and not a second step core;
 collectives the sync issues over ``'inter'`` act on this device's block (in
 partial-manual mode every collective but ``psum`` over ``'inter'`` first gathers its
 operand inside the node: 4x the bytes across the link, ``shared/REFERENCE.md``). The
-price is that the gathers are one per leaf, issued where XLA schedules them, not per
-layer (step 1); a model axis (tensor parallelism) is not this layout's.
+price is that the gathers are issued by hand: one per leaf where XLA schedules them, or
+per layer where the model asks (step 1); a model axis (tensor parallelism) is not this
+layout's.
 
 A matrix compressor (``powersgd``) compresses each device's block as a matrix of its own:
 its ``P`` and ``Q`` are averaged over the outer axes only (``decision_axes`` left at
@@ -83,6 +86,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.compression.skip import keep_skipped
 from jaxcomm.diloco import gradient_params
+from jaxcomm.gathering import GATHER_MODES, blocks_of_step
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.sharded import _agree, _probe_gradients, split_state
 from jaxcomm.state import marked_per_device, stack_leaves, unstack_leaves, varying_axes
@@ -94,6 +98,7 @@ from jaxcomm.sync import (
     SyncRequest,
     accepting_requests,
 )
+from jaxcomm.validate import check_choice
 
 __all__ = ["MIN_SHARD_ELEMENTS", "HybridOptimizer", "param_dims", "param_specs"]
 
@@ -290,8 +295,12 @@ class HybridOptimizer:
       >>> state, metrics = dp(state, batch)
     """
 
-    def __init__(self, optimizer: Any, mesh: Mesh, axes: tuple[str, ...], *, where: str):
+    def __init__(
+        self, optimizer: Any, mesh: Mesh, axes: tuple[str, ...], *, where: str,
+        gather: str = "whole",
+    ):  # fmt: skip
         self.where = where
+        self.gather_mode = check_choice("gather", gather, GATHER_MODES)
         if len(axes) < 2:
             raise ValueError(
                 f"{where}(shard_params=True) splits params over the innermost data axis and "
@@ -344,13 +353,45 @@ class HybridOptimizer:
 
     def loss(self, loss_fn: Callable) -> Callable:
         """``loss_fn`` of the stored blocks: the params gathered (step 1); its gradient
-        with respect to the blocks is the reduce-scatter of step 2."""
+        with respect to the blocks is the reduce-scatter of step 2.
+
+        With ``gather='layer'`` the loss gets the blocks themselves and the model gathers
+        them (``jaxcomm.gathering``: :func:`~jaxcomm.gathering.gather_params`,
+        :func:`~jaxcomm.gathering.gathered_layers`); a split leaf it never gathers is
+        refused when the step is traced."""
+        if self.gather_mode == "whole":
+
+            @functools.wraps(loss_fn)
+            def of_blocks(params, *args):
+                return loss_fn(self.gather(params), *args)
+
+            return of_blocks
 
         @functools.wraps(loss_fn)
-        def of_blocks(params, *args):
-            return loss_fn(self.gather(params), *args)
+        def of_blocks_per_layer(params, *args):
+            flat = jax.tree_util.tree_flatten_with_path(params)[0]
+            dims = self.dims or param_dims(params, self.intra, self.where)
+            leaves = [x for _, x in flat]
+            with blocks_of_step(leaves, dims, self.inner) as record:
+                out = loss_fn(params, *args)
+            missed = [
+                jax.tree_util.keystr(path)
+                for (path, x), d in zip(flat, dims, strict=True)
+                if d is not None and id(x) not in record.gathered
+            ]
+            if missed:
+                raise ValueError(
+                    f"{self.where}(shard_params=True, gather='layer'): the loss never "
+                    f"gathered params{missed[0]} ({len(missed)} split leaves in all), so it "
+                    f"computed with this device's 1/{self.intra} block of it. Gather each "
+                    "leaf where the model uses it: jaxcomm.gathered_layers(fn)(layers, x) "
+                    "over the layers, jaxcomm.gather_params(tree) for the rest "
+                    "(embeddings), on the leaves the loss gets (not on values computed "
+                    "from them); or gather='whole'."
+                )
+            return out
 
-        return of_blocks
+        return of_blocks_per_layer
 
     # -- the optimizer state's layout --------------------------------------------------
     def opt_specs(self, opt_state: Any, per: list[bool]) -> Any:

@@ -19,6 +19,7 @@ from jaxcomm.axis_names import call_step
 from jaxcomm.collectives import allreduce_floats, check_axes
 from jaxcomm.diloco import gradient_params
 from jaxcomm.distributed import agree, check_same_on_processes
+from jaxcomm.gathering import GATHER_MODES
 from jaxcomm.hlo import ordering_hazards
 from jaxcomm.hybrid import HybridOptimizer
 from jaxcomm.layout import OptimizerLayout, ReplicatedOptimizer
@@ -30,7 +31,7 @@ from jaxcomm.sharded import ShardedOptimizer, shard_options
 from jaxcomm.state import stack_leaves, unstack_leaves
 from jaxcomm.sync import NO_HOST_PHASE, GradientSync, HostPhase, accepting_requests
 from jaxcomm.sync_inputs import check_sync_inputs
-from jaxcomm.validate import check_int
+from jaxcomm.validate import check_choice, check_int
 
 __all__ = [
     "DataParallel",
@@ -305,6 +306,7 @@ class DataParallel:
         check_replicas: int | None = None,
         shard: Mapping[str, Any] | None = None,
         shard_params: bool = False,
+        gather: str = "whole",
     ):
         check_replicas, microbatches = _check_step_options(
             optimizer, mesh, axes, check_replicas, microbatches, accumulate, with_model_state
@@ -339,6 +341,14 @@ class DataParallel:
         self._programs: dict = {}  # by jaxcomm.HostPhase (HostPhase(): on the devices)
         self._clock: PhaseClock | None = None  # the host's copy of the counts
         self._opt_layout: list[bool] | None = None  # per optimizer-state leaf: per device?
+        check_choice("data_parallel(gather=...)", gather, GATHER_MODES)
+        if gather != "whole" and not shard_params:
+            raise ValueError(
+                f"data_parallel(gather={gather!r}) says where params stored split over a "
+                "node are gathered, but shard_params=False keeps them whole; pass "
+                "shard_params=True with it, or leave gather='whole'."
+            )
+        self._gather = gather
         self.layout: OptimizerLayout = self._make_layout(shard, shard_params)
         self._step_loss = self.layout.loss(self._loss_fn)  # of the stored params
         self._calls = 0
@@ -411,7 +421,9 @@ class DataParallel:
                 "besides the data axes (a model axis) is not implemented; use a mesh of "
                 "the data axes (jaxcomm.make_mesh(intra=...)) or shard_params=False."
             )
-        return HybridOptimizer(self.optimizer, self.mesh, self.axes, where="data_parallel")
+        return HybridOptimizer(
+            self.optimizer, self.mesh, self.axes, where="data_parallel", gather=self._gather
+        )
 
     # -- state ------------------------------------------------------------------------
     def state_specs(self, state: TrainState) -> TrainState:
@@ -1073,6 +1085,7 @@ def data_parallel(
     param_gather: Any = None,
     shard_bucket_bytes: int | None = None,
     shard_params: bool = False,
+    gather: str = "whole",
 ) -> DataParallel:
     """Builds a data-parallel train step over ``mesh``.
 
@@ -1154,14 +1167,24 @@ def data_parallel(
       shard_params: hybrid sharding (``jaxcomm.hybrid``, as FSDP2's HSDP): params,
         gradients and optimizer state split over the devices of a node (``'intra'``,
         each leaf along the largest dimension ``intra`` divides), replicated over
-        ``'inter'``. The loss sees each leaf gathered inside the node (the whole params
-        at once, not per layer), the gradients are reduce-scattered inside the node, and
-        the optimizer's ``sync_gradients`` reduces each device's block across nodes
-        only: ``1/intra`` of the model's bytes on a node's link, compressed as the sync
-        says (elementwise compressors, error feedback, warm-up, every algorithm). The
-        optimizer must be ``optax.chain(jaxcomm.sync_gradients(...), *transforms)``;
-        ``state.params`` are the params, split. Not with ``shard_optimizer``,
-        ``microbatches > 1``, ``local_sgd``, fp16, adaptive or PowerSGD (refused).
+        ``'inter'``. The loss sees each leaf gathered inside the node (the whole
+        params at once, unless ``gather='layer'``), the gradients are reduce-scattered
+        inside the node, and the optimizer's ``sync_gradients`` reduces each device's
+        block across nodes only: ``1/intra`` of the model's bytes on a node's link,
+        compressed as the sync says (elementwise compressors, error feedback, warm-up,
+        every algorithm). The optimizer must be
+        ``optax.chain(jaxcomm.sync_gradients(...), *transforms)``; ``state.params`` are
+        the params, split. Not with ``shard_optimizer``, ``microbatches > 1`` or
+        ``local_sgd`` (refused).
+      gather: with ``shard_params``, where the params are gathered inside the node:
+        ``'whole'`` (the loss sees every leaf gathered at its start; the backward pass
+        keeps one gathered copy of the model) or ``'layer'`` (the loss gets the split
+        blocks and the model gathers them where it uses them:
+        :func:`jaxcomm.gathered_layers` over the layers, a scan whose rematerialised
+        body gathers one layer's params, again in the backward pass, and
+        :func:`jaxcomm.gather_params` for the rest; a device holds one layer's gathered
+        params at a time; a split leaf the loss never gathers is refused when the step
+        is traced). ``jaxcomm.models.gpt`` gathers per layer.
 
     Returns:
       A :class:`DataParallel`: ``state = dp.init(params)``, then
@@ -1192,4 +1215,5 @@ def data_parallel(
         check_replicas=check_replicas,
         shard=shard,
         shard_params=shard_params,
+        gather=gather,
     )

@@ -523,3 +523,131 @@ def test_model_axis_refusals(model_mesh, mesh, params):
     int8 = _tx(optax.sgd(0.1), compression=jaxcomm.compression.int8())
     with pytest.raises(NotImplementedError, match="a compressed sync_gradients is not implemented"):
         jaxcomm.data_parallel(mlp_loss, int8, model_mesh).init(_model_sharded(params, model_mesh))
+
+
+# -- gathering per layer (gather='layer': jaxcomm.gathering) ------------------------------
+
+GPT_TINY = dict(d_model=32, heads=2, context=16, layers=3)  # gpt-test, narrower: every dim splits
+
+
+@pytest.fixture(scope="module")
+def gpt_steps(mesh):
+    """A 3-layer GPT, hybrid-sharded, gathered whole and per layer: each mode's compiled
+    step (its HLO and memory analysis) and the state after two SGD steps (SGD: the
+    gradients compared as they are; Adam's normalisation turns a rounding-level gradient
+    of a zero-initialised bias into a step of up to the learning rate)."""
+    from flax import nnx
+
+    from experiments import lm_step
+    from jaxcomm.models import gpt
+
+    graphdef, params, model_state = nnx.split(gpt("gpt-test", **GPT_TINY), nnx.Param, nnx.BatchStat)
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, 256, (16, 17)).astype(np.int32)} for _ in range(2)]
+    out = {"params": params}
+    for gather in ("whole", "layer"):
+        tx = _tx(optax.sgd(0.5))
+        dp = jaxcomm.data_parallel(lm_step.make_loss_fn(graphdef), tx, mesh, shard_params=True,
+                                   with_model_state=True, gather=gather)  # fmt: skip
+        state = dp.init(params, model_state)
+        compiled = dp.compile(state, batches[0])
+        losses = []
+        for b in batches:
+            state, metrics = compiled(state, dp.shard_batch(b))
+            assert assert_copies_equal(state) > 0
+            losses.append(float(metrics["loss"]))
+        out[gather] = (dp, compiled, state, losses)
+    return out
+
+
+def test_per_layer_gather_equals_whole_gather(gpt_steps):
+    """Two SGD steps of the GPT: gathered per layer (a rematerialised scan over the
+    blocks) as gathered whole, within f32 rounding."""
+    (_, _, whole, l_whole), (_, _, layer, l_layer) = gpt_steps["whole"], gpt_steps["layer"]
+    np.testing.assert_allclose(l_layer, l_whole, rtol=1e-6)
+    assert l_layer[1] != l_layer[0]  # the params moved
+    for a, b in zip(jax.tree.leaves(layer), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _all_gathers(compiled, mesh):
+    """The step's all-gathers: (axes, op_name) of each, from the compiled HLO."""
+    wb = jaxcomm.wire_bytes(compiled, mesh=mesh)
+    names = [
+        line.split('op_name="')[1].split('"')[0]
+        for line in compiled.as_text().splitlines()
+        if " all-gather(" in line and 'op_name="' in line
+    ]
+    axes = [c["axes"] for c in wb["collectives"] if c["kind"] == "all-gather"]
+    assert len(axes) == len(names)
+    return axes, names
+
+
+def test_per_layer_gathers_inside_the_node_again_in_the_backward(gpt_steps, mesh):
+    """HLO census: every all-gather is over ('intra',); per layer, the blocks' gathers are
+    in the scan's forward body and again in its backward (transposed) body; gathered
+    whole, each leaf is gathered once, outside any loop."""
+    n_layer_leaves = len(jax.tree.leaves(gpt_steps["params"]["blocks"][0]))
+    n_leaves = len(jax.tree.leaves(gpt_steps["params"]))
+    axes, names = _all_gathers(gpt_steps["layer"][1], mesh)
+    assert set(axes) == {("intra",)}
+    forward = [n for n in names if "while/body" in n and "transpose(" not in n]
+    backward = [n for n in names if "while/body" in n and "transpose(" in n]
+    assert len(forward) == n_layer_leaves
+    # the backward body gathers again what the layer's gradient needs (not the output
+    # projection's bias, which no gradient reads)
+    assert n_layer_leaves - 2 <= len(backward) <= n_layer_leaves, backward
+    assert all("rematted_computation" in n for n in backward)
+    assert len(names) - len(forward) - len(backward) == n_leaves - 3 * n_layer_leaves
+    axes, names = _all_gathers(gpt_steps["whole"][1], mesh)
+    assert set(axes) == {("intra",)} and len(names) == n_leaves
+    assert not any("while" in n for n in names)
+
+
+def test_per_layer_gather_lowers_the_step_temporaries(gpt_steps):
+    """XLA's memory analysis of the two compiled steps: the same arguments, fewer
+    temporary bytes per layer (one layer's gathered params at a time, not the model's)."""
+    whole, layer = (gpt_steps[g][1].memory_analysis() for g in ("whole", "layer"))
+    assert layer.argument_size_in_bytes == whole.argument_size_in_bytes
+    print(f"\ntemporaries per device: whole {whole.temp_size_in_bytes} B, per layer "
+          f"{layer.temp_size_in_bytes} B")  # fmt: skip
+    assert layer.temp_size_in_bytes < 0.75 * whole.temp_size_in_bytes
+
+
+def test_gathering_helpers_do_nothing_outside_the_step():
+    """Outside a gather='layer' step: gather_params returns its tree, gathered_layers
+    applies the layer in a Python loop (the GPT's program has no scan nor remat)."""
+
+    from jaxcomm.models import gpt
+
+    tree = {"a": jnp.ones(3)}
+    assert jaxcomm.gather_params(tree) is tree
+    calls = []
+    out = jaxcomm.gathered_layers(lambda p, x: calls.append(p) or x + p)([1.0, 2.0], 0.5)
+    assert out == 3.5 and calls == [1.0, 2.0]
+    model = gpt("gpt-test", **GPT_TINY)
+    jaxpr = str(jax.make_jaxpr(lambda t: model(t))(jnp.zeros((1, 8), jnp.int32)))
+    assert "scan" not in jaxpr and "remat" not in jaxpr and "checkpoint" not in jaxpr
+
+
+def test_per_layer_refusals(mesh, params):
+    tx = _tx(optax.sgd(0.1))
+    with pytest.raises(ValueError, match="gather='layer'.*shard_params=False"):
+        jaxcomm.data_parallel(mlp_loss, tx, mesh, gather="layer")
+    with pytest.raises(ValueError, match=r"gather=\.\.\.\)='rows' must be one of"):
+        jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_params=True, gather="rows")
+    # a loss that never gathers the blocks (the MLP's): refused with the leaf's path
+    dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_params=True, gather="layer")
+    state = dp.init(params)
+    with pytest.raises(ValueError, match=r"never gathered params\[0\]\['b'\].*gathered_layers"):
+        dp(state, _batches(1)[0])
+
+    def two_shapes(p, batch):  # layers of different shapes cannot share one scan
+        x = jaxcomm.gathered_layers(lambda w, x: jnp.tanh(x @ w["w"]))(
+            [p[0], {"w": p[1]["w"][:, :12]}], batch["x"]
+        )
+        return jnp.mean(x**2)
+
+    dp = jaxcomm.data_parallel(two_shapes, tx, mesh, shard_params=True, gather="layer")
+    with pytest.raises(ValueError, match="layer 1 differs from layer 0"):
+        dp(dp.init(params), _batches(1)[0])

@@ -22,7 +22,13 @@ from jaxcomm.models import GPT_CONFIGS, gpt, gpt_config, gpt_param_shapes, param
 
 @pytest.mark.parametrize(
     "name,overrides",
-    [("gpt-test", {}), ("gpt-test", {"tied": False}), ("gpt-mini", {}), ("gpt2-small", {})],
+    [
+        ("gpt-test", {}),
+        ("gpt-test", {"tied": False}),
+        ("gpt-mini", {}),
+        ("gpt2-small", {}),
+        ("gpt-200m", {}),
+    ],
 )
 def test_parameter_count_is_the_closed_formula(name, overrides):
     shapes = gpt_param_shapes(name, **overrides)  # no arrays allocated
@@ -150,6 +156,8 @@ def test_hybrid_row_follows_the_resnet_rows_on_overlaps_settings():
     assert dict(hybrid.data_parallel) == {"shard_params": True}
     assert hybrid.sync["algorithm"] == "hierarchical" and hybrid.sync["compression"].name == "int8"
     assert all(not r.data_parallel for r in rows[:-1])
+    per_layer = lm_rows("layer")[-1]  # --gather layer
+    assert dict(per_layer.data_parallel) == {"shard_params": True, "gather": "layer"}
 
 
 def test_hybrid_line_puts_memory_beside_the_baseline():

@@ -6,6 +6,12 @@ an output head that is the token embedding's transpose (tied, as GPT-2) unless
 ``tied=False``. Initialisation as GPT-2: normal(0.02) weights, zero biases, the residual
 projections scaled by ``1 / sqrt(2 layers)``.
 
+In a hybrid-sharded step that gathers per layer (``jaxcomm.data_parallel(...,
+shard_params=True, gather='layer')``) the blocks run as one scan that gathers each
+block's params inside a rematerialised body (``jaxcomm.gathered_layers``), and the
+embeddings and the final LayerNorm are gathered once (``jaxcomm.gather_params``);
+elsewhere both helpers do nothing and the model is the plain one.
+
 Named configs (:data:`GPT_CONFIGS`) go from ``'gpt-test'`` (2 layers, d 64: a test size)
 through GPT-2 small's shape (``'gpt2-small'``: 12 layers, d 768, 12 heads, context 1024)
 to GPT-2 medium's and large's. The vocabulary is bytes (256): GPT-2 small has 85.8M
@@ -27,6 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jaxcomm.gathering import gather_params, gathered_layers
 
 BYTE_VOCAB = 256
 
@@ -65,6 +73,10 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt-test": GPTConfig(layers=2, d_model=64, heads=4, context=64),
     "gpt-mini": GPTConfig(layers=4, d_model=128, heads=4, context=256),
     "gpt2-small": GPTConfig(layers=12, d_model=768, heads=12, context=1024),
+    # GPT-2 medium's width, 16 layers: the fewest whose replicated AdamW step (params,
+    # gradients, two moments: 16 bytes a param) exceeds 24 GiB on 8 devices (202.9M
+    # params, 201.9M at context 64: 24.06 GiB; 15 layers: 22.6 GiB)
+    "gpt-200m": GPTConfig(layers=16, d_model=1024, heads=16, context=1024),
     "gpt2-medium": GPTConfig(layers=24, d_model=1024, heads=16, context=1024),
     "gpt2-large": GPTConfig(layers=36, d_model=1280, heads=20, context=1024),
 }
@@ -157,12 +169,29 @@ class GPT(nnx.Module):
                 f"GPT: a sequence of {t} tokens is longer than the context "
                 f"{self.config.context}; cut it to at most {self.config.context}."
             )
-        x = self.wte(tokens) + self.wpe(jnp.arange(t))
-        for block in self.blocks:
-            x = block(x)
-        x = self.ln_f(x)
-        logits = self.wte.attend(x) if self.head is None else self.head(x)
+        wte, wpe, ln_f, head = (_gathered(m) for m in (self.wte, self.wpe, self.ln_f, self.head))
+        x = wte(tokens) + wpe(jnp.arange(t))
+        if len(self.blocks):
+            graphdef = nnx.graphdef(self.blocks[0])
+            layers = [nnx.state(block) for block in self.blocks]
+            x = gathered_layers(functools.partial(_apply, graphdef))(layers, x)
+        x = ln_f(x)
+        logits = wte.attend(x) if head is None else head(x)
         return logits.astype(jnp.float32)
+
+
+def _gathered(module: nnx.Module | None) -> nnx.Module | None:
+    """``module`` with its params gathered in a per-layer hybrid step
+    (``jaxcomm.gather_params``), else itself."""
+    if module is None:
+        return None
+    graphdef, params = nnx.split(module)
+    gathered = gather_params(params)
+    return module if gathered is params else nnx.merge(graphdef, gathered)
+
+
+def _apply(graphdef: Any, params: Any, x: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, params)(x)
 
 
 def gpt(name: str = "gpt2-small", *, dtype=None, seed: int = 0, **overrides: Any) -> GPT:
