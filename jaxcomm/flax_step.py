@@ -473,10 +473,6 @@ class FlaxStep:
       axis_name: a name the step uses for the data axes, bound to them while it traces.
       shard: ``shard_optimizer=True``: the ``ShardedOptimizer`` arguments; else None.
       shard_params: hybrid sharding (:mod:`jaxcomm.flax_hybrid`).
-      state_rows: pmap's layout (``adapter.rows_out``): read while the step traces, per
-        state argument whether the step's new state goes back in rows; the program then
-        returns ``(outputs, rows)`` in the place of the outputs, ``rows`` each new
-        replicated leaf of those states as ``(devices, ...)`` (None for the others).
     """
 
     def __init__(
@@ -490,10 +486,8 @@ class FlaxStep:
         axis_name: str | None = None,
         shard: dict | None = None,
         shard_params: bool = False,
-        state_rows: Callable[[], list[bool]] | None = None,
     ):
         self.adapter = adapter
-        self._state_rows = state_rows
         self.name = adapter.name
         check_mesh_axes(self.name, axes, mesh)
         self.fn = fn
@@ -562,21 +556,7 @@ class FlaxStep:
         lifted = plan.lifted if communicate else ()
         for i in lifted:
             new[i] = new[i][None]  # each device's copy; read back as replicated in _jit
-        if self._state_rows is None:
-            return new, out
-        # The replicated leaves of each state that goes back in pmap's rows, as each
-        # device's row too (the outputs' P(axes)), from this program: the entry returns
-        # them without a program of its own.
-        wanted = [
-            want
-            for sub, want in zip(plan.treedef.children(), self._state_rows(), strict=True)
-            for _ in range(sub.num_leaves)
-        ]
-        rows = [
-            None if per or not want else x if i in lifted else x[None]
-            for i, (x, per, want) in enumerate(zip(new, plan.per, wanted, strict=True))
-        ]
-        return new, (out, rows)
+        return new, out
 
     def _local(self, plan, leaves, args, rec=None, *, communicate=True, phase=NO_HOST_PHASE):
         """One device's step on its local leaves; returns the new leaves and outputs."""

@@ -74,7 +74,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.axis_names import check_axis_name
-from jaxcomm.flax_step import FlaxFrontEnd, FlaxStep, Split, check_decorator_args, key_data
+from jaxcomm.flax_step import FlaxFrontEnd, FlaxStep, check_decorator_args, key_data
 from jaxcomm.linen import LinenAdapter
 from jaxcomm.mesh import DATA_AXES
 from jaxcomm.replicas import check_replicas as compare_replicas
@@ -135,23 +135,11 @@ class PmapAdapter(LinenAdapter):
     """The pmap entry's state for the engine: ``TrainState`` s (through the Linen
     adapter's recording ``tx``), or the optax form's :class:`OptaxState` (the step calls
     the ``tx`` it closes over: no recording; its sync is seen in its state, and what the
-    step makes of the gradients in its jaxpr, :meth:`PmapDataParallel._check_optax_step`).
-    Its step's program returns the rows of the new states that go back in rows
-    (``FlaxStep``'s ``state_rows``): :meth:`write_back` keeps them for the entry."""
-
-    def __init__(self, name: str, check_batch: Callable):
-        super().__init__(name, check_batch)
-        # The last call's rows of its new replicated leaves, by the leaf's id: (leaf, rows).
-        self.rows: dict[int, tuple] = {}
+    step makes of the gradients in its jaxpr, :meth:`PmapDataParallel._check_optax_step`)."""
 
     @staticmethod
     def is_node(a: Any) -> bool:
         return _is_state(a)
-
-    def write_back(self, objs: tuple, split: Split, new: list, out: Any) -> Any:
-        out, rows = out
-        self.rows = {id(x): (x, r) for x, r in zip(new, rows, strict=True) if r is not None}
-        return LinenAdapter.write_back(objs, split, new, out)
 
     @staticmethod
     def enter(graphdef: Any, states: Any, hooks: Any) -> tuple:
@@ -320,9 +308,6 @@ class PmapDataParallel(FlaxFrontEnd):
         self._sharded = shard is not None
         self._form: _Form | None = None  # the optax form's places, found at the first call
         self._optax_checked = False  # the optax form's step was read for a kept mean
-        # Per state the step returns (read while it traces): whether it goes back in rows.
-        self._state_rows_out: list[bool] = []
-        self._out_axes_of: dict = {}  # by the outputs' structure: one out_axes entry per leaf
         engine = FlaxStep(
             self._body,
             mesh,
@@ -331,7 +316,6 @@ class PmapDataParallel(FlaxFrontEnd):
             check_replicas=check_replicas,
             axis_name=axis_name,
             shard=shard,
-            state_rows=lambda: self._state_rows_out,
         )
         super().__init__(engine, fn)
         self.axis_name = axis_name
@@ -349,7 +333,6 @@ class PmapDataParallel(FlaxFrontEnd):
         self._replicas_to_rows = self._per_device(lambda xs: [x[None] for x in xs], rep, stacked)
         self._row0 = jax.jit(lambda xs: [x[0] for x in xs], out_shardings=NamedSharding(mesh, rep))
         self._same_rows = jax.jit(lambda xs: jnp.all(jnp.stack([_rows_equal(x) for x in xs])))
-        self._rows_sharding = NamedSharding(self.mesh, stacked)
 
     def _per_device(self, fn: Callable, in_spec: P, out_spec: P) -> Callable:
         """``fn`` on each device's own part of a list of arrays, jitted (no data moves)."""
@@ -369,13 +352,8 @@ class PmapDataParallel(FlaxFrontEnd):
             )
         return list(self._in_axes)
 
-    def _flat_out_axes(self, out: Any, treedef: Any = None) -> list:
-        """One ``out_axes`` entry per output leaf (a ``TrainState`` counts as one); with
-        ``treedef`` (``out``'s, states as leaves), read once per output structure."""
-        if treedef is not None:
-            if treedef not in self._out_axes_of:
-                self._out_axes_of[treedef] = self._flat_out_axes(out)
-            return self._out_axes_of[treedef]
+    def _flat_out_axes(self, out: Any) -> list:
+        """One ``out_axes`` entry per output leaf (a ``TrainState`` counts as one)."""
         axes_def = jax.tree.structure(self._out_axes, is_leaf=lambda x: x is None)
         try:
             subtrees = axes_def.flatten_up_to(out)
@@ -421,7 +399,6 @@ class PmapDataParallel(FlaxFrontEnd):
             return x[None]
 
         axes = self._flat_out_axes(out)
-        self._state_rows_out = [a == 0 for x, a in zip(flat, axes, strict=True) if _is_state(x)]
         return jax.tree.unflatten(treedef, [row(x, a) for x, a in zip(flat, axes, strict=True)])
 
     # -- the optax form ------------------------------------------------------------------
@@ -623,7 +600,7 @@ class PmapDataParallel(FlaxFrontEnd):
                     f"{self.num_devices} devices. Pass jax_utils.replicate(state), as for "
                     f"jax.pmap, or the state itself with in_axes=None.{_rows_hint()}"
                 )
-        sharding = self._rows_sharding
+        sharding = NamedSharding(self.mesh, P(self.axes))
 
         def put(x):
             if isinstance(x, jax.Array) and x.sharding == sharding:
@@ -646,22 +623,11 @@ class PmapDataParallel(FlaxFrontEnd):
         return jax.tree.unflatten(treedef, leaves)
 
     def _to_rows(self, leaves: list, per: list[bool]) -> list:
-        """The replicated leaves as pmap's rows: those the step's program returned (the
-        adapter's ``rows``), else from a program of their own; remembers each row's
-        replica."""
-        made = self.engine.adapter.rows
-        rows: dict[int, jax.Array] = {}
-        for i, f in enumerate(per):
-            hit = None if f else made.get(id(leaves[i]))
-            if hit is not None and hit[0] is leaves[i]:
-                rows[i] = hit[1]
-        missing = [i for i, f in enumerate(per) if not f and i not in rows]
-        if missing:
-            rows.update(
-                zip(missing, self._replicas_to_rows([leaves[i] for i in missing]), strict=True)
-            )
+        """The replicated leaves as pmap's rows; remembers each row's replica."""
+        idx = [i for i, f in enumerate(per) if not f]
+        rows = self._replicas_to_rows([leaves[i] for i in idx])
         leaves = list(leaves)
-        for i, r in rows.items():
+        for i, r in zip(idx, rows, strict=True):
             self._replica_of[id(r)] = (r, leaves[i])
             leaves[i] = r
         return leaves
@@ -865,7 +831,7 @@ class PmapDataParallel(FlaxFrontEnd):
         self._replica_of = {}  # a later call takes only these rows without a launch
         flat, treedef = jax.tree.flatten(out, is_leaf=_is_state)
         # Outputs come one row per device as the step made them; out_axes=None: row 0.
-        flat_axes = self._flat_out_axes(out, treedef)
+        flat_axes = self._flat_out_axes(out)
         idx = [i for i, a in enumerate(flat_axes) if a is None and not _is_state(flat[i])]
         for i, x in zip(idx, self._row0([flat[i] for i in idx]) if idx else (), strict=True):
             flat[i] = x
@@ -875,7 +841,6 @@ class PmapDataParallel(FlaxFrontEnd):
             if _is_state(x):
                 flat[i] = self._keep_held(k, x, next(layouts), rows=a == 0)
                 k += 1
-        self.engine.adapter.rows = {}  # taken: the outputs hold them
         out = jax.tree.unflatten(treedef, flat)
         if self._form is not None:
             out = self._unpack_outputs(out)

@@ -130,6 +130,11 @@ def _setup_backend() -> None:
         pass
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_enable_compilation_cache", False)
+    # JAX decides once per process whether to use its persistent cache: a process that
+    # compiled with one already (the test suite's) decides again, without it.
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()
     if len(jax.devices()) < 8:
         raise SystemExit(
             "needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8 "
