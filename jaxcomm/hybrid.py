@@ -464,6 +464,15 @@ class HybridOptimizer:
         # are averaged over the outer axes only, and are this block's (per device).
         comp = syncs[0].compression
         blockwise = comp is not None and not comp.elementwise
+        if blockwise and syncs[0].warmup_steps:
+            # The warm-up's lax.cond keeps the stored factors (typed per device) where the
+            # codec's branch returns them typed per block over the node only.
+            raise NotImplementedError(
+                f"{self.where}(shard_params=True) with sync_gradients(compression="
+                f"{comp.name!r}, warmup_steps={syncs[0].warmup_steps}) is not implemented: "
+                "a matrix compressor's factors under a warm-up. Use warmup_steps=0, or an "
+                "elementwise compressor (int8, bf16, ...) for the warm-up's sake."
+            )
         self.sync = syncs[0]._replace(
             axes=self.outer,
             compress_stage="all",

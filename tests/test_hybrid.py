@@ -185,8 +185,10 @@ def test_refusals_at_construction(mesh):
          "another update on each device's block.*clip_by_global_norm"),
         (jaxcomm.local_sgd(optax.sgd(0.1), sync_every=2), NotImplementedError,
          "local_sgd is not implemented"),
+        (_tx(optax.sgd(0.1), compression=jaxcomm.compression.powersgd(rank=1),
+             warmup_steps=2), NotImplementedError, "warmup_steps=2.*Use warmup_steps=0"),
     ],
-    ids=["no-sync", "sync-axes", "optax-clip", "local_sgd"],
+    ids=["no-sync", "sync-axes", "optax-clip", "local_sgd", "powersgd-warmup"],
 )  # fmt: skip
 def test_refusals_at_init(mesh, params, tx, error, match):
     dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_params=True)
