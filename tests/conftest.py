@@ -40,10 +40,18 @@ def mesh():
 
 
 # The longest test files (minutes each: the make-run path on the testbed, the smoke
-# ablation, the golden runs) first. `make test` hands each of its two workers a file at a
+# ablation, the golden runs, the kill test, the GPU bench's dry run, the launcher's
+# processes) first. `make test` hands each of its two workers a file at a
 # time (--dist loadfile) in collection order: a long file taken last would leave the other
 # worker idle until it ends.
-LONGEST_FIRST = ("test_testbed.py", "test_experiment_ablation.py", "test_golden.py")
+LONGEST_FIRST = (
+    "test_testbed.py",
+    "test_experiment_ablation.py",
+    "test_golden.py",
+    "test_elastic_processes.py",
+    "test_bench_gpu.py",
+    "test_launch.py",
+)
 
 
 def pytest_collection_modifyitems(items):
