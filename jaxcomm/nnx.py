@@ -368,9 +368,10 @@ class NnxAdapter:
         models = [a for a in objs if isinstance(a, nnx.Module)]
         if opts and len(models) != 1:
             raise ValueError(
-                f"{self.name}(shard_optimizer=True): the step takes {len(models)} "
-                "nnx.Module arguments; the sharded optimizer state is laid out over the "
-                "params of the one model the optimizer trains: pass one model."
+                f"{self.name}(shard_optimizer=True or shard_params=True): the step takes "
+                f"{len(models)} nnx.Module arguments; the sharded optimizer state is laid "
+                "out over the params of the one model the optimizer trains: pass one model, "
+                "or shard neither."
             )
         return [
             (i, o.tx, nnx.as_pure(nnx.state(models[0], o.wrt)), nnx.as_pure(o.opt_state))

@@ -251,6 +251,17 @@ def test_two_optimizers_refused(mesh):
         step(model, *opts, _batches(1)[0])
 
 
+def test_two_models_refused_naming_shard_params(mesh):
+    def two(model, other, optimizer, batch):
+        del model, other, optimizer, batch
+
+    model, other = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(1))
+    opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+    step = jaxcomm.nnx_data_parallel(mesh, shard_params=True)(two)
+    with pytest.raises(ValueError, match=r"shard_params=True\): the step takes 2 nnx.Module"):
+        step(model, other, opt, _batches(1)[0])
+
+
 def _clipped(model, optimizer, batch):
     """A max-norm after optimizer.update, of the whole (gathered) kernel."""
     grads = nnx.grad(lambda m: m(batch["x"]).mean())(model)
