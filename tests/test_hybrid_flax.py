@@ -251,6 +251,16 @@ def test_two_optimizers_refused(mesh):
         step(model, *opts, _batches(1)[0])
 
 
+def test_apply_if_finite_inside_the_chain_refused(mesh):
+    # It decides from each device's block: the devices of a node would decide apart.
+    model = MLP(nnx.Rngs(0))
+    tx = optax.chain(jaxcomm.sync_gradients(), optax.apply_if_finite(optax.adam(1e-2), 3))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = jaxcomm.nnx_data_parallel(mesh, shard_params=True)(nnx_step)
+    with pytest.raises(ValueError, match=r"notfinite_count.*optax.apply_if_finite"):
+        step(model, opt, nnx.metrics.Average("loss"), _batches(1)[0])
+
+
 def test_two_models_refused_naming_shard_params(mesh):
     def two(model, other, optimizer, batch):
         del model, other, optimizer, batch
