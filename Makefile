@@ -27,11 +27,12 @@ run: $(STAMP)
 
 # Two pytest workers (pytest-xdist), a test file per worker at a time: most tests are bound by
 # XLA's single-threaded compiler, so 2 workers on 2 cores take ~0.6 of one worker's time.
-# Module fixtures (the smoke ablation) stay on one worker with --dist loadfile.
+# Module fixtures (the smoke ablation) stay on one worker with --dist loadfile; the files
+# go out in tests/conftest.py's order, longest first (--no-loadscope-reorder).
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check jaxcomm experiments tests

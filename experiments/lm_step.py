@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from experiments.step import DTYPES, ModelParts, Workload
 from experiments.text import TextWindows, load_corpus
-from jaxcomm.models import gpt
+from jaxcomm.models import gpt, initialize
 
 __all__ = [
     "bits_per_byte",
@@ -60,7 +60,7 @@ def make_model(name: str, *, context: int, dtype: str = "float32", seed: int = 0
         return nnx.split(model, nnx.Param, nnx.BatchStat)
 
     graphdef = nnx.eval_shape(create)[0]
-    _, params, model_state = jax.jit(create)()
+    _, params, model_state = initialize(create)
     return ModelParts(graphdef, params, model_state)
 
 

@@ -39,18 +39,33 @@ def mesh():
     return jaxcomm.make_mesh(intra=4)
 
 
-# The longest test files (minutes each: the make-run path on the testbed, the smoke
-# ablation, the golden runs, the kill test, the GPU bench's dry run, the launcher's
-# processes) first. `make test` hands each of its two workers a file at a
-# time (--dist loadfile) in collection order: a long file taken last would leave the other
-# worker idle until it ends.
+# The test files by their time, longest first (a full run's --durations=0, summed per
+# file, 2026-12-07): `make test` hands each of its two workers a file at a time
+# (--dist loadfile, --no-loadscope-reorder) in collection order, so the long files start
+# first and the short ones (every file not named, in name order) fill in at the end; a
+# long file taken last would leave the other worker idle until it ends. (pytest-xdist's own
+# order, by the number of tests in a file, put the one-test kill test last.)
 LONGEST_FIRST = (
     "test_testbed.py",
     "test_experiment_ablation.py",
     "test_golden.py",
+    "test_replicas.py",
     "test_elastic_processes.py",
-    "test_bench_gpu.py",
+    "test_sharded.py",
     "test_launch.py",
+    "test_flax_sharded.py",
+    "test_pmap_optax.py",
+    "test_pmap.py",
+    "test_experiment_checkpoint.py",
+    "test_sharded_build.py",
+    "test_elastic.py",
+    "test_flax_imagenet.py",
+    "test_bench_gpu.py",
+    "test_microbatch.py",
+    "test_pmap_entry.py",
+    "test_sharded_distributed.py",
+    "test_hybrid.py",
+    "test_sharded_digits.py",
 )
 
 

@@ -248,13 +248,13 @@ def _jax_model(seed: int) -> tuple[Any, Any, Any]:
     import numpy as np
     from flax import nnx
 
-    from jaxcomm.models import resnet
+    from jaxcomm.models import initialize, resnet
 
     def create():
         return nnx.split(resnet("resnet18", 10, seed=seed), nnx.Param, nnx.BatchStat)
 
     graphdef = nnx.eval_shape(create)[0]
-    params, stats = jax.tree.map(np.asarray, jax.jit(create)()[1:])
+    params, stats = jax.tree.map(np.asarray, initialize(create)[1:])
     return graphdef, params, stats
 
 

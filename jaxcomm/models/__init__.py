@@ -9,6 +9,7 @@ from jaxcomm.models.gpt import (
     gpt_param_shapes,
     param_count,
 )
+from jaxcomm.models.init import initialize
 from jaxcomm.models.resnet import RESNET_CONFIGS, ResNet, gradient_shapes, resnet
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "gpt_config",
     "gpt_param_shapes",
     "gradient_shapes",
+    "initialize",
     "param_count",
     "resnet",
 ]
