@@ -184,11 +184,11 @@ def test_refusals_at_construction(mesh):
         (_tx(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))), ValueError,
          "another update on each device's block.*clip_by_global_norm"),
         (jaxcomm.local_sgd(optax.sgd(0.1), sync_every=2), NotImplementedError,
-         "local_sgd is not implemented"),
+         r"local_sgd and params\[1\]\['b'\] of shape \(3,\) kept whole"),
         (_tx(optax.sgd(0.1), compression=jaxcomm.compression.powersgd(rank=1),
              warmup_steps=2), NotImplementedError, "warmup_steps=2.*Use warmup_steps=0"),
     ],
-    ids=["no-sync", "sync-axes", "optax-clip", "local_sgd", "powersgd-warmup"],
+    ids=["no-sync", "sync-axes", "optax-clip", "local_sgd-whole-leaf", "powersgd-warmup"],
 )  # fmt: skip
 def test_refusals_at_init(mesh, params, tx, error, match):
     dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_params=True)
