@@ -63,7 +63,9 @@ its ``P`` and ``Q`` are averaged over the outer axes only (``decision_axes`` lef
 them), its factors and residuals are this device's (stored per device). A block of a
 matrix is a matrix, so this is PowerSGD of the blocks: a valid compressor, not the same
 as PowerSGD of the whole matrix (rank ``r`` per block, up to ``intra * r`` for the
-matrix; ``P`` and ``Q`` of the block's shape on the wire).
+matrix; ``P`` and ``Q`` of the block's shape on the wire). Its state is typed per device
+over every data axis from the outset (:meth:`jaxcomm.GradientSync.of_blocks`), so it
+keeps one type through the warm-up's ``lax.cond`` and ``local_sgd``'s ``lax.switch``.
 
 ``jaxcomm.local_sgd`` (the whole optimizer, as with the replicated layout) keeps a
 *node's* local params: each device's local params are its blocks (``LocalSGDState.local``,
@@ -502,17 +504,6 @@ class HybridOptimizer:
         # compressor's decisions over every data axis (each device of a node holds a
         # different block, and all must decide alike), a matrix compressor's factors
         # averaged over the outer axes only and stored per device.
-        comp = syncs[0].compression
-        blockwise = comp is not None and not comp.elementwise
-        if blockwise and syncs[0].warmup_steps:
-            # The warm-up's lax.cond keeps the stored factors (typed per device) where the
-            # codec's branch returns them typed per block over the node only.
-            raise NotImplementedError(
-                f"{self.where}(shard_params=True) with sync_gradients(compression="
-                f"{comp.name!r}, warmup_steps={syncs[0].warmup_steps}) is not implemented: "
-                "a matrix compressor's factors under a warm-up. Use warmup_steps=0, or an "
-                "elementwise compressor (int8, bf16, ...) for the warm-up's sake."
-            )
         self.sync = syncs[0].of_blocks((self.inner,))
 
     def _find_local_sgd_syncs(self, blocks: Any, state: Any) -> None:
