@@ -78,13 +78,14 @@ nodes only, through local SGD's syncs (the request's ``sharded_over``:
 :meth:`jaxcomm.GradientSync.of_blocks`, compressed as configured, fragments included),
 and the outer optimizer updates the anchor's blocks, the params, which are replicated
 over ``'inter'`` (proven by ``check_vma``). It equals the replicated layout's local SGD on
-a mesh of one device per node fed the same batch. Param leaves kept whole are refused
-under it (the outer sync averages them with the blocks, and a compressor could leave
-the devices of a node with different bits of them).
+a mesh of one device per node fed the same batch. The outer sync averages the leaves
+kept whole with the blocks, so a compressor can leave the devices of a node with
+different bits of them: every device takes its node's first device's updates, outer
+optimizer state and local params of them (one small ``psum`` inside the node per step).
 
-Not implemented (refused at build time, with the reason): ``local_sgd`` with a param leaf
-kept whole, ``microbatches > 1``, ``shard_optimizer=True`` (the optimizer is sharded
-already), the profiler's feedback and compute-only twin.
+Not implemented (refused at build time, with the reason): ``microbatches > 1``,
+``shard_optimizer=True`` (the optimizer is sharded already), the profiler's feedback and
+compute-only twin.
 """
 
 from __future__ import annotations
@@ -102,11 +103,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.compression.skip import keep_skipped
-from jaxcomm.diloco import gradient_params
+from jaxcomm.diloco import LocalSGDState, gradient_params
 from jaxcomm.gathering import GATHER_MODES, blocks_of_step
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.sharded import _agree, _probe_gradients, split_state
-from jaxcomm.state import marked_per_device, stack_leaves, unstack_leaves, varying_axes
+from jaxcomm.state import PerDevice, marked_per_device, stack_leaves, unstack_leaves, varying_axes
 from jaxcomm.sync import (
     NO_HOST_PHASE,
     GradientSync,
@@ -573,7 +574,6 @@ class HybridOptimizer:
 
         probe = functools.partial(jax.shard_map, mesh=self.mesh, out_specs=P(), check_vma=True)
         jax.eval_shape(probe(init_probe, in_specs=(pspecs,)), abstract)
-        self._refuse_whole_under_local_sgd(params)
         self.paths, local = rec["paths"], jax.tree.unflatten(rec["treedef"], rec["local"])
         like = [
             self._param_like(path, x.shape, param_paths, rec["blocks"])
@@ -625,26 +625,6 @@ class HybridOptimizer:
     def _blockwise(self) -> bool:
         """Whether the syncs compress with a matrix compressor (each block a matrix)."""
         return any(x.compression is not None and not x.compression.elementwise for x in self.syncs)
-
-    def _refuse_whole_under_local_sgd(self, params: Any) -> None:
-        """Refuses ``jaxcomm.local_sgd`` with a param leaf kept whole (no dimension that
-        ``intra`` divides): its outer sync would average it with the blocks, and the
-        devices of a node could end a sync step with different bits of it."""
-        if not self.local_sgd:
-            return
-        for (path, x), d in zip(
-            jax.tree_util.tree_flatten_with_path(params)[0], self.dims, strict=True
-        ):
-            if d is None and self.intra > 1:
-                raise NotImplementedError(
-                    f"{self.where}(shard_params=True) with jaxcomm.local_sgd and "
-                    f"params{jax.tree_util.keystr(path)} of shape {tuple(np.shape(x))} kept "
-                    f"whole (no dimension that intra={self.intra} divides) is not "
-                    "implemented: make one of its dimensions a multiple of "
-                    f"{self.intra} (e.g. pad a bias of 10 classes to "
-                    f"{-(-10 // self.intra) * self.intra}), or use "
-                    "optax.chain(jaxcomm.sync_gradients(...), ...) or shard_params=False."
-                )
 
     def _param_like(self, path: str, shape: tuple, param_paths: list[str], blocks: list):
         """The index of the param leaf whose block a state leaf mirrors (its path ends with
@@ -763,9 +743,44 @@ class HybridOptimizer:
         request = SyncRequest(True, None, None, None, (self.inner,), phase=phase)
         update = functools.partial(self.optimizer.update, sync_request=request)
         updates, new = update_with_value(update, node_mean, opt_state, params, value)
+        # Leaves kept whole: the outer sync averages them with the blocks, so a compressor
+        # can leave the devices of a node apart; every device takes its node's first
+        # device's updates, outer optimizer state and local params of them.
+        updates = self._whole_from_first(updates)
+        new = self._whole_state_from_first(new)
         new_params = optax.apply_updates(params, updates)
         new_params, new = keep_skipped(opt_state, new, params, new_params)
         return new_params, new, updates
+
+    def _whole_state_from_first(self, state: Any) -> Any:
+        """``state`` with local SGD's local params and the leaves shaped like a param leaf
+        kept whole (the outer optimizer's state of it) as the node's first device has
+        them (:meth:`_whole_from_first`)."""
+        if all(d is not None for d in self.dims):
+            return state
+
+        def local_from_first(node):
+            if not isinstance(node, LocalSGDState):
+                return node
+            return node._replace(local=PerDevice(self._whole_from_first(node.local.value)))
+
+        state = jax.tree.map(
+            local_from_first, state, is_leaf=lambda x: isinstance(x, LocalSGDState)
+        )
+        leaves, treedef = jax.tree.flatten(state)
+        whole = [
+            i for i, k in enumerate(self.kinds) if k not in ("dev", "rep") and self.dims[k] is None
+        ]
+        for i, x in zip(whole, self._from_first([leaves[i] for i in whole]), strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
+
+    def _from_first(self, leaves: list) -> list:
+        """``leaves`` as the node's first device has them, typed invariant over the node."""
+        if not leaves:
+            return leaves
+        first = lax.axis_index(self.inner) == 0
+        return lax.psum([jnp.where(first, x, jnp.zeros_like(x)) for x in leaves], self.inner)
 
     def _whole_from_first(self, mean: Any) -> Any:
         """The leaves kept whole, as the node's first device has them (one ``psum`` over
@@ -777,11 +792,7 @@ class HybridOptimizer:
         """
         leaves, treedef = jax.tree.flatten(mean)
         whole = [i for i, d in enumerate(self.dims) if d is None]
-        if not whole:
-            return mean
-        first = lax.axis_index(self.inner) == 0
-        sent = [jnp.where(first, leaves[i], jnp.zeros_like(leaves[i])) for i in whole]
-        for i, x in zip(whole, lax.psum(sent, self.inner), strict=True):
+        for i, x in zip(whole, self._from_first([leaves[i] for i in whole]), strict=True):
             leaves[i] = x
         return jax.tree.unflatten(treedef, leaves)
 

@@ -183,10 +183,8 @@ def test_refusals_at_construction(mesh):
         (_tx(optax.sgd(0.1), axes=("inter",)), ValueError, r"axes=\('inter',\)\) differs"),
         (_tx(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))), ValueError,
          "another update on each device's block.*clip_by_global_norm"),
-        (jaxcomm.local_sgd(optax.sgd(0.1), sync_every=2), NotImplementedError,
-         r"local_sgd and params\[1\]\['b'\] of shape \(3,\) kept whole"),
     ],
-    ids=["no-sync", "sync-axes", "optax-clip", "local_sgd-whole-leaf"],
+    ids=["no-sync", "sync-axes", "optax-clip"],
 )  # fmt: skip
 def test_refusals_at_init(mesh, params, tx, error, match):
     dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, shard_params=True)

@@ -8,7 +8,8 @@ rounding (f32, and bf16 on the wire, which rounds each element alike whether the
 split or whole). Also: copies across 'inter' equal by their bits after every step, every
 device's local blocks the new anchor's bits right after a sync step, the HLO census (only
 the sync crosses 'inter', in the sync branch; the gathers and reduce-scatters stay
-inside the node), PowerSGD of the blocks as the outer compressor, refusals.
+inside the node), the leaf kept whole the same on every device of a node, PowerSGD of
+the blocks as the outer compressor, refusals.
 """
 
 import jax
@@ -25,7 +26,7 @@ from jaxcomm.hybrid import param_dims
 C = jaxcomm.compression
 H = 2
 STEPS = 3  # local, sync (after the 2nd step), local
-SIZES = (12, 64, 4)  # every leaf splits over intra=4 (local SGD refuses leaves kept whole)
+SIZES = (12, 64, 3)  # every leaf splits over intra=4 but the last bias (3,), kept whole
 
 
 def _tx(compression=None):
@@ -55,7 +56,7 @@ def _blocks_of(params, mesh):
         j = d % intra  # the device's position in its node
         out.append(
             [
-                np.split(np.asarray(x), intra, axis=k)[j]
+                np.asarray(x) if k is None else np.split(np.asarray(x), intra, axis=k)[j]
                 for x, k in zip(jax.tree.leaves(params), dims, strict=True)
             ]
         )
@@ -64,12 +65,16 @@ def _blocks_of(params, mesh):
 
 @pytest.fixture(scope="module")
 def runs(mesh, node_mesh, params):
-    """Hybrid and node-reference local SGD (f32; bf16 on the wire), the states and loss
-    rows after every step; the hybrid states checked across 'inter' after every step."""
+    """Hybrid and node-reference local SGD (f32; bf16 on the wire), hybrid with int8 (its
+    scales from each device's buffer of blocks and the leaf kept whole): the states and
+    loss rows after every step; the hybrid states checked across 'inter' after each."""
     batches = mlp_batches(STEPS, size=32)
     out = {"batches": batches}
-    for name, comp in (("f32", None), ("bf16", C.bf16())):
-        for kind, m, kw in (("hyb", mesh, {"shard_params": True}), ("ref", node_mesh, {})):
+    both = (("hyb", mesh, {"shard_params": True}), ("ref", node_mesh, {}))
+    for name, comp, kinds in (
+        ("f32", None, both), ("bf16", C.bf16(), both), ("int8", C.int8(), both[:1]),
+    ):  # fmt: skip
+        for kind, m, kw in kinds:
             dp = jaxcomm.data_parallel(mlp_loss, _tx(comp), m, **kw)
             state, states, losses = dp.init(params), [], []
             for b in batches:
@@ -99,11 +104,14 @@ def test_equals_the_replicated_local_sgd_of_a_node(runs, params, name):
     assert max(moved) > 1e-3  # the sync step moved the anchor (the test can fail)
 
 
-def test_local_blocks_are_the_anchor_after_a_sync_and_per_node_between(runs, params):
+@pytest.mark.parametrize("name", ["f32", "int8"])
+def test_local_blocks_are_the_anchor_after_a_sync_and_per_node_between(runs, name):
     """Each device's local params are its blocks: after the sync step every device's
     row holds the new anchor's block bit for bit; after a local step the nodes differ
-    (each trained on its own examples), the devices of a node hold its blocks."""
-    dp, states, _ = runs["f32", "hyb"]
+    (each trained on its own examples). The leaf kept whole is the same bits on every
+    device of a node after every step (int8 quantizes it with each device's blocks: the
+    node takes its first device's)."""
+    dp, states, _ = runs[name, "hyb"]
     assert any(".local" in p for p in dp.per_device_paths), dp.per_device_paths
     assert any(".inner" in p for p in dp.per_device_paths), dp.per_device_paths
     mesh = dp.mesh
@@ -117,6 +125,11 @@ def test_local_blocks_are_the_anchor_after_a_sync_and_per_node_between(runs, par
                 assert same == synced, (t, d, k)
         if not synced:  # node 0's device j and node 1's device j hold different blocks
             assert not np.array_equal(rows[0][0], rows[0][4])
+        whole = [k for k, d in enumerate(param_dims(state.params, 4)) if d is None]
+        assert whole
+        for k in whole:
+            for node in range(2):
+                assert len({rows[k][4 * node + j].tobytes() for j in range(4)}) == 1, (t, k)
 
 
 def _census(dp, state, batch):
@@ -126,12 +139,17 @@ def _census(dp, state, batch):
 
 
 def test_only_the_sync_crosses_inter(runs, params):
-    """HLO census of the step (its switch on the devices): outside the switch only the
-    params' all-gathers and the gradients' reduce-scatters, over 'intra'; across 'inter'
-    only the sync branch's reduction of the outer gradient's blocks (f32: one all-reduce
-    of 1/4 of the params' bytes; bf16: half its bytes on the link); the no-sync branch
-    sends nothing."""
-    block_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) / 4
+    """HLO census of the step (its switch on the devices): outside the switch only
+    collectives over 'intra' (the params' all-gathers, the gradients' reduce-scatters,
+    the leaf kept whole taken from the node's first device); across 'inter' only the sync
+    branch's reduction of the outer gradient's blocks (f32: one all-reduce of the blocks
+    and the leaf kept whole; bf16: half its bytes on the link); the no-sync branch sends
+    nothing."""
+    dims = param_dims(params, 4)
+    block_bytes = sum(
+        x.nbytes / (1 if d is None else 4)
+        for x, d in zip(jax.tree.leaves(params), dims, strict=True)
+    )  # the leaf kept whole counted in full
     link = {}
     for name in ("f32", "bf16"):
         dp, states, _ = runs[name, "hyb"]
@@ -171,10 +189,6 @@ def test_powersgd_of_the_blocks_as_the_outer_compressor(mesh, params):
 
 
 def test_refusals(mesh):
-    whole = mlp_init(jax.random.key(1), (12, 64, 3))  # the last bias (3,) stays whole
-    dp = jaxcomm.data_parallel(mlp_loss, _tx(), mesh, shard_params=True)
-    with pytest.raises(NotImplementedError, match=r"local_sgd and params\[1\]\['b'\] of shape"):
-        dp.init(whole)
     # an inner optimizer that does not split over the blocks, probed before any sync
     clip = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))
     tx = jaxcomm.local_sgd(clip, sync_every=10)
