@@ -352,7 +352,8 @@ class HybridOptimizer:
         self.mesh, self.axes = mesh, tuple(axes)
         self.inner, self.outer = self.axes[-1], self.axes[:-1]
         self.intra = int(mesh.shape[self.inner])
-        self.sync: GradientSync | None = None  # the chain's sync, over the outer axes
+        # the chain's sync of the blocks (None under local_sgd: its syncs run of_blocks)
+        self.sync: GradientSync | None = None
         self.paths: list[str] = []
         self.local: Any = None  # one device's optimizer state, abstract
         self.per: list[bool] = []  # per state leaf: stored per device (stacked)
