@@ -69,7 +69,7 @@ from jax import lax
 
 from jaxcomm.compression.base import Compressor
 from jaxcomm.mesh import DATA_AXES
-from jaxcomm.state import PerDevice
+from jaxcomm.state import PerDevice, typed_alike
 from jaxcomm.sync import DEFAULT_MIN_SIZE, sync_gradients, vary_per_device
 from jaxcomm.validate import check_int
 
@@ -480,8 +480,11 @@ def _update(cfg: _Config, grads: Any, state: LocalSGDState, params: Any = None, 
         phase = cfg.schedule[(state.count + 1) % cfg.sync_every]
         if mismatch is not None:  # replicated values: every process takes one branch
             phase = jnp.where(mismatch, len(branches) - 1, phase)
+        # A sync branch may return its compressor's state more varying than it came in
+        # (PowerSGD's factors of hybrid sharding's blocks: per device).
+        operands = (local, state.outer, state.sync)
         updates, outer_states, sync_states = lax.switch(
-            phase, branches, local, state.outer, state.sync
+            phase, typed_alike(branches, *operands), *operands
         )
     local = _reset_synced(cfg, params, updates, local, owner, phase)
     return updates, LocalSGDState(

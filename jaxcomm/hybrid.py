@@ -63,9 +63,27 @@ its ``P`` and ``Q`` are averaged over the outer axes only (``decision_axes`` lef
 them), its factors and residuals are this device's (stored per device). A block of a
 matrix is a matrix, so this is PowerSGD of the blocks: a valid compressor, not the same
 as PowerSGD of the whole matrix (rank ``r`` per block, up to ``intra * r`` for the
-matrix; ``P`` and ``Q`` of the block's shape on the wire).
+matrix; ``P`` and ``Q`` of the block's shape on the wire). Its state is typed per device
+over every data axis from the outset (:meth:`jaxcomm.GradientSync.of_blocks`), so it
+keeps one type through the warm-up's ``lax.cond`` and ``local_sgd``'s ``lax.switch``.
 
-Not implemented (refused at build time, with the reason): ``local_sgd``, ``microbatches > 1``,
+``jaxcomm.local_sgd`` (the whole optimizer, as with the replicated layout) keeps a
+*node's* local params: each device's local params are its blocks (``LocalSGDState.local``,
+per device, as is the inner optimizer's state: they differ between nodes between syncs),
+the gradient is taken at them (gathered inside the node, step 1) and reduce-scattered
+inside the node (step 2), and the inner optimizer steps the blocks with the node's mean:
+synchronous data parallelism inside the node, no collective across nodes. Every
+``sync_every`` steps the outer gradient's blocks (anchor minus local) are averaged across
+nodes only, through local SGD's syncs (the request's ``sharded_over``:
+:meth:`jaxcomm.GradientSync.of_blocks`, compressed as configured, fragments included),
+and the outer optimizer updates the anchor's blocks, the params, which are replicated
+over ``'inter'`` (proven by ``check_vma``). It equals the replicated layout's local SGD on
+a mesh of one device per node fed the same batch. The outer sync averages the leaves
+kept whole with the blocks, so a compressor can leave the devices of a node with
+different bits of them: every device takes its node's first device's updates, outer
+optimizer state and local params of them (one small ``psum`` inside the node per step).
+
+Not implemented (refused at build time, with the reason): ``microbatches > 1``,
 ``shard_optimizer=True`` (the optimizer is sharded already), the profiler's feedback and
 compute-only twin.
 """
@@ -85,11 +103,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.compression.skip import keep_skipped
-from jaxcomm.diloco import gradient_params
+from jaxcomm.diloco import LocalSGDState, gradient_params
 from jaxcomm.gathering import GATHER_MODES, blocks_of_step
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.sharded import _agree, _probe_gradients, split_state
-from jaxcomm.state import marked_per_device, stack_leaves, unstack_leaves, varying_axes
+from jaxcomm.state import PerDevice, marked_per_device, stack_leaves, unstack_leaves, varying_axes
 from jaxcomm.sync import (
     NO_HOST_PHASE,
     GradientSync,
@@ -154,6 +172,25 @@ def param_dims(params: Any, intra: int, where: str = "data_parallel") -> list[in
     return out
 
 
+def _sync_leaves(state: Any) -> tuple[list[bool], list[bool]]:
+    """Per leaf of ``state``: whether it is in a ``SyncGradientsState``, and whether it is
+    in one's compressor state."""
+
+    def is_sync(x):
+        return isinstance(x, SyncGradientsState)
+
+    in_sync, in_codec = [], []
+    for node in jax.tree.leaves(state, is_leaf=is_sync):
+        if is_sync(node):
+            n = len(jax.tree.leaves(node.compression))
+            in_sync += [True] * (1 + n)  # the count, then the compressor's state
+            in_codec += [False] + [True] * n
+        else:
+            in_sync.append(False)
+            in_codec.append(False)
+    return in_sync, in_codec
+
+
 def _spec(dim: int | None, axis: str) -> P:
     return P() if dim is None else P(*([None] * dim), axis)
 
@@ -195,10 +232,10 @@ def _probe_shapes(params: Any, dims: list[int | None], intra: int) -> list[tuple
 
 def refuse_unsplittable(
     optimizer: Any, params: Any, dims: list[int | None], mesh: Mesh, axes: tuple[str, ...],
-    where: str = "data_parallel",
+    where: str = "data_parallel", *, local_sgd: bool = False,
 ) -> None:  # fmt: skip
     """Refuses an optimizer whose update on the blocks differs from the update on the
-    whole params.
+    whole params (``local_sgd``: the optimizer is ``jaxcomm.local_sgd``).
 
     The probe: three updates from ``init`` on random gradients (a large one, a small one,
     then one with an ``inf``; ``jaxcomm.sharded``'s), the sync passing them through, in a
@@ -207,8 +244,10 @@ def refuse_unsplittable(
     the node's axis); the blocks put together must give the same updates to 1e-4
     relative, non-finite values in the same places. A transform that reads a statistic of
     a leaf or of all the updates on the block alone (optax's ``clip_by_global_norm``,
-    per-leaf clipping, a Shampoo-style preconditioner) shows. Parameter trees over
-    ``2**22`` elements are probed with each dimension capped.
+    per-leaf clipping, a Shampoo-style preconditioner) shows; under ``jaxcomm.local_sgd``
+    the local params' distance from the anchor after each update is compared too (its
+    inner optimizer's steps).
+    Parameter trees over ``2**22`` elements are probed with each dimension capped.
 
     Raises:
       ValueError: saying why the transforms do not split.
@@ -232,6 +271,8 @@ def refuse_unsplittable(
             u, s = update_with_value(update, g, s, p, lambda: jnp.zeros((), jnp.float32))
             p = optax.apply_updates(p, u)
             out.append(u)
+            if local_sgd:  # its inner steps move only the local params until a sync
+                out.append(jax.tree.map(jnp.subtract, gradient_params(s), p))
         return out
 
     def run(over, specs):
@@ -240,7 +281,7 @@ def refuse_unsplittable(
             functools.partial(updates, over),
             mesh=mesh,
             in_specs=(specs,) * len(inputs),
-            out_specs=[specs] * (len(inputs) - 1),
+            out_specs=[specs] * ((len(inputs) - 1) * (2 if local_sgd else 1)),
             check_vma=False,
         )
         shardings = jax.tree.map(
@@ -311,7 +352,8 @@ class HybridOptimizer:
         self.mesh, self.axes = mesh, tuple(axes)
         self.inner, self.outer = self.axes[-1], self.axes[:-1]
         self.intra = int(mesh.shape[self.inner])
-        self.sync: GradientSync | None = None  # the chain's sync, over the outer axes
+        # the chain's sync of the blocks (None under local_sgd: its syncs run of_blocks)
+        self.sync: GradientSync | None = None
         self.paths: list[str] = []
         self.local: Any = None  # one device's optimizer state, abstract
         self.per: list[bool] = []  # per state leaf: stored per device (stacked)
@@ -321,10 +363,11 @@ class HybridOptimizer:
 
     @property
     def syncs(self) -> list[GradientSync]:
-        """The chain's one sync, as the user built it (after :meth:`infer_layout`)."""
-        return [] if self._user_sync is None else [self._user_sync]
+        """The chain's one sync, or ``jaxcomm.local_sgd``'s one per fragment, as the user
+        built them (after :meth:`infer_layout`)."""
+        return list(self._user_syncs)
 
-    _user_sync: GradientSync | None = None
+    _user_syncs: tuple[GradientSync, ...] = ()
 
     # -- the params' layout ------------------------------------------------------------
     def param_specs(self, params: Any) -> Any:
@@ -427,8 +470,12 @@ class HybridOptimizer:
 
     def _init_local(self, blocks: Any) -> Any:
         """This device's optimizer state for its ``blocks``: the chain's, the sync's part
-        built by the sync over the outer axes (its residuals sized for the blocks)."""
+        built by the sync over the outer axes (its residuals sized for the blocks);
+        ``jaxcomm.local_sgd``'s as it builds it (its syncs compress the whole reduction,
+        so their state of the blocks is the same)."""
         state = self.optimizer.init(blocks)
+        if self.local_sgd:
+            return state
         sync_state, rest = split_state(state, f"{self.where}(shard_params=True)")
         del sync_state
         return (self.sync.init(blocks), *rest)
@@ -436,12 +483,10 @@ class HybridOptimizer:
     def _find_sync(self, blocks: Any) -> None:
         found: list[GradientSync] = []
         state = self.optimizer.init(blocks)
-        if gradient_params(state) is not None:
-            raise NotImplementedError(
-                f"{self.where}(shard_params=True) with jaxcomm.local_sgd is not implemented "
-                "(its local params would be per device, whole or split); use "
-                "optax.chain(jaxcomm.sync_gradients(...), ...), or shard_params=False."
-            )
+        self.local_sgd = gradient_params(state) is not None
+        if self.local_sgd:
+            self._find_local_sgd_syncs(blocks, state)
+            return
         try:
             split_state(state, self.where)
         except ValueError:  # its message names shard_optimizer's layout
@@ -454,30 +499,30 @@ class HybridOptimizer:
         if len(syncs) != 1:
             raise ValueError(_CHAIN_FIX.format(where=self.where))
         _check_sync(syncs[0], self.axes, self.where)
-        self._user_sync = syncs[0]
-        # compress_stage='inter' keeps the node's reduction in full precision: here the
-        # node's reduction is the reduce-scatter of step 2 already.
-        # The sync reduces over the outer axes, but an elementwise compressor's decisions
-        # (fp16's overflow skip, adaptive's rung) are reduced over every data axis: each
-        # device of a node holds a different block, and all must decide alike. A matrix
-        # compressor (PowerSGD) compresses each block as a matrix of its own: its factors
-        # are averaged over the outer axes only, and are this block's (per device).
-        comp = syncs[0].compression
-        blockwise = comp is not None and not comp.elementwise
-        if blockwise and syncs[0].warmup_steps:
-            # The warm-up's lax.cond keeps the stored factors (typed per device) where the
-            # codec's branch returns them typed per block over the node only.
-            raise NotImplementedError(
-                f"{self.where}(shard_params=True) with sync_gradients(compression="
-                f"{comp.name!r}, warmup_steps={syncs[0].warmup_steps}) is not implemented: "
-                "a matrix compressor's factors under a warm-up. Use warmup_steps=0, or an "
-                "elementwise compressor (int8, bf16, ...) for the warm-up's sake."
-            )
-        self.sync = syncs[0]._replace(
-            axes=self.outer,
-            compress_stage="all",
-            decision_axes=self.outer if blockwise else self.axes,
-        )
+        self._user_syncs = (syncs[0],)
+        # The sync of the blocks (GradientSync.of_blocks): over the outer axes, the whole
+        # reduction compressed (compress_stage='inter' keeps the node's reduction in full
+        # precision: here it is step 2's reduce-scatter already), an elementwise
+        # compressor's decisions over every data axis (each device of a node holds a
+        # different block, and all must decide alike), a matrix compressor's factors
+        # averaged over the outer axes only and stored per device.
+        self.sync = syncs[0].of_blocks((self.inner,))
+
+    def _find_local_sgd_syncs(self, blocks: Any, state: Any) -> None:
+        """``jaxcomm.local_sgd``'s outer syncs (one per fragment), found as its update
+        traces: each must run over the step's axes; in the step each reduces this
+        device's block of the outer gradient across nodes (the request's
+        ``sharded_over``: :meth:`jaxcomm.GradientSync.of_blocks`)."""
+        found: list[GradientSync] = []
+
+        def on_sync(sync):  # checked before it runs over the blocks
+            _check_sync(sync, self.axes, self.where)
+            found.append(sync)
+
+        request = SyncRequest(True, on_sync, None, None, (self.inner,))
+        update = functools.partial(self.optimizer.update, sync_request=request)
+        update_with_value(update, blocks, state, blocks, lambda: jnp.zeros((), jnp.float32))
+        self._user_syncs = tuple({id(x): x for x in found}.values())
 
     def _global_params(self, params: Any) -> list[jax.ShapeDtypeStruct]:
         specs = jax.tree.leaves(self.param_specs(params), is_leaf=lambda x: isinstance(x, P))
@@ -517,12 +562,13 @@ class HybridOptimizer:
             flat, rec["treedef"] = jax.tree_util.tree_flatten_with_path(s)
             rec["paths"] = [jax.tree_util.keystr(k) for k, _ in flat]
             rec["local"] = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
-            # the sync's state is this device's where it differs inside the node
-            # (PowerSGD's factors of this device's blocks)
-            rec["sync_leaves"] = len(jax.tree.leaves(s[0]))
+            # a sync's state is this device's where it differs inside the node; a matrix
+            # compressor's state is from the outset (PowerSGD's factors of this device's
+            # blocks: GradientSync.of_blocks)
+            rec["in_sync"], in_codec = _sync_leaves(s)
             rec["dev"] = [
-                m or bool(varying_axes(x) & outer)
-                for m, (_, x) in zip(marked_per_device(s), flat, strict=True)
+                m or bool(varying_axes(x) & outer) or (c and self._blockwise)
+                for m, c, (_, x) in zip(marked_per_device(s), in_codec, flat, strict=True)
             ]
             rec["blocks"] = [tuple(jnp.shape(x)) for x in jax.tree.leaves(p)]
             return jnp.zeros(())
@@ -552,8 +598,8 @@ class HybridOptimizer:
             specs = self.opt_specs(state, dev)
             jax.eval_shape(probe(update_probe, in_specs=(specs, pspecs)), state, abstract)
             nxt = [
-                d or bool(v & outer) or (i < rec["sync_leaves"] and self.inner in v)
-                for i, (d, v) in enumerate(zip(dev, seen["vary"], strict=True))
+                d or bool(v & outer) or (y and self.inner in v)
+                for d, y, v in zip(dev, rec["in_sync"], seen["vary"], strict=True)
             ]
             if nxt == dev:
                 break
@@ -570,8 +616,16 @@ class HybridOptimizer:
                     "or shard_params=False."
                 )
         self.local, self.per = local, dev
-        refuse_unsplittable(self.optimizer, params, self.dims, self.mesh, self.axes, self.where)
+        refuse_unsplittable(
+            self.optimizer, params, self.dims, self.mesh, self.axes, self.where,
+            local_sgd=self.local_sgd,
+        )  # fmt: skip
         return dev
+
+    @property
+    def _blockwise(self) -> bool:
+        """Whether the syncs compress with a matrix compressor (each block a matrix)."""
+        return any(x.compression is not None and not x.compression.elementwise for x in self.syncs)
 
     def _param_like(self, path: str, shape: tuple, param_paths: list[str], blocks: list):
         """The index of the param leaf whose block a state leaf mirrors (its path ends with
@@ -665,6 +719,8 @@ class HybridOptimizer:
             for g, d in zip(leaves, self.dims, strict=True)
         ]
         node_mean = jax.tree.unflatten(treedef, node_mean)
+        if self.local_sgd:
+            return self._local_sgd_step(node_mean, opt_state, params, value, phase)
         if not isinstance(opt_state[0], SyncGradientsState):
             raise ValueError(_CHAIN_FIX.format(where=self.where))
         mean, sync_state = self.sync.reduce(node_mean, opt_state[0], phase=phase)
@@ -678,6 +734,55 @@ class HybridOptimizer:
         new_params, new = keep_skipped(opt_state, new, params, new_params)
         return new_params, new, updates
 
+    def _local_sgd_step(
+        self, node_mean: Any, opt_state: Any, params: Any, value: Callable, phase: HostPhase
+    ) -> tuple[Any, Any, Any]:
+        """``jaxcomm.local_sgd`` on this device's blocks: its local step on the node's mean
+        gradient of the blocks (no collective across nodes), and on its sync steps the
+        outer gradient's blocks averaged across nodes by its syncs (the request's
+        ``sharded_over``), the outer optimizer on the anchor's blocks."""
+        request = SyncRequest(True, None, None, None, (self.inner,), phase=phase)
+        update = functools.partial(self.optimizer.update, sync_request=request)
+        updates, new = update_with_value(update, node_mean, opt_state, params, value)
+        # Leaves kept whole: the outer sync averages them with the blocks, so a compressor
+        # can leave the devices of a node apart; every device takes its node's first
+        # device's updates, outer optimizer state and local params of them.
+        updates = self._whole_from_first(updates)
+        new = self._whole_state_from_first(new)
+        new_params = optax.apply_updates(params, updates)
+        new_params, new = keep_skipped(opt_state, new, params, new_params)
+        return new_params, new, updates
+
+    def _whole_state_from_first(self, state: Any) -> Any:
+        """``state`` with local SGD's local params and the leaves shaped like a param leaf
+        kept whole (the outer optimizer's state of it) as the node's first device has
+        them (:meth:`_whole_from_first`)."""
+        if all(d is not None for d in self.dims):
+            return state
+
+        def local_from_first(node):
+            if not isinstance(node, LocalSGDState):
+                return node
+            return node._replace(local=PerDevice(self._whole_from_first(node.local.value)))
+
+        state = jax.tree.map(
+            local_from_first, state, is_leaf=lambda x: isinstance(x, LocalSGDState)
+        )
+        leaves, treedef = jax.tree.flatten(state)
+        whole = [
+            i for i, k in enumerate(self.kinds) if k not in ("dev", "rep") and self.dims[k] is None
+        ]
+        for i, x in zip(whole, self._from_first([leaves[i] for i in whole]), strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
+
+    def _from_first(self, leaves: list) -> list:
+        """``leaves`` as the node's first device has them, typed invariant over the node."""
+        if not leaves:
+            return leaves
+        first = lax.axis_index(self.inner) == 0
+        return lax.psum([jnp.where(first, x, jnp.zeros_like(x)) for x in leaves], self.inner)
+
     def _whole_from_first(self, mean: Any) -> Any:
         """The leaves kept whole, as the node's first device has them (one ``psum`` over
         the node of them on that device, zeros elsewhere: adding zeros keeps the bits).
@@ -688,11 +793,7 @@ class HybridOptimizer:
         """
         leaves, treedef = jax.tree.flatten(mean)
         whole = [i for i, d in enumerate(self.dims) if d is None]
-        if not whole:
-            return mean
-        first = lax.axis_index(self.inner) == 0
-        sent = [jnp.where(first, leaves[i], jnp.zeros_like(leaves[i])) for i in whole]
-        for i, x in zip(whole, lax.psum(sent, self.inner), strict=True):
+        for i, x in zip(whole, self._from_first([leaves[i] for i in whole]), strict=True):
             leaves[i] = x
         return jax.tree.unflatten(treedef, leaves)
 
@@ -708,7 +809,8 @@ class HybridOptimizer:
         if dev:
             raise ValueError(
                 f"reshard: optimizer state {dev[0]} is per device (an error-feedback "
-                "residual or PowerSGD factor of this device's block); blocks change with the "
+                "residual or PowerSGD factor of this device's block, local_sgd's local "
+                "params and inner state); blocks change with the "
                 "device count, so it cannot move. Restore onto the device count it was "
                 "written on, or restart the compressor's state (a sync without error "
                 "feedback or PowerSGD reshards)."

@@ -110,6 +110,42 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def typed_alike(branches: list[Callable], *operands: Any) -> list[Callable]:
+    """The branches of a ``lax.switch`` (or ``lax.cond``) on ``operands``, each with its
+    outputs typed varying over the union of the mesh axes that output varies over in any
+    branch (leaf by leaf; inside ``jax.shard_map(..., check_vma=True)``, free at run
+    time), so that their types agree as the conditional requires.
+
+    For branches some of which may return state more varying than it came in (a sync
+    step's compressor state of hybrid sharding's blocks, per device, beside a branch that
+    keeps the state as it was). Each branch is traced once more to read its types
+    (``jax.eval_shape``); nothing of that trace runs.
+
+    Example:
+      >>> out = lax.switch(i, typed_alike(branches, x, s), x, s)
+    """
+    outs = [jax.tree.leaves(jax.eval_shape(b, *operands)) for b in branches]
+    union = [
+        frozenset().union(*(varying_axes(x) for x in leaves)) for leaves in zip(*outs, strict=True)
+    ]
+
+    def alike(branch):
+        def typed(*args):
+            out = branch(*args)
+            leaves, treedef = jax.tree.flatten(out)
+            typed = [
+                jax.lax.pcast(x, tuple(sorted(u - varying_axes(x))), to="varying")
+                if u - varying_axes(x)
+                else x
+                for x, u in zip(leaves, union, strict=True)
+            ]
+            return jax.tree.unflatten(treedef, typed)
+
+        return typed
+
+    return [alike(b) for b in branches]
+
+
 def marked_per_device(tree: Any) -> list[bool]:
     """One flag per leaf of ``tree`` (``jax.tree.leaves`` order): inside a ``PerDevice``."""
     flags = _map_per_device(lambda _: True, lambda _: False, tree)

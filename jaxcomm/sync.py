@@ -155,7 +155,10 @@ class _SyncRequestFields(NamedTuple):
         (``shard_optimizer=True``) runs the optimizer on this device's pieces of the
         reduced gradients, so a transform that takes a statistic of all of the updates
         (``jaxcomm.sharded.clip_by_global_norm``'s norm) reduces it over these axes.
-        ``()``: every device holds the whole updates.
+        ``()``: every device holds the whole updates. A sync asked to communicate under
+        such a request (hybrid sharding's ``jaxcomm.local_sgd``) is handed each device's
+        block, reduced over these axes already, and reduces it over its other axes
+        (:meth:`GradientSync.of_blocks`).
       phase: the decisions the step builder took on the host for this step
         (:class:`HostPhase`), so that the program holds no conditional for them; its
         fields left None are decided on the devices.
@@ -208,6 +211,9 @@ class GradientSync(NamedTuple):
         different part of the gradients (hybrid sharding's blocks over ``'intra'``), sets
         every data axis here, so that every device takes the same decision (hybrid
         sharding leaves them at ``axes`` for PowerSGD, whose factors are each block's).
+      block_axes: the data axes each device's gradients are a block over, reduced over
+        them already (set by :meth:`of_blocks`); a matrix compressor's state is then
+        typed per device over them too. ``()``: whole gradients.
 
     Example:
       >>> sync = jaxcomm.gradient_sync(compression=jaxcomm.compression.int8())
@@ -226,6 +232,42 @@ class GradientSync(NamedTuple):
     compress_stage: str = "all"
     seed: int = 0
     decision_axes: tuple[str, ...] = ()
+    block_axes: tuple[str, ...] = ()
+
+    def of_blocks(self, over: tuple[str, ...]) -> GradientSync:
+        """This sync as it runs on each device's *block* of the gradients: split over the
+        data axes ``over`` (hybrid sharding's ``'intra'``) and reduced over them already
+        (the node's reduce-scatter), so it reduces over its other axes only, compressing
+        the whole reduction (``compress_stage='all'``).
+
+        An elementwise compressor's shared decisions (fp16's overflow skip, adaptive's
+        rung) are still reduced over every data axis (``decision_axes``), so every device
+        decides alike. A matrix compressor (PowerSGD) compresses each device's block as a
+        matrix of its own: its factors are averaged over the other axes only
+        (``decision_axes`` left at them) and, like its residuals, are this device's, typed
+        per device over every data axis (``block_axes``), so that they keep one type
+        through the warm-up's ``lax.cond`` and ``jaxcomm.local_sgd``'s ``lax.switch``.
+
+        Args:
+          over: the data axes the gradients are split over, a non-empty proper subset of
+            ``axes``.
+
+        Raises:
+          ValueError: ``over`` names no axis of ``axes``, or all of them.
+        """
+        axes = tuple(a for a in self.axes if a not in over)
+        if not axes or len(axes) == len(self.axes):
+            raise ValueError(
+                f"GradientSync.of_blocks(over={tuple(over)}): the blocks must be split over "
+                f"some but not all of the sync's axes {self.axes}; e.g. over=('intra',)."
+            )
+        blockwise = self.compression is not None and not self.compression.elementwise
+        return self._replace(
+            axes=axes,
+            compress_stage="all",
+            decision_axes=axes if blockwise else self.axes,
+            block_axes=tuple(a for a in self.axes if a in over),
+        )
 
     @property
     def shared_over(self) -> tuple[str, ...]:
@@ -299,7 +341,9 @@ class GradientSync(NamedTuple):
             )
             for i, m in zip(plan.compressed, means, strict=True):
                 out[i] = m
-            _check_shared_state(self.compression.name, cstate, self.shared_over)
+            if not (self.block_axes and not self.compression.elementwise):
+                # (a matrix compressor's state of the blocks is all per device: of_blocks)
+                _check_shared_state(self.compression.name, cstate, self.shared_over)
         if plan.plain:  # 5. after everything stage 3 computed (jaxcomm.ordering)
             done = (done, cstate, finite)
             means = _mean_plain(self, [leaves[i] for i in plan.plain], after=done)
@@ -455,6 +499,10 @@ def sync_gradients(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
         if not sync_request.communicate:
             check_bound(sync.axes, "sync_gradients", _UNBOUND_FIX)
             return grads, state._replace(count=state.count + 1)
+        if sync_request.sharded_over:  # each device's block (hybrid sharding's local_sgd)
+            return sync.of_blocks(sync_request.sharded_over).reduce(
+                grads, state, phase=sync_request.phase
+            )
         return sync.reduce(grads, state, phase=sync_request.phase)
 
     return optax.GradientTransformationExtraArgs(sync.init, update)
@@ -621,6 +669,9 @@ def _codec_mean(sync: GradientSync, ctx: ReduceContext) -> Callable:
             means, cstate = codec.reduce(buffers, cstate, ctx)
         else:
             means, cstate = _codec_mean_inter(sync, buffers, cstate, ctx)
+        if sync.block_axes and not codec.elementwise:
+            # a matrix compressor's state of this device's blocks: per device (of_blocks)
+            cstate = _vary(cstate, (*sync.axes, *sync.block_axes))
         finite = codec.finite(cstate) if codec.finite else jnp.ones((), bool)
         return means, cstate, finite
 
@@ -685,6 +736,16 @@ def _codec_mean_inter(sync: GradientSync, buffers: list, cstate: Any, ctx: Reduc
 # -- state typing ----------------------------------------------------------------------
 
 
+def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Every leaf of ``tree`` typed varying over ``axes`` (inside shard_map; free)."""
+
+    def vary(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(vary, tree)
+
+
 def vary_per_device(cstate: Any, axes: tuple[str, ...]) -> Any:
     """Types ``PerDevice`` leaves as varying over ``axes`` (inside shard_map; free at run
     time), so that state carried through ``lax.scan`` / ``lax.cond`` keeps one type: the
@@ -695,12 +756,8 @@ def vary_per_device(cstate: Any, axes: tuple[str, ...]) -> Any:
     except NameError:
         return cstate  # outside shard_map (abstract init for specs): nothing to type
 
-    def vary(x):
-        missing = tuple(a for a in axes if a not in varying_axes(x))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
     return jax.tree.map(
-        lambda n: PerDevice(jax.tree.map(vary, n.value)) if isinstance(n, PerDevice) else n,
+        lambda n: PerDevice(_vary(n.value, axes)) if isinstance(n, PerDevice) else n,
         cstate,
         is_leaf=lambda n: isinstance(n, PerDevice),
     )

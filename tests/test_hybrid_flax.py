@@ -180,6 +180,17 @@ def test_nnx_error_feedback_per_device_and_resumed_into_the_layout(mesh):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_nnx_powersgd_with_a_warm_up(mesh):
+    """powersgd(rank=1) with warmup_steps=1 under the NNX front end: its factors stored
+    per device (one type through the warm-up's lax.cond), copies across 'inter' equal by
+    their bits after each of three steps (the first uncompressed), the loss falling."""
+    comp = jaxcomm.compression.powersgd(rank=1)
+    sync = jaxcomm.sync_gradients(compression=comp, warmup_steps=1, min_size=0)
+    _, _, losses, step = _nnx_run(mesh, optax.chain(sync, optax.sgd(0.1)), shard_params=True)
+    assert any("['q']" in p for p in step.per_device_paths), step.per_device_paths
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+
+
 class LinenMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
