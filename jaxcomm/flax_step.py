@@ -550,8 +550,8 @@ class FlaxStep:
         # pmap_data_parallel's donate_argnums before the first call).
         self.donate = (False, False)
         self._clock: PhaseClock | None = None  # the host's copy of the counts
-        self._phase_steps: dict = {}  # (plan, HostPhase) -> the jitted step of that phase
-        self._row_steps: dict = {}  # (plan, Rows) -> the jitted step taking those rows
+        # (plan, HostPhase, Rows) -> the jitted step of that phase taking those rows
+        self._phase_steps: dict = {}
         self._rows_seen: dict = {}  # (plan, Rows asked) -> the Rows of replicated leaves
         self._row_shardings: dict = {}  # (sharding, ndim) -> whether it lays out rows
         # shard_params=True: the params and optimizer state laid out by the hybrid layout.
@@ -1188,12 +1188,15 @@ class FlaxStep:
             return None
         return self._clock.decide(_gather(list(leaves), plan.opts))
 
-    def _phase_step(self, plan: Plan, leaves: list, phase: HostPhase) -> Callable:
-        """The jitted step of one phase, built at its first use."""
-        key = (id(plan), phase)
+    def _phase_step(
+        self, plan: Plan, leaves: list, phase: HostPhase, rows: Rows | None
+    ) -> Callable:
+        """The jitted step of one phase (taking and returning ``rows``' leaves as rows),
+        built at its first use."""
+        key = (id(plan), phase, rows)
         if key not in self._phase_steps:
             specs = self._specs(leaves, plan)
-            self._phase_steps[key] = self._jit(plan, specs, phase=phase)
+            self._phase_steps[key] = self._jit(plan, specs, phase=phase, rows=rows)
         return self._phase_steps[key]
 
     def _compiled(self, step: Callable, leaves: list, data: Any) -> Callable:
@@ -1210,13 +1213,6 @@ class FlaxStep:
             )
         return self._compiled_steps[key]
 
-    def _rows_step(self, plan: Plan, leaves: list, rows: Rows) -> Callable:
-        """The jitted step whose program takes and returns ``rows``' leaves as rows."""
-        key = (id(plan), rows)
-        if key not in self._row_steps:
-            self._row_steps[key] = self._jit(plan, self._specs(leaves, plan), rows=rows)
-        return self._row_steps[key]
-
     def __call__(self, *args, rows: Rows | None = None):
         """One step on the front end's arguments; returns what the adapter writes back.
 
@@ -1224,19 +1220,17 @@ class FlaxStep:
           *args: the step's arguments (state objects and the batch).
           rows: pmap's layout (:class:`Rows`): the replicated leaves it flags come in
             (and the new ones go out) as rows, read and written by the step's own
-            program; where the host reads the state between steps (the phase clock, a
-            feedback) by programs of their own."""
+            program (the phase clock reads a row of each value it decides from); with a
+            feedback, whose step takes the state itself, by programs of their own."""
         (objs, split), plan, step, leaves, data, rows = self._prepare(args, rows)
         written = None  # new leaves to write as rows after the step (its program does not)
-        if rows is not None and (self.feedback is not None or self._host_decides(plan, leaves)):
+        if rows is not None and self.feedback is not None:
             leaves, written, rows = self._read(leaves, rows.inputs), rows.outputs, None
         phase = None
         if self.feedback is None:
             phase = self._phase(plan, leaves)
-            if phase is not None:
-                step = self._phase_step(plan, leaves, phase)
-            elif rows is not None:
-                step = self._rows_step(plan, leaves, rows)
+            if phase is not None or rows is not None:
+                step = self._phase_step(plan, leaves, phase or NO_HOST_PHASE, rows)
             new, out = self._compiled(step, leaves, data)(leaves, data)
         else:
             new, out = self._feedback_step(leaves, data, self.feedback.before_step())

@@ -341,6 +341,7 @@ class PmapDataParallel(FlaxFrontEnd):
         # it in rows; the next call asks the step's program for the same.
         self._rows_out: dict[int, bool] = {}
         self._out_axes_of: dict = {}  # by the outputs' structure: out_axes per output leaf
+        self._returned: dict[int, Any] = {}  # per TrainState output: the last one returned
         self._per_of: dict = {}  # by the states' structure: per leaf, stored per device
         self._version = 0
         self._restore_checked = False
@@ -813,7 +814,8 @@ class PmapDataParallel(FlaxFrontEnd):
             a, per = self._with_held(k, a, per)
             seen = a  # the state itself (its replicas, where it comes in rows)
             if axis == 0:
-                self._check_rows(a, per)
+                if a is not self._returned.get(k):  # (the rows this entry returned passed)
+                    self._check_rows(a, per)
                 if first:
                     # The rows are taken as replicas unchecked; once, compare them by their
                     # bits (a state whose rows differ would otherwise train apart silently).
@@ -850,6 +852,7 @@ class PmapDataParallel(FlaxFrontEnd):
             if _is_state(x):
                 flat[i] = self._keep_held(k, x, next(layouts), rows=a == 0, given=next(given))
                 self._rows_out[k] = a == 0
+                self._returned[k] = flat[i]
                 k += 1
         out = jax.tree.unflatten(treedef, flat)
         if self._form is not None:

@@ -278,6 +278,28 @@ def test_compressed_syncs_on_the_pmap_entry_equal_the_linen_decorator(mesh, comp
     assert p.per_device_paths == linen.per_device_paths
 
 
+def test_rows_form_with_the_host_choosing_the_rung(mesh):
+    """Adaptive compression with the state in rows: the host reads its rung from a row
+    of the state (jaxcomm.phase_clock) and the step of that rung reads and writes the
+    rows in its own program; the params follow the state passed whole, the per-device
+    residuals stay with the step object."""
+
+    def tx():
+        sync = jaxcomm.sync_gradients(compression=jaxcomm.compression.adaptive(), min_size=0)
+        return optax.chain(sync, optax.sgd(0.1, momentum=0.9))
+
+    p = jaxcomm.pmap_data_parallel(mesh, axis_name="batch")(step)
+    q = jaxcomm.pmap_data_parallel(mesh)(step, **CURRENT)
+    rows, whole = jax_utils.replicate(make_state(tx())), make_state(tx())
+    for seed in range(3):
+        rows, _ = p(rows, pmap_batch(seed))
+        whole, _ = q(whole, pmap_batch(seed))
+    assert p.per_device_state()  # the residuals, held by the step object
+    assert_rows_equal(rows)
+    for x, y in zip(jax.tree.leaves(rows.params), jax.tree.leaves(whole.params), strict=True):
+        np.testing.assert_allclose(np.asarray(first_row(x)), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
 def test_an_argument_with_in_axes_none_goes_whole_to_every_device(mesh):
     def weighted_step(state, batch, weights):
         state, metrics = step(state, batch)
