@@ -64,7 +64,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomm import distributed
 from jaxcomm.checkpoint import Checkpointer, manifest
 from jaxcomm.layout import ReplicatedOptimizer
-from jaxcomm.pmap import PmapDataParallel
+from jaxcomm.pmap import PmapDataParallel, first_row
 from jaxcomm.sharded import relayout_pieces
 from jaxcomm.train import DataParallel
 from jaxcomm.validate import check_choice, check_int
@@ -447,11 +447,11 @@ def _flax_view(train_step: Any, kind: str, objs: tuple) -> _View:
 
 def _pmap_unreplicated(train_step: Any, objs: tuple) -> tuple:
     """The pmap entry's ``TrainState`` s once (row 0 of a state in pmap's rows: its step
-    count has one row per device)."""
+    count has one row per device), each leaf read on one device (no collective)."""
     out = []
     for s in objs:
         if np.ndim(s.step) == 1 and np.shape(s.step)[0] == train_step.num_devices:
-            s = jax.tree.map(lambda x: x[0], s)
+            s = jax.tree.map(first_row, s)
         out.append(s)
     return tuple(out)
 

@@ -87,6 +87,7 @@ __all__ = [
     "FlaxFrontEnd",
     "FlaxStep",
     "Recording",
+    "Rows",
     "TraceHooks",
     "check_decorator_args",
     "key_data",
@@ -410,6 +411,25 @@ class Adapter(Protocol):
         ...
 
 
+class Rows(NamedTuple):
+    """pmap's layout of the state's replicated leaves for one call
+    (:meth:`FlaxStep.__call__`): each device's replica as its row of a ``(devices, ...)``
+    array sharded over the data axes (``jax_utils.replicate``'s rows).
+
+    The step's own program reads the rows as replicas and writes the new leaves as rows:
+    no program of its own on either side, no data between devices. A leaf stored per
+    device is stacked either way (its rows, flagged, are taken as its stacked layout).
+
+    Attributes:
+      inputs: per state leaf, whether it comes in as rows.
+      outputs: per state leaf (in the order of the new state's leaves), whether it goes
+        out as rows.
+    """
+
+    inputs: tuple[bool, ...]
+    outputs: tuple[bool, ...]
+
+
 class Plan(NamedTuple):
     """A step built for one structure of state and batch."""
 
@@ -530,7 +550,10 @@ class FlaxStep:
         # pmap_data_parallel's donate_argnums before the first call).
         self.donate = (False, False)
         self._clock: PhaseClock | None = None  # the host's copy of the counts
-        self._phase_steps: dict = {}  # (plan, HostPhase) -> the jitted step of that phase
+        # (plan, HostPhase, Rows) -> the jitted step of that phase taking those rows
+        self._phase_steps: dict = {}
+        self._rows_seen: dict = {}  # (plan, Rows asked) -> the Rows of replicated leaves
+        self._row_shardings: dict = {}  # (sharding, ndim) -> whether it lays out rows
         # shard_params=True: the params and optimizer state laid out by the hybrid layout.
         self._params = HybridParams(self.name, self.mesh, axes) if shard_params else None
         # The axes over which an optimizer's update must agree (not those it is split over).
@@ -538,14 +561,24 @@ class FlaxStep:
 
     # -- inside shard_map -------------------------------------------------------------
     def _stacked_step(
-        self, plan, leaves, args, share=None, *, write=None, communicate=True, phase=NO_HOST_PHASE
+        self,
+        plan,
+        leaves,
+        args,
+        share=None,
+        *,
+        write=None,
+        communicate=True,
+        phase=NO_HOST_PHASE,
+        rows_out=(),
     ):
         """The step inside shard_map: per-device leaves come and go with their device axis.
 
         With ``share`` (the measured communication share, one value per device), its mean
         over the devices is written into each optimizer's state by ``write(opt_state,
         share)`` before the step; with ``communicate=False`` every sync passes the
-        gradients through (the compute-only twin)."""
+        gradients through (the compute-only twin). The leaves at ``rows_out`` go out as
+        this device's row (:class:`Rows`)."""
         leaves = unstack_leaves(leaves, plan.per)
         if share is not None:
             mean = lax.pmean(share[0], self.axes)
@@ -554,7 +587,7 @@ class FlaxStep:
         result, out = self._local(plan, leaves, args, communicate=communicate, phase=phase)
         new = stack_leaves(result, plan.per)
         lifted = plan.lifted if communicate else ()
-        for i in lifted:
+        for i in {*lifted, *rows_out}:
             new[i] = new[i][None]  # each device's copy; read back as replicated in _jit
         return new, out
 
@@ -807,16 +840,25 @@ class FlaxStep:
             ),
         )
 
-    def _jit(self, plan, specs, *, write=None, communicate=True, phase=NO_HOST_PHASE):
+    def _jit(self, plan, specs, *, write=None, communicate=True, phase=NO_HOST_PHASE, rows=None):
         """The jitted shard_map of the step; with ``write`` (a feedback's) it takes the
         measured share as a third input; ``communicate=False``: the compute-only twin, its
-        params drifting apart, so unchecked by shard_map's replication check."""
+        params drifting apart, so unchecked by shard_map's replication check; ``rows``
+        (:class:`Rows`, flags of replicated leaves only): those leaves come in and go out
+        as rows."""
+        rows_in = [i for i, r in enumerate(rows.inputs) if r] if rows else []
+        rows_out = tuple(i for i, r in enumerate(rows.outputs) if r) if rows else ()
         body = functools.partial(
-            self._stacked_step, plan, write=write, communicate=communicate, phase=phase
+            self._stacked_step,
+            plan,
+            write=write,
+            communicate=communicate,
+            phase=phase,
+            rows_out=rows_out,
         )
         lifted = plan.lifted if communicate else ()
         out_specs = list(specs)
-        for i in lifted:
+        for i in {*lifted, *rows_out}:
             out_specs[i] = P(self.axes)
         mapped = jax.shard_map(
             body,
@@ -826,11 +868,33 @@ class FlaxStep:
             check_vma=communicate,
         )
         donate = tuple(i for i, d in enumerate(self.donate) if d)
-        if not lifted:
+        # Params proven the same on every device (Plan.lifted) come out as each device's
+        # copy: read back as the replicated value, unless they go out as rows.
+        back = [i for i in lifted if i not in rows_out]
+        if not back and not rows_in:
             return jax.jit(mapped, donate_argnums=donate)
-        # Params proven the same on every device (Plan.lifted): each device keeps its own
-        # copy as the replicated value. No data moves; unchecked, as the proof covers it.
-        own = jax.shard_map(
+        own = self._own_rows
+
+        def step(leaves, *rest):
+            if rows_in:  # each device's row read as its replica, in the same program
+                leaves = list(leaves)
+                for i, x in zip(rows_in, own([leaves[i] for i in rows_in]), strict=True):
+                    leaves[i] = x
+            new, out = mapped(leaves, *rest)
+            new = list(new)
+            if back:  # no data moves; unchecked, as the proof covers it
+                for i, x in zip(back, own([new[i] for i in back]), strict=True):
+                    new[i] = x
+            return new, out
+
+        return jax.jit(step, donate_argnums=donate)
+
+    @functools.cached_property
+    def _own_rows(self) -> Callable:
+        """Each device's row of ``(devices, ...)`` arrays as its replica of the value:
+        no data moves between devices. Unchecked (``check_vma=False``): the rows hold the
+        same bits by construction (a replicated leaf, a value proven the same)."""
+        return jax.shard_map(
             lambda xs: [x[0] for x in xs],
             mesh=self.mesh,
             in_specs=P(self.axes),
@@ -838,14 +902,41 @@ class FlaxStep:
             check_vma=False,
         )
 
-        def step(*inputs):
-            new, out = mapped(*inputs)
-            new = list(new)
-            for i, x in zip(lifted, own([new[i] for i in lifted]), strict=True):
-                new[i] = x
-            return new, out
+    @functools.cached_property
+    def _rows_of(self) -> Callable:
+        """Replicated arrays as rows, each device's replica its row (jitted; no data
+        moves between devices)."""
+        return jax.jit(
+            jax.shard_map(
+                lambda xs: [x[None] for x in xs],
+                mesh=self.mesh,
+                in_specs=P(),
+                out_specs=P(self.axes),
+                check_vma=False,
+            )
+        )
 
-        return jax.jit(step, donate_argnums=donate)
+    def read_rows(self, xs: list) -> list:
+        """Rows (``(devices, ...)`` arrays, each device's row its replica) as the
+        replicated values, by a program of their own in which each device reads its own
+        row (no collective)."""
+        if not xs:
+            return []
+        sharded = [
+            x
+            if isinstance(x, jax.Array) and x.sharding == self.batch_sharding
+            else jax.device_put(x, self.batch_sharding)
+            for x in xs
+        ]
+        return self._read_rows(sharded)
+
+    @functools.cached_property
+    def _read_rows(self) -> Callable:
+        return jax.jit(self._own_rows)
+
+    def write_rows(self, xs: list) -> list:
+        """Replicated values as rows, by a program of their own (no collective)."""
+        return self._rows_of(xs) if xs else []
 
     def _refuse_varying(self, rec: dict, kinds, marked, paths: list[str]) -> None:
         """Refuses what a traced step left varying across devices that must agree: an
@@ -949,6 +1040,12 @@ class FlaxStep:
 
         Once warm (the structures of the state and the batch those of the call before), the
         plan is the last call's: nothing is looked up, checked or built again."""
+        return self._prepare(args, None)[:5]
+
+    def _prepare(self, args: tuple, rows: Rows | None) -> tuple:
+        """:meth:`prepare`'s tuple and the call's :class:`Rows` (those of replicated
+        leaves; None where none): leaves that come in as rows stay rows (a plan built
+        now is built from their replicas, read here)."""
         adapter = self.adapter
         nodes = tuple(adapter.is_node(a) for a in args)
         objs = tuple(a for a, n in zip(args, nodes, strict=True) if n)
@@ -968,15 +1065,70 @@ class FlaxStep:
         ):
             plan, step = last[4]
         else:
-            plan, step = self._plan_for(objs, split, data, data_def, nodes)
+            built = split
+            key = (split.graphdef, split.treedef, data_def)
+            if rows is not None and any(rows.inputs) and key not in self._plans:
+                # A plan is built from the replicated values: the rows read for it once.
+                built = split._replace(leaves=self._read(split.leaves, rows.inputs))
+            plan, step = self._plan_for(objs, built, data, data_def, nodes)
         if plan.specs:  # the params and optimizer state split (flax_hybrid)
             leaves = [
                 self._put(x, f, s)
                 for x, f, s in zip(split.leaves, plan.per, plan.specs, strict=True)
             ]
-        else:
+        elif rows is None:
             leaves = [self._put(x, f) for x, f in zip(split.leaves, plan.per, strict=True)]
-        return (objs, split), plan, step, leaves, data
+        else:
+            # (the rows of a leaf stored per device are its stacked layout: each device's)
+            leaves = [
+                self._put_rows(x) if r else self._put(x, f)
+                for x, f, r in zip(split.leaves, plan.per, rows.inputs, strict=True)
+            ]
+            rows = self._rows_for(plan, rows)
+        return (objs, split), plan, step, leaves, data, rows
+
+    def _rows_for(self, plan: Plan, rows: Rows) -> Rows | None:
+        """``rows`` for the replicated leaves of ``plan`` (None where it names none)."""
+        key = (id(plan), rows)
+        if key not in self._rows_seen:
+            n = len(plan.per)
+            if len(rows.inputs) != n or len(rows.outputs) != n:
+                raise ValueError(
+                    f"{self.name}: Rows of {len(rows.inputs)} and {len(rows.outputs)} "
+                    f"leaves for a state of {n} leaves."
+                )
+            specs = plan.specs or (P(),) * n
+            mine = [not f and s == P() for f, s in zip(plan.per, specs, strict=True)]
+            ins = tuple(r and m for r, m in zip(rows.inputs, mine, strict=True))
+            outs = tuple(r and m for r, m in zip(rows.outputs, mine, strict=True))
+            self._rows_seen[key] = Rows(ins, outs) if any(ins) or any(outs) else None
+        return self._rows_seen[key]
+
+    def _read(self, leaves: list, flags: tuple) -> list:
+        """``leaves`` with those flagged (rows) read as their replicas."""
+        idx = [i for i, r in enumerate(flags) if r]
+        leaves = list(leaves)
+        for i, x in zip(idx, self.read_rows([leaves[i] for i in idx]), strict=True):
+            leaves[i] = x
+        return leaves
+
+    def _put_rows(self, x: Any) -> jax.Array:
+        """A leaf that comes as rows, on the mesh as rows."""
+        if isinstance(x, jax.Array) and self._as_rows(x):
+            return x  # rows the step returned: no call into the runtime
+        return jax.device_put(x, self.batch_sharding)
+
+    def _as_rows(self, x: jax.Array) -> bool:
+        """Whether ``x`` is laid out as rows over the data axes. The step's program
+        names its rows' sharding in its own terms (``P('intra')`` where ``'inter'`` has
+        one device): an equivalent sharding counts, compared once per sharding."""
+        s = x.sharding
+        if s == self.batch_sharding:
+            return True
+        key = (s, x.ndim)
+        if key not in self._row_shardings:
+            self._row_shardings[key] = s.is_equivalent_to(self.batch_sharding, x.ndim)
+        return self._row_shardings[key]
 
     def _plan_for(self, objs: tuple, split: Split, data: list, data_def: Any, nodes: tuple):
         """The plan and jitted step for the structures of ``split`` and ``data``
@@ -1016,26 +1168,35 @@ class FlaxStep:
         stacked = jnp.broadcast_to(x, (self.num_devices, *np.shape(x)))
         return jax.device_put(stacked, self.batch_sharding)
 
-    def _phase(self, plan: Plan, leaves: list) -> HostPhase | None:
-        """The host's decisions for this step (:mod:`jaxcomm.phase_clock`); None where
-        the syncs decide everything on the devices (no sync warms up or chooses on the
-        host, several syncs do, or a sharded optimizer, which has neither)."""
+    def _host_decides(self, plan: Plan, leaves: list) -> bool:
+        """Whether the host takes decisions for the steps (:mod:`jaxcomm.phase_clock`,
+        its clock built at the first call from the optimizer states' structure): never
+        where the syncs decide everything on the devices (no sync warms up or chooses on
+        the host, several syncs do, or a sharded optimizer, which has neither)."""
         if self._clock is None:
             if not self.syncs:
-                return None
+                return False
             laid_out = self._shard_args is not None or self._params is not None
             syncs = [] if laid_out else self.syncs
             self._clock = PhaseClock(syncs, _gather(list(leaves), plan.opts), dict(self.mesh.shape))
-        if not self._clock.active:
+        return self._clock.active
+
+    def _phase(self, plan: Plan, leaves: list) -> HostPhase | None:
+        """The host's decisions for this step (:mod:`jaxcomm.phase_clock`); None where
+        the host decides nothing (:meth:`_host_decides`)."""
+        if not self._host_decides(plan, leaves):
             return None
         return self._clock.decide(_gather(list(leaves), plan.opts))
 
-    def _phase_step(self, plan: Plan, leaves: list, phase: HostPhase) -> Callable:
-        """The jitted step of one phase, built at its first use."""
-        key = (id(plan), phase)
+    def _phase_step(
+        self, plan: Plan, leaves: list, phase: HostPhase, rows: Rows | None
+    ) -> Callable:
+        """The jitted step of one phase (taking and returning ``rows``' leaves as rows),
+        built at its first use."""
+        key = (id(plan), phase, rows)
         if key not in self._phase_steps:
             specs = self._specs(leaves, plan)
-            self._phase_steps[key] = self._jit(plan, specs, phase=phase)
+            self._phase_steps[key] = self._jit(plan, specs, phase=phase, rows=rows)
         return self._phase_steps[key]
 
     def _compiled(self, step: Callable, leaves: list, data: Any) -> Callable:
@@ -1052,13 +1213,24 @@ class FlaxStep:
             )
         return self._compiled_steps[key]
 
-    def __call__(self, *args):
-        (objs, split), plan, step, leaves, data = self.prepare(args)
+    def __call__(self, *args, rows: Rows | None = None):
+        """One step on the front end's arguments; returns what the adapter writes back.
+
+        Args:
+          *args: the step's arguments (state objects and the batch).
+          rows: pmap's layout (:class:`Rows`): the replicated leaves it flags come in
+            (and the new ones go out) as rows, read and written by the step's own
+            program (the phase clock reads a row of each value it decides from); with a
+            feedback, whose step takes the state itself, by programs of their own."""
+        (objs, split), plan, step, leaves, data, rows = self._prepare(args, rows)
+        written = None  # new leaves to write as rows after the step (its program does not)
+        if rows is not None and self.feedback is not None:
+            leaves, written, rows = self._read(leaves, rows.inputs), rows.outputs, None
         phase = None
         if self.feedback is None:
             phase = self._phase(plan, leaves)
-            if phase is not None:
-                step = self._phase_step(plan, leaves, phase)
+            if phase is not None or rows is not None:
+                step = self._phase_step(plan, leaves, phase or NO_HOST_PHASE, rows)
             new, out = self._compiled(step, leaves, data)(leaves, data)
         else:
             new, out = self._feedback_step(leaves, data, self.feedback.before_step())
@@ -1068,9 +1240,16 @@ class FlaxStep:
             self._clock.advanced(_gather(list(new), plan.opts))
         self._calls += 1
         if self.check_replicas and self._calls % self.check_replicas == 0:
-            compare_replicas(key_data(new), mesh=self.mesh, what=f"state (step {self._calls})")
+            # (leaves that went out as rows: each device's row read as its copy)
+            held = new if rows is None else self._read(new, rows.outputs)
+            compare_replicas(key_data(held), mesh=self.mesh, what=f"state (step {self._calls})")
         if self.feedback is not None:
             self.feedback.after_step(new)
+        if written is not None and any(written):
+            idx = [i for i, r in enumerate(written) if r]
+            new = list(new)
+            for i, x in zip(idx, self.write_rows([new[i] for i in idx]), strict=True):
+                new[i] = x
         return self.adapter.write_back(objs, split, new, out)
 
     # -- shard_optimizer=True ----------------------------------------------------------

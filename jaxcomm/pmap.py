@@ -74,7 +74,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.axis_names import check_axis_name
-from jaxcomm.flax_step import FlaxFrontEnd, FlaxStep, check_decorator_args, key_data
+from jaxcomm.flax_step import FlaxFrontEnd, FlaxStep, Rows, check_decorator_args, key_data
 from jaxcomm.linen import LinenAdapter
 from jaxcomm.mesh import DATA_AXES
 from jaxcomm.replicas import check_replicas as compare_replicas
@@ -83,7 +83,7 @@ from jaxcomm.state import varying_axes
 from jaxcomm.sync import SyncGradientsState
 from jaxcomm.validate import check_int
 
-__all__ = ["OptaxState", "PmapDataParallel", "pmap_data_parallel"]
+__all__ = ["OptaxState", "PmapDataParallel", "first_row", "pmap_data_parallel"]
 
 # The first word of a token that stands for per-device state the step object holds.
 TOKEN_MARK = 0x6A78434D  # "jxCM"
@@ -197,6 +197,23 @@ def _argnums(value: Any, what: str) -> tuple[int, ...]:
     nums = value if isinstance(value, (tuple, list)) else (value,)
     name = f"pmap_data_parallel({what})"
     return tuple(check_int(name, i, minimum=0, fix="pass argument positions") for i in nums)
+
+
+def first_row(x: Any) -> Any:
+    """Row 0 of ``x`` in pmap's rows, read on one device: the row this process's first
+    device holds (every row of a replicated leaf holds the same bits).
+
+    ``x[0]`` of rows sharded over the devices is a program over all of them that sends
+    device 0's row to the others, a collective that XLA:CPU's in-process rendezvous can
+    abort or deadlock on when several are queued (:mod:`jaxcomm.backend`, 7); this one
+    runs on that device alone.
+
+    Example:
+      >>> once = jax.tree.map(first_row, state)   # jax_utils.unreplicate, collective-free
+    """
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+        return x.addressable_shards[0].data[0]
+    return x[0]
 
 
 def _rows_equal(x: jax.Array) -> jax.Array:
@@ -320,26 +337,15 @@ class PmapDataParallel(FlaxFrontEnd):
         super().__init__(engine, fn)
         self.axis_name = axis_name
         self._held: dict[int, _Held] = {}  # per TrainState argument (by its position)
-        # The rows returned by the last call, by id: (rows, the replica they came from).
-        self._replica_of: dict[int, tuple] = {}
+        # Per TrainState output (by its place among them): whether the last call returned
+        # it in rows; the next call asks the step's program for the same.
+        self._rows_out: dict[int, bool] = {}
+        self._out_axes_of: dict = {}  # by the outputs' structure: out_axes per output leaf
+        self._returned: dict[int, Any] = {}  # per TrainState output: the last one returned
+        self._per_of: dict = {}  # by the states' structure: per leaf, stored per device
         self._version = 0
         self._restore_checked = False
-        stacked, rep = P(self.axes), P()
-        # Row i of a stacked leaf <-> device i's replica. No data moves between devices:
-        # each device reads (or writes) its own row. Unchecked on purpose (check_vma=False):
-        # the rows of a replicated leaf are equal by construction (jax_utils.replicate, or
-        # a step's output proven invariant).
-        self._rows_to_replicas = self._per_device(lambda xs: [x[0] for x in xs], stacked, rep)
-        self._replicas_to_rows = self._per_device(lambda xs: [x[None] for x in xs], rep, stacked)
-        self._row0 = jax.jit(lambda xs: [x[0] for x in xs], out_shardings=NamedSharding(mesh, rep))
         self._same_rows = jax.jit(lambda xs: jnp.all(jnp.stack([_rows_equal(x) for x in xs])))
-
-    def _per_device(self, fn: Callable, in_spec: P, out_spec: P) -> Callable:
-        """``fn`` on each device's own part of a list of arrays, jitted (no data moves)."""
-        mapped = jax.shard_map(
-            fn, mesh=self.mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False
-        )
-        return jax.jit(mapped)
 
     def _arg_axes(self, n: int) -> list:
         if not isinstance(self._in_axes, (tuple, list)):
@@ -586,51 +592,30 @@ class PmapDataParallel(FlaxFrontEnd):
         ]
 
     # -- the TrainState arguments ---------------------------------------------------------
-    def _from_rows(self, state: TrainState, per: list[bool]) -> TrainState:
-        """A state in pmap's rows as the state itself (per-device leaves kept). Rows this
-        object returned last are read from the replicas they were made from (no launch)."""
-        leaves, treedef = jax.tree.flatten(state)
-        for j, (x, f) in enumerate(zip(leaves, per, strict=True)):
+    def _check_rows(self, state: TrainState, per: list[bool]) -> None:
+        """Refuses a state in pmap's rows (``in_axes=0``) with a leaf, not per device,
+        whose leading axis is not the devices. The step's program reads the rows as
+        replicas (no program of their own, :class:`jaxcomm.flax_step.Rows`)."""
+        n = self.num_devices
+        for j, (x, f) in enumerate(zip(jax.tree.leaves(state), per, strict=True)):
             shape = np.shape(x)
-            if not f and (not shape or shape[0] != self.num_devices):
+            if not f and (not shape or shape[0] != n):
                 path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(state)[0][j][0])
                 raise ValueError(
                     f"{self._name}: TrainState leaf {path} has shape {shape}; in pmap's "
                     f"layout (in_axes=0) every leaf has a leading axis of the "
-                    f"{self.num_devices} devices. Pass jax_utils.replicate(state), as for "
+                    f"{n} devices. Pass jax_utils.replicate(state), as for "
                     f"jax.pmap, or the state itself with in_axes=None.{_rows_hint()}"
                 )
-        sharding = NamedSharding(self.mesh, P(self.axes))
 
-        def put(x):
-            if isinstance(x, jax.Array) and x.sharding == sharding:
-                return x
-            return jax.device_put(x, sharding)
-
-        idx = []
-        for i, f in enumerate(per):
-            made = self._replica_of.get(id(leaves[i]))
-            if f:
-                continue
-            if made is not None and made[0] is leaves[i]:
-                leaves[i] = made[1]
-            else:
-                idx.append(i)
-        if idx:
-            reps = self._rows_to_replicas([put(leaves[i]) for i in idx])
-            for i, r in zip(idx, reps, strict=True):
-                leaves[i] = r
-        return jax.tree.unflatten(treedef, leaves)
-
-    def _to_rows(self, leaves: list, per: list[bool]) -> list:
-        """The replicated leaves as pmap's rows; remembers each row's replica."""
+    def _read_state(self, state: TrainState, per: list[bool]) -> TrainState:
+        """A state in pmap's rows as the state itself (per-device leaves kept), by a
+        program of its own in which each device reads its own row."""
+        leaves, treedef = jax.tree.flatten(state)
         idx = [i for i, f in enumerate(per) if not f]
-        rows = self._replicas_to_rows([leaves[i] for i in idx])
-        leaves = list(leaves)
-        for i, r in zip(idx, rows, strict=True):
-            self._replica_of[id(r)] = (r, leaves[i])
+        for i, r in zip(idx, self.engine.read_rows([leaves[i] for i in idx]), strict=True):
             leaves[i] = r
-        return leaves
+        return jax.tree.unflatten(treedef, leaves)
 
     def _token_version(self, x: Any) -> int | None:
         """The version a token stands for; None if ``x`` is not a token. A restore may have
@@ -647,6 +632,8 @@ class PmapDataParallel(FlaxFrontEnd):
         """``(state, per)``: the state with its tokens replaced by the held per-device
         leaves, and which leaves are per device (the step's layout once it is built, else
         the tokens' places)."""
+        if per is not None and not any(per):
+            return state, per  # no leaf is per device: no token to find
         leaves, treedef = jax.tree.flatten(state)
         held = self._held.get(k)
 
@@ -680,12 +667,20 @@ class PmapDataParallel(FlaxFrontEnd):
         leaves = [next(it) if m else x for x, m in zip(leaves, marked, strict=True)]
         return jax.tree.unflatten(treedef, leaves), per
 
-    def _keep_held(self, k: int, state: TrainState, per: list[bool], rows: bool) -> TrainState:
+    def _keep_held(
+        self, k: int, state: TrainState, per: list[bool], rows: bool, given: bool
+    ) -> TrainState:
         """The returned state with its per-device leaves held here and a token in their
-        place (in pmap's rows with ``rows``); the other leaves as ``out_axes`` says."""
+        place (in pmap's rows with ``rows``); the other leaves as ``out_axes`` says
+        (``given``: whether the step's program returned them as rows)."""
+        if rows == given and not any(per):
+            return state
         leaves, treedef = jax.tree.flatten(state)
-        if rows:
-            leaves = self._to_rows(leaves, per)
+        if rows != given:  # (a call whose out_axes changed) by a program of their own
+            idx = [i for i, f in enumerate(per) if not f]
+            move = self.engine.write_rows if rows else self.engine.read_rows
+            for i, x in zip(idx, move([leaves[i] for i in idx]), strict=True):
+                leaves[i] = x
         if any(per):
             self._version += 1
             held = self._token(self._version, [x for x, f in zip(leaves, per, strict=True) if f])
@@ -803,6 +798,10 @@ class PmapDataParallel(FlaxFrontEnd):
             args, arg_axes = self._group(args, arg_axes)
         layouts = iter(self._layouts([a for a in args if _is_state(a)]))
         inputs = []
+        rows_in: list[bool] = []  # per state leaf: the step's program reads its rows
+        rows_out: list[bool] = []  # per new state leaf: the step's program writes rows
+        out_rows: list[bool] = []  # the same per state
+        guess = None if isinstance(self._out_axes, (tuple, list)) else self._out_axes
         k = 0
         for a, axis in zip(args, arg_axes, strict=True):
             if not _is_state(a):
@@ -813,40 +812,54 @@ class PmapDataParallel(FlaxFrontEnd):
             per = next(layouts)
             first = per is None
             a, per = self._with_held(k, a, per)
+            seen = a  # the state itself (its replicas, where it comes in rows)
             if axis == 0:
-                a = self._from_rows(a, per)
+                if a is not self._returned.get(k):  # (the rows this entry returned passed)
+                    self._check_rows(a, per)
                 if first:
-                    # The rows were taken as replicas unchecked; once, compare them by their
+                    # The rows are taken as replicas unchecked; once, compare them by their
                     # bits (a state whose rows differ would otherwise train apart silently).
+                    seen = self._read_state(a, per)
                     compare_replicas(
-                        key_data(a), mesh=self.mesh, what=f"{self._name}: the TrainState rows "
+                        key_data(seen), mesh=self.mesh, what=f"{self._name}: the TrainState rows "
                     )
-            if not self._restore_checked and isinstance(a, TrainState):
-                self._refuse_dropped_optimizer_state(a)
+                    if self._sharded:  # its optimizer state is laid out from the replicas
+                        a = seen
+            if not self._restore_checked and isinstance(seen, TrainState):
+                self._refuse_dropped_optimizer_state(seen)
             inputs.append(a)
+            rows_in += [axis == 0 and not (first and self._sharded)] * len(per)
+            out_rows.append(self._rows_out.get(k, guess == 0))
+            rows_out += [out_rows[-1]] * len(per)
             k += 1
         self._restore_checked = True
         deleted = self._set_donation(user_args, args)
-        out = self.engine(*inputs)
-        self._replica_of = {}  # a later call takes only these rows without a launch
+        asked = Rows(tuple(rows_in), tuple(rows_out)) if any(rows_in) or any(rows_out) else None
+        out = self.engine(*inputs, rows=asked)
         flat, treedef = jax.tree.flatten(out, is_leaf=_is_state)
-        # Outputs come one row per device as the step made them; out_axes=None: row 0.
-        flat_axes = self._flat_out_axes(out)
+        # Outputs come one row per device as the step made them; out_axes=None: each
+        # device's own row (the same on every device: the step refuses another).
+        if treedef not in self._out_axes_of:  # read once per structure of the outputs
+            self._out_axes_of[treedef] = self._flat_out_axes(out)
+        flat_axes = self._out_axes_of[treedef]
         idx = [i for i, a in enumerate(flat_axes) if a is None and not _is_state(flat[i])]
-        for i, x in zip(idx, self._row0([flat[i] for i in idx]) if idx else (), strict=True):
-            flat[i] = x
+        if idx:
+            for i, x in zip(idx, self.engine.read_rows([flat[i] for i in idx]), strict=True):
+                flat[i] = x
         layouts = iter(self._layouts([x for x in flat if _is_state(x)]))
-        k = 0
+        k, given = 0, iter(out_rows)
         for i, (x, a) in enumerate(zip(flat, flat_axes, strict=True)):
             if _is_state(x):
-                flat[i] = self._keep_held(k, x, next(layouts), rows=a == 0)
+                flat[i] = self._keep_held(k, x, next(layouts), rows=a == 0, given=next(given))
+                self._rows_out[k] = a == 0
+                self._returned[k] = flat[i]
                 k += 1
         out = jax.tree.unflatten(treedef, flat)
         if self._form is not None:
             out = self._unpack_outputs(out)
         # Donated state arguments the engine did not take over (the optax form donating
         # some of its state arguments): invalid after the call, as under jax.pmap.
-        returned = {id(x) for x in jax.tree.leaves(out)}
+        returned = {id(x) for x in jax.tree.leaves(out)} if deleted else set()
         for x in deleted:
             if id(x) not in returned and not x.is_deleted():
                 x.delete()
@@ -855,9 +868,13 @@ class PmapDataParallel(FlaxFrontEnd):
     def _layouts(self, states: list) -> list:
         """Per ``TrainState``: which of its leaves the compiled step stores per device
         (None each before the step is built)."""
-        per = self.engine.per_device_flags(jax.tree.structure(tuple(states)))
+        treedef = jax.tree.structure(tuple(states))
+        per = self._per_of.get(treedef)
+        if per is None:
+            per = self.engine.per_device_flags(treedef)
         if per is None:
             return [None] * len(states)
+        self._per_of[treedef] = per  # a built step's layout does not change
         out, it = [], iter(per)
         for st in states:
             out.append([next(it) for _ in jax.tree.leaves(st)])

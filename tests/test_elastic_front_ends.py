@@ -17,6 +17,7 @@ from mlp import mlp_batches, mlp_init, mlp_logits, mlp_loss
 import jaxcomm
 from jaxcomm import elastic
 from jaxcomm.checkpoint import Checkpointer
+from jaxcomm.pmap import first_row
 
 AX = ("inter", "intra")
 BATCH = 24  # divides over 8 and 4 devices
@@ -165,7 +166,7 @@ class PmapRows(Pmap):
 
     def _once(self, state):
         (s,) = state
-        return jax.tree.map(lambda x: x[0], s) if np.ndim(s.step) == 1 else s
+        return jax.tree.map(first_row, s) if np.ndim(s.step) == 1 else s  # no collective
 
     def params(self, state):
         return self._once(state).params

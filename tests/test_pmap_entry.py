@@ -18,6 +18,7 @@ from jax import lax
 from test_pmap import make_state, pmap_batch, step
 
 import jaxcomm
+from jaxcomm.pmap import first_row
 
 CURRENT = {"in_axes": (None, 0), "out_axes": (None, 0), "axis_name": "batch"}
 
@@ -104,6 +105,33 @@ def test_an_older_state_is_refused_when_per_device_state_moved_on(mesh):
     p(first, pmap_batch(1))
     with pytest.raises(ValueError, match=r"version \[1\].*holds version 2"):
         p(first, pmap_batch(2))
+
+
+def test_rows_form_steps_in_the_steps_own_program(mesh):
+    """With the state in rows (in_axes=0, out_axes=0), once built, a call runs the step's
+    program alone: it reads the rows as replicas and writes the new state as rows (no
+    program of their own); the state is the one passed whole would give (within f32
+    rounding: XLA:CPU fuses the row reads into the update, which may round once less)."""
+    tx = optax.chain(jaxcomm.sync_gradients(), optax.sgd(0.1, momentum=0.9))
+    p = jaxcomm.pmap_data_parallel(mesh, axis_name="batch")(step)
+    q = jaxcomm.pmap_data_parallel(mesh)(step, **CURRENT)
+    rows, whole = jax_utils.replicate(make_state(tx)), make_state(tx)
+    rows, _ = p(rows, pmap_batch(0))
+    whole, _ = q(whole, pmap_batch(0))
+
+    def own_program(xs):
+        raise AssertionError(f"a program of its own for {len(xs)} rows")
+
+    p.engine.read_rows = p.engine.write_rows = own_program
+    for seed in (1, 2):
+        rows, metrics = p(rows, pmap_batch(seed))
+        whole, _ = q(whole, pmap_batch(seed))
+    assert metrics["loss"].shape == (8,)
+    assert_rows_equal(rows)
+    once = jax.tree.map(first_row, rows)
+    assert int(once.step) == int(whole.step) == 3
+    for x, y in zip(jax.tree.leaves(once), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
 def test_rows_form_unreplicate_and_replicate_lose_nothing(mesh):
@@ -248,6 +276,28 @@ def test_compressed_syncs_on_the_pmap_entry_equal_the_linen_decorator(mesh, comp
     assert equal_leaves(a.params, b.params)
     assert assert_replicas_equal(a) > 0
     assert p.per_device_paths == linen.per_device_paths
+
+
+def test_rows_form_with_the_host_choosing_the_rung(mesh):
+    """Adaptive compression with the state in rows: the host reads its rung from a row
+    of the state (jaxcomm.phase_clock) and the step of that rung reads and writes the
+    rows in its own program; the params follow the state passed whole, the per-device
+    residuals stay with the step object."""
+
+    def tx():
+        sync = jaxcomm.sync_gradients(compression=jaxcomm.compression.adaptive(), min_size=0)
+        return optax.chain(sync, optax.sgd(0.1, momentum=0.9))
+
+    p = jaxcomm.pmap_data_parallel(mesh, axis_name="batch")(step)
+    q = jaxcomm.pmap_data_parallel(mesh)(step, **CURRENT)
+    rows, whole = jax_utils.replicate(make_state(tx())), make_state(tx())
+    for seed in range(3):
+        rows, _ = p(rows, pmap_batch(seed))
+        whole, _ = q(whole, pmap_batch(seed))
+    assert p.per_device_state()  # the residuals, held by the step object
+    assert_rows_equal(rows)
+    for x, y in zip(jax.tree.leaves(rows.params), jax.tree.leaves(whole.params), strict=True):
+        np.testing.assert_allclose(np.asarray(first_row(x)), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
 def test_an_argument_with_in_axes_none_goes_whole_to_every_device(mesh):
