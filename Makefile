@@ -25,13 +25,11 @@ install-mpi: $(STAMP)
 run: $(STAMP)
 	$(PY) -m experiments.resnet152 $(ARGS)
 
-# Three pytest workers (pytest-xdist), a test file per worker at a time: most tests are bound
-# by XLA's single-threaded compiler, but some wait (a frozen peer's timeout, a killed
-# process's detection, the testbed's link schedules), and with one worker per core each
-# wait left a core idle (13% of the run). Module fixtures (the smoke ablation) stay on one
-# worker with --dist loadfile; the files go out in tests/conftest.py's order, longest
-# first (--no-loadscope-reorder).
-TEST_WORKERS ?= 3
+# Two pytest workers (pytest-xdist), a test file per worker at a time: most tests are bound by
+# XLA's single-threaded compiler, so 2 workers on 2 cores take ~0.6 of one worker's time.
+# Module fixtures (the smoke ablation) stay on one worker with --dist loadfile; the files
+# go out in tests/conftest.py's order, longest first (--no-loadscope-reorder).
+TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
