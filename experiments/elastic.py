@@ -323,6 +323,7 @@ def kill_test(
     port: int = 29555,
     testbed: Any = None,
     timeout_s: float = 1200,
+    model: str = "resnet-tiny",
     image_size: int = 16,
     per_device_batch: int = 2,
     config: str | None = None,
@@ -334,7 +335,7 @@ def kill_test(
     stopped at the checkpoint the survivors restored, resumed on ``nodes - 1`` nodes.
 
     Every process is ``python -m experiments.resnet152 --preset cpu-smoke --train
-    --elastic MIN:MAX`` (ResNet-tiny, ``image_size`` px, asynchronous checkpoints every
+    --elastic MIN:MAX`` (``model``, ``image_size`` px, asynchronous checkpoints every
     ``every`` steps). With ``torchrun``, PyTorch's elastic agents notice the failure and
     restart the job on the nodes left; without, this function plays the agent
     (:func:`_workers`): it waits for the survivors to end on their own (at most
@@ -367,7 +368,7 @@ def kill_test(
     common = ["--preset", "cpu-smoke", "--train", "--elastic", f"{minimum}:{nodes}",
               "--steps", str(steps), "--checkpoint-every", str(every),
               "--devices-per-node", str(devices_per_node), "--no-progress",
-              "--image-size", str(image_size),
+              "--model", model, "--image-size", str(image_size),
               "--per-device-batch", str(per_device_batch)]  # fmt: skip
     common += [] if config is None else ["--config", config]
     if heartbeat_timeout_s is not None:
@@ -632,6 +633,7 @@ def _kill_test_main(args) -> int:
             every=args.every,
             testbed=testbed,
             heartbeat_timeout_s=args.heartbeat_timeout,
+            model=args.model,
         )
     result["load_average"] = [load, os.getloadavg()]
     for k, v in result.items():

@@ -34,7 +34,7 @@ from experiments.presets import MODES, PRESETS, default_preset_name
 
 _OVERRIDES = {
     # flag: (Preset field, type, help)
-    "model": (str, "ResNet name (resnet-tiny, resnet18, ..., resnet50, resnet152)"),
+    "model": (str, "ResNet name (resnet-micro, resnet-tiny, resnet18, ..., resnet152)"),
     "image_size": (int, "square image side in pixels"),
     "num_classes": (int, "classes of the synthetic data (a --data-dir sets its own)"),
     "per_device_batch": (int, "images per device per step (global batch = this x devices)"),

@@ -14,7 +14,7 @@ EVERY, KILL_AT, STEPS = 6, 8, 12
 
 def test_a_killed_process_is_survived_by_a_restart_on_the_processes_left(tmp_path, monkeypatch):
     """3 processes x 1 CPU device on loopback, each ``python -m experiments.resnet152
-    --preset cpu-smoke --train --elastic 2:3`` (ResNet-tiny 16 px, asynchronous checkpoints
+    --preset cpu-smoke --train --elastic 2:3`` (ResNet-micro 16 px, asynchronous checkpoints
     every 6 steps, the flat-psum row: a collective across processes every step), exactly
     what ``--elastic`` runs under torchrun. Once step 8 has ended, process 2 is killed
     (SIGKILL).
@@ -43,7 +43,8 @@ def test_a_killed_process_is_survived_by_a_restart_on_the_processes_left(tmp_pat
     out = str(tmp_path / "kill-test")
     r = elastic.kill_test(
         out, nodes=3, devices_per_node=1, per_device_batch=4, config="baseline",
-        kill_at=KILL_AT, steps=STEPS, every=EVERY, overlap_reference=True, timeout_s=240,
+        model="resnet-micro", kill_at=KILL_AT, steps=STEPS, every=EVERY,
+        overlap_reference=True, timeout_s=240,
     )  # fmt: skip
     logs = "\n".join(
         f"== {name}\n" + open(os.path.join(out, name)).read()[-1500:]

@@ -181,8 +181,9 @@ SMOKE_ROWS = [ROWS[0].config, ROWS[-1].config]
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """One CLI run of every mode on the tiny model: 16 px images, 1-2 steps per row, a
-    generated JPEG folder (20 images) for the training run, checkpoints on."""
+    """One CLI run of every mode on ResNet-micro (the paths of cpu-smoke's ResNet-tiny in
+    half the compile time): 16 px images, 1-2 steps per row, a generated JPEG folder (20
+    images) for the training run, checkpoints on."""
     root = tmp_path_factory.mktemp("smoke")
     data = root / "data"
     # 10 classes, as the synthetic data of cpu-smoke: the model initialisation is shared.
@@ -194,7 +195,7 @@ def smoke_run(tmp_path_factory):
     out = root / "out"
     argv = [
         "--preset", "cpu-smoke", "--train", "--ablation", "--accuracy",
-        "--image-size", "16", "--per-device-batch", "2", "--steps", "2",
+        "--model", "resnet-micro", "--image-size", "16", "--per-device-batch", "2", "--steps", "2",
         "--warmup-steps", "1", "--timing-steps", "1", "--repeats", "1", "--accuracy-steps", "5",
         "--data-dir", str(data), "--checkpoint-dir", str(root / "ckpt"),
         "--out", str(out), "--no-progress", "--rows", ",".join(SMOKE_ROWS),
@@ -246,7 +247,7 @@ def test_training_drives_the_adaptive_compressor(tmp_path):
     out = tmp_path / "out"
     argv = [
         "--preset", "cpu-smoke", "--train", "--config", "+batching", "--adapt-windows", "1",
-        "--image-size", "16",
+        "--model", "resnet-micro", "--image-size", "16",
         "--per-device-batch", "2", "--steps", "4", "--out", str(out), "--no-progress",
     ]  # fmt: skip
     assert resnet152.main(argv) == 0

@@ -61,7 +61,7 @@ def _build(mesh, parts, kind="residual_transform"):
 
 @pytest.mark.parametrize("kind", ["residual_transform", "int8_error_feedback"])
 def test_stop_and_resume_is_bit_identical(mesh, tmp_path, kind):
-    parts = steplib.make_model("resnet-tiny", 10, seed=0)
+    parts = steplib.make_model("resnet-micro", 10, seed=0)
     dp, state, data = _build(mesh, parts, kind)
 
     # The uninterrupted run.
@@ -70,7 +70,7 @@ def test_stop_and_resume_is_bit_identical(mesh, tmp_path, kind):
     # The same run, stopped after STOP steps with a checkpoint ...
     fresh = dp.init(*jax.tree.map(np.array, (parts.params, parts.batch_stats)))
     ckpt = Checkpointer(tmp_path / "ckpt")
-    meta = {"model": "resnet-tiny"}
+    meta = {"model": "resnet-micro"}
     _, position, _ = train(dp, fresh, data, start=0, stop=STOP, checkpointer=ckpt, meta=meta)
     assert position == STOP and ckpt.latest_step() == STOP
     ckpt.close()
@@ -81,7 +81,7 @@ def test_stop_and_resume_is_bit_identical(mesh, tmp_path, kind):
     ckpt2 = Checkpointer(tmp_path / "ckpt")
     restored, saved = ckpt2.restore(like)
     ckpt2.close()
-    assert saved["position"] == STOP and saved["step"] == STOP and saved["model"] == "resnet-tiny"
+    assert saved["position"] == STOP and saved["step"] == STOP and saved["model"] == "resnet-micro"
     assert int(restored.step) == STOP
     out, out_position, _ = train(dp, restored, data, start=saved["position"], stop=STEPS)
 
@@ -110,7 +110,7 @@ def test_stop_and_resume_is_bit_identical(mesh, tmp_path, kind):
 
 
 def test_restore_refuses_another_structure(mesh, tmp_path):
-    parts = steplib.make_model("resnet-tiny", 10, seed=0)
+    parts = steplib.make_model("resnet-micro", 10, seed=0)
     ckpt = Checkpointer(tmp_path / "ckpt")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         ckpt.restore(None)

@@ -7,7 +7,9 @@ from flax import nnx
 from jaxcomm.models import gradient_shapes, initialize, resnet
 
 
-@pytest.mark.parametrize("name,count", [("resnet50", 25_557_032), ("resnet-tiny", 436_536)])
+@pytest.mark.parametrize(
+    "name,count", [("resnet50", 25_557_032), ("resnet-tiny", 436_536), ("resnet-micro", 434_984)]
+)
 def test_resnet_parameter_counts(name, count):
     # ResNet-50: 25.56M parameters (torchvision); no arrays are allocated.
     shapes = gradient_shapes(name)
