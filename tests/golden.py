@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from helpers import f16_converts
+from helpers import FAST_COMPILE, f16_converts
 from mlp import mlp_batches, mlp_init
 
 import jaxcomm
@@ -51,7 +51,7 @@ C = jaxcomm.compression
 STEPS = 3
 GOLDEN_DIR = Path(__file__).with_name("golden")
 # One optimisation level for every case: the records depend on it, not the refactoring.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+FAST = FAST_COMPILE
 F32_EPS = float(np.finfo(np.float32).eps)  # 2**-23: one ulp of f32 at 1.0
 
 # PowerSGD's tolerance, in ulps of f32 relative to each leaf's largest recorded magnitude:

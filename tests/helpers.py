@@ -25,6 +25,13 @@ from jaxcomm.state import state_partition_specs
 AX = ("inter", "intra")
 ROOT = Path(__file__).resolve().parents[1]
 
+# XLA:CPU's quick compile for tests that check paths, bytes and agreement rather than speed:
+# the same HLO passes (the same collectives and bytes), LLVM without its costly passes.
+# As compiler options of one program, and as the XLA_FLAGS of the processes a test starts
+# (the make-run path on the testbed: 0.8x the CPU of the default compile).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+FAST_COMPILE_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items())
+
 
 def f16_converts() -> bool:
     """Whether XLA:CPU here can convert float32 <-> float16 at all.
@@ -211,7 +218,8 @@ def launch_two_processes(*command: str, timeout: float, env: dict | None = None)
     from jaxcomm import distributed
 
     full = {k: v for k, v in os.environ.items() if k not in distributed.ENV_VARS}
-    full |= {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # 2 devices each, not conftest's 8
+    # 2 devices each, not conftest's 8; the quick compile (a caller's env may set its own)
+    full |= {"XLA_FLAGS": FAST_COMPILE_FLAGS, "JAX_PLATFORMS": "cpu"}
     path = [str(ROOT), str(ROOT / "tests"), full.get("PYTHONPATH", "")]
     full["PYTHONPATH"] = os.pathsep.join(path)
     full |= env or {}

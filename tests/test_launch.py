@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import FAST_COMPILE_FLAGS
 
 from jaxcomm import distributed
 from jaxcomm.tools import launch
@@ -20,7 +21,7 @@ WORKER = str(Path(__file__).with_name("_dist_worker.py"))
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in distributed.ENV_VARS}
     # conftest's 8 fake devices must not leak into the workers: they get 2 each.
-    env["XLA_FLAGS"] = ""
+    env["XLA_FLAGS"] = FAST_COMPILE_FLAGS
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)

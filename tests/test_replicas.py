@@ -18,7 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_copies_equal, assert_replicas_equal, per_device, replicated, train
+from helpers import (
+    FAST_COMPILE,
+    assert_copies_equal,
+    assert_replicas_equal,
+    per_device,
+    replicated,
+    train,
+)
 from mlp import mlp_init, mlp_loss
 
 import jaxcomm
@@ -42,7 +49,7 @@ WARMUPS = [0, 1]
 OTHER = list(itertools.product(STAGES, BUCKETS, WARMUPS))
 # Compile fast (about 40% less time on 2 cores): replicas run one program, so whether they
 # agree does not depend on the optimisation level.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+FAST = FAST_COMPILE
 
 
 def _pairs(row):

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import FAST_COMPILE_FLAGS
 
 import jaxcomm
 from experiments.rows import ROWS
@@ -27,7 +28,7 @@ needs_testbed = pytest.mark.skipif(not OK, reason=f"testbed cannot run here: {WH
 
 def _env():
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOMM_")}
-    env.update(XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env.update(XLA_FLAGS=FAST_COMPILE_FLAGS, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
