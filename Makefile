@@ -11,7 +11,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
