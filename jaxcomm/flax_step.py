@@ -61,6 +61,7 @@ from jaxcomm.state import (
     global_abstract,
     infer_per_device,
     leaf_specs,
+    replace_at,
     stack_leaves,
     unstack_leaves,
     unwrap_per_device,
@@ -876,16 +877,10 @@ class FlaxStep:
         own = self._own_rows
 
         def step(leaves, *rest):
-            if rows_in:  # each device's row read as its replica, in the same program
-                leaves = list(leaves)
-                for i, x in zip(rows_in, own([leaves[i] for i in rows_in]), strict=True):
-                    leaves[i] = x
-            new, out = mapped(leaves, *rest)
-            new = list(new)
-            if back:  # no data moves; unchecked, as the proof covers it
-                for i, x in zip(back, own([new[i] for i in back]), strict=True):
-                    new[i] = x
-            return new, out
+            # each device's row read as its replica, in the same program
+            new, out = mapped(replace_at(leaves, rows_in, own), *rest)
+            # (back) no data moves; unchecked, as the proof covers it
+            return replace_at(new, back, own), out
 
         return jax.jit(step, donate_argnums=donate)
 
@@ -1106,11 +1101,7 @@ class FlaxStep:
 
     def _read(self, leaves: list, flags: tuple) -> list:
         """``leaves`` with those flagged (rows) read as their replicas."""
-        idx = [i for i, r in enumerate(flags) if r]
-        leaves = list(leaves)
-        for i, x in zip(idx, self.read_rows([leaves[i] for i in idx]), strict=True):
-            leaves[i] = x
-        return leaves
+        return replace_at(leaves, [i for i, r in enumerate(flags) if r], self.read_rows)
 
     def _put_rows(self, x: Any) -> jax.Array:
         """A leaf that comes as rows, on the mesh as rows."""
@@ -1245,11 +1236,8 @@ class FlaxStep:
             compare_replicas(key_data(held), mesh=self.mesh, what=f"state (step {self._calls})")
         if self.feedback is not None:
             self.feedback.after_step(new)
-        if written is not None and any(written):
-            idx = [i for i, r in enumerate(written) if r]
-            new = list(new)
-            for i, x in zip(idx, self.write_rows([new[i] for i in idx]), strict=True):
-                new[i] = x
+        if written is not None:
+            new = replace_at(new, [i for i, r in enumerate(written) if r], self.write_rows)
         return self.adapter.write_back(objs, split, new, out)
 
     # -- shard_optimizer=True ----------------------------------------------------------

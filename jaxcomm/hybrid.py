@@ -107,7 +107,14 @@ from jaxcomm.diloco import LocalSGDState, gradient_params
 from jaxcomm.gathering import GATHER_MODES, blocks_of_step
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.sharded import _agree, _probe_gradients, split_state
-from jaxcomm.state import PerDevice, marked_per_device, stack_leaves, unstack_leaves, varying_axes
+from jaxcomm.state import (
+    PerDevice,
+    marked_per_device,
+    replace_at,
+    stack_leaves,
+    unstack_leaves,
+    varying_axes,
+)
 from jaxcomm.sync import (
     NO_HOST_PHASE,
     GradientSync,
@@ -772,9 +779,7 @@ class HybridOptimizer:
         whole = [
             i for i, k in enumerate(self.kinds) if k not in ("dev", "rep") and self.dims[k] is None
         ]
-        for i, x in zip(whole, self._from_first([leaves[i] for i in whole]), strict=True):
-            leaves[i] = x
-        return jax.tree.unflatten(treedef, leaves)
+        return jax.tree.unflatten(treedef, replace_at(leaves, whole, self._from_first))
 
     def _from_first(self, leaves: list) -> list:
         """``leaves`` as the node's first device has them, typed invariant over the node."""
@@ -793,9 +798,7 @@ class HybridOptimizer:
         """
         leaves, treedef = jax.tree.flatten(mean)
         whole = [i for i, d in enumerate(self.dims) if d is None]
-        for i, x in zip(whole, self._from_first([leaves[i] for i in whole]), strict=True):
-            leaves[i] = x
-        return jax.tree.unflatten(treedef, leaves)
+        return jax.tree.unflatten(treedef, replace_at(leaves, whole, self._from_first))
 
     def reshard(self, opt_state: Any, stacked: NamedSharding) -> Any:
         """``opt_state`` (written on any device count: its leaves are global arrays) placed

@@ -79,7 +79,7 @@ from jaxcomm.linen import LinenAdapter
 from jaxcomm.mesh import DATA_AXES
 from jaxcomm.replicas import check_replicas as compare_replicas
 from jaxcomm.sharded import shard_options
-from jaxcomm.state import varying_axes
+from jaxcomm.state import replace_at, varying_axes
 from jaxcomm.sync import SyncGradientsState
 from jaxcomm.validate import check_int
 
@@ -613,9 +613,7 @@ class PmapDataParallel(FlaxFrontEnd):
         program of its own in which each device reads its own row."""
         leaves, treedef = jax.tree.flatten(state)
         idx = [i for i, f in enumerate(per) if not f]
-        for i, r in zip(idx, self.engine.read_rows([leaves[i] for i in idx]), strict=True):
-            leaves[i] = r
-        return jax.tree.unflatten(treedef, leaves)
+        return jax.tree.unflatten(treedef, replace_at(leaves, idx, self.engine.read_rows))
 
     def _token_version(self, x: Any) -> int | None:
         """The version a token stands for; None if ``x`` is not a token. A restore may have
@@ -678,9 +676,9 @@ class PmapDataParallel(FlaxFrontEnd):
         leaves, treedef = jax.tree.flatten(state)
         if rows != given:  # (a call whose out_axes changed) by a program of their own
             idx = [i for i, f in enumerate(per) if not f]
-            move = self.engine.write_rows if rows else self.engine.read_rows
-            for i, x in zip(idx, move([leaves[i] for i in idx]), strict=True):
-                leaves[i] = x
+            leaves = replace_at(
+                leaves, idx, self.engine.write_rows if rows else self.engine.read_rows
+            )
         if any(per):
             self._version += 1
             held = self._token(self._version, [x for x, f in zip(leaves, per, strict=True) if f])
@@ -843,9 +841,7 @@ class PmapDataParallel(FlaxFrontEnd):
             self._out_axes_of[treedef] = self._flat_out_axes(out)
         flat_axes = self._out_axes_of[treedef]
         idx = [i for i, a in enumerate(flat_axes) if a is None and not _is_state(flat[i])]
-        if idx:
-            for i, x in zip(idx, self.engine.read_rows([flat[i] for i in idx]), strict=True):
-                flat[i] = x
+        flat = replace_at(flat, idx, self.engine.read_rows)
         layouts = iter(self._layouts([x for x in flat if _is_state(x)]))
         k, given = 0, iter(out_rows)
         for i, (x, a) in enumerate(zip(flat, flat_axes, strict=True)):

@@ -33,6 +33,7 @@ __all__ = [
     "is_per_device",
     "leaf_specs",
     "marked_per_device",
+    "replace_at",
     "stack_leaves",
     "state_partition_specs",
     "stack_local",
@@ -172,6 +173,20 @@ def _map_flagged(fn, tree: Any, per_device: list[bool]) -> Any:
     return jax.tree.unflatten(
         treedef, [fn(x) if f else x for x, f in zip(leaves, per_device, strict=True)]
     )
+
+
+def replace_at(leaves: list, idx: list[int], fn: Callable[[list], list]) -> list:
+    """``leaves`` (a new list) with those at ``idx`` replaced by ``fn`` of them, in one
+    call (one program where ``fn`` is one); ``fn`` is not called when ``idx`` is empty.
+
+    Example:
+      >>> replace_at([a, b, c], [0, 2], lambda xs: [x + 1 for x in xs])   # [a+1, b, c+1]
+    """
+    leaves = list(leaves)
+    if idx:
+        for i, x in zip(idx, fn([leaves[i] for i in idx]), strict=True):
+            leaves[i] = x
+    return leaves
 
 
 def stack_leaves(tree: Any, per_device: list[bool]) -> Any:
