@@ -104,7 +104,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.compression.skip import keep_skipped
 from jaxcomm.diloco import LocalSGDState, gradient_params
-from jaxcomm.gathering import GATHER_MODES, blocks_of_step
+from jaxcomm.gathering import GATHER_MODES, blocks_of_step, gather_blocks
 from jaxcomm.microbatch import update_with_value
 from jaxcomm.sharded import _agree, _probe_gradients, split_state
 from jaxcomm.state import (
@@ -392,14 +392,11 @@ class HybridOptimizer:
         return jax.tree.map(vary, params)
 
     def gather(self, params: Any) -> Any:
-        """Step 1: each block all-gathered over the node (inside ``jax.shard_map``)."""
+        """Step 1: the blocks all-gathered over the node (inside ``jax.shard_map``), one
+        all-gather per dtype (:func:`jaxcomm.gathering.gather_blocks`)."""
         leaves, treedef = jax.tree.flatten(params)
         dims = self.dims or param_dims(params, self.intra, self.where)
-        out = [
-            x if d is None else lax.all_gather(x, self.inner, axis=d, tiled=True)
-            for x, d in zip(leaves, dims, strict=True)
-        ]
-        return jax.tree.unflatten(treedef, out)
+        return jax.tree.unflatten(treedef, gather_blocks(leaves, dims, self.inner))
 
     def loss(self, loss_fn: Callable) -> Callable:
         """``loss_fn`` of the stored blocks: the params gathered (step 1); its gradient

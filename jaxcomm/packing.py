@@ -98,6 +98,10 @@ class BufferPlan:
     def unpack(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
         """List of 1-D buffers -> leaves, with the shapes and dtypes of the plan.
 
+        Buffers with leading axes (``(..., elements)``, all alike: e.g. each device's
+        buffer as a row, from ``lax.all_gather(buf, axis)``) give leaves with the same
+        leading axes, ``(..., *shape)``.
+
         A leaf in no buffer (left out of the plan, or an empty leaf of
         :func:`plan_streams`) comes back as zeros; :meth:`unpack_into` restores only the
         leaves the plan holds.
@@ -121,8 +125,9 @@ class BufferPlan:
         ranges = []  # (buffer, offset, stop) of each piece that needs a slice
         owners = []  # (leaf, start) of each such piece
         parts: dict[int, list[tuple[int, jax.Array]]] = {}
+        lead = tuple(buffers[0].shape[:-1]) if buffers else ()
         for b, buf in zip(self.buffers, buffers, strict=True):
-            if len(b.pieces) == 1 and b.pieces[0][2] - b.pieces[0][1] == buf.shape[0]:
+            if len(b.pieces) == 1 and b.pieces[0][2] - b.pieces[0][1] == buf.shape[-1]:
                 i, s, _ = b.pieces[0]  # the buffer is one piece: no slice
                 parts.setdefault(i, []).append((s, buf))
                 continue
@@ -132,22 +137,23 @@ class BufferPlan:
                     ranges.append((buf, offset, offset + e - s))
                     owners.append((i, s))
                 offset += e - s
-        # Static slices; at runtime offsets where the backend row says so (XLA:CPU).
-        if backend.current().runtime_offsets:
+        # Static slices; at runtime offsets where the backend row says so (XLA:CPU), for
+        # 1-D buffers (rows of buffers are sliced statically).
+        if backend.current().runtime_offsets and not lead:
             pieces = backend.slices_at_runtime_offsets(ranges)
         else:
-            pieces = [lax.slice(buf, (o,), (stop,)) for buf, o, stop in ranges]
+            pieces = [lax.slice_in_dim(buf, o, stop, axis=-1) for buf, o, stop in ranges]
         for (i, s), piece in zip(owners, pieces, strict=True):
             parts.setdefault(i, []).append((s, piece))
         out = []
         for i in idx:
             shape, dtype = self.shapes[i], self.dtypes[i]
             if i not in parts:
-                out.append(jnp.zeros(shape, dtype))
+                out.append(jnp.zeros(lead + shape, dtype))
                 continue
             ps = [p for _, p in sorted(parts[i], key=lambda t: t[0])]
-            flat = ps[0] if len(ps) == 1 else jnp.concatenate(ps)
-            leaf = flat.reshape(shape)
+            flat = ps[0] if len(ps) == 1 else jnp.concatenate(ps, axis=-1)
+            leaf = flat.reshape(lead + shape)
             out.append(leaf if leaf.dtype == dtype else leaf.astype(dtype))
         return out
 

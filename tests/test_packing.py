@@ -65,6 +65,22 @@ def test_plan_streams_without_cut_is_one_buffer_per_dtype_and_unpacks_into_a_sub
         plan_streams(leaves, [0], first_bytes=100)
 
 
+def test_unpack_of_rows_gives_leaves_with_those_rows():
+    """Buffers with a leading axis (each device's buffer a row, as lax.all_gather returns
+    them) unpack into leaves with that axis, row by row the 1-D unpack's, also for leaves
+    cut across buffers."""
+    rows = [_leaves(seed) for seed in range(3)]
+    plan = plan_streams(rows[0], [0, 1, 2, 4, 5], max_bytes=4000)  # leaf 0 cut in three
+    assert len({i for b in plan.buffers for i, _, _ in b.pieces if i == 0}) == 1
+    assert sum(1 for b in plan.buffers for i, _, _ in b.pieces if i == 0) == 3
+    stacked = [jnp.stack(bufs) for bufs in zip(*(plan.pack(r) for r in rows), strict=True)]
+    got = plan.unpack(stacked)
+    each = [plan.unpack(plan.pack(r)) for r in rows]
+    want = [jnp.stack(leaves) for leaves in zip(*each, strict=True)]
+    _assert_same_bits(got, want)
+    assert got[3].shape == (3, 0, 3)  # in no buffer: zeros with the rows' axis
+
+
 def test_unpack_checks_the_buffer_count():
     leaves = _leaves()
     plan = plan_groups(leaves, [[0], [1]])

@@ -18,6 +18,7 @@ from jaxcomm.collectives.auto import check_topology, fit_to_mesh
 from jaxcomm.collectives.base import (
     ALGORITHMS,
     OPS,
+    SMALL_LEAF_ELEMENTS,
     allreduce_plan,
     axes_size,
     check_algorithm,
@@ -40,6 +41,7 @@ from jaxcomm.collectives.tree import tree_allreduce
 __all__ = [
     "ALGORITHMS",
     "OPS",
+    "SMALL_LEAF_ELEMENTS",
     "all_gather_invariant",
     "allreduce",
     "allreduce_floats",

@@ -169,7 +169,7 @@ class GPT(nnx.Module):
                 f"GPT: a sequence of {t} tokens is longer than the context "
                 f"{self.config.context}; cut it to at most {self.config.context}."
             )
-        wte, wpe, ln_f, head = (_gathered(m) for m in (self.wte, self.wpe, self.ln_f, self.head))
+        wte, wpe, ln_f, head = _gathered(self.wte, self.wpe, self.ln_f, self.head)
         x = wte(tokens) + wpe(jnp.arange(t))
         if len(self.blocks):
             graphdef = nnx.graphdef(self.blocks[0])
@@ -180,14 +180,15 @@ class GPT(nnx.Module):
         return logits.astype(jnp.float32)
 
 
-def _gathered(module: nnx.Module | None) -> nnx.Module | None:
-    """``module`` with its params gathered in a per-layer hybrid step
-    (``jaxcomm.gather_params``), else itself."""
-    if module is None:
-        return None
-    graphdef, params = nnx.split(module)
+def _gathered(*modules: nnx.Module | None) -> list[nnx.Module | None]:
+    """``modules`` with their params gathered in a per-layer hybrid step, in one call of
+    ``jaxcomm.gather_params`` (one all-gather for all of them), else themselves."""
+    split = [None if m is None else nnx.split(m) for m in modules]
+    params = [None if s is None else s[1] for s in split]
     gathered = gather_params(params)
-    return module if gathered is params else nnx.merge(graphdef, gathered)
+    if gathered is params:
+        return list(modules)
+    return [None if s is None else nnx.merge(s[0], g) for s, g in zip(split, gathered, strict=True)]
 
 
 def _apply(graphdef: Any, params: Any, x: jax.Array) -> jax.Array:
