@@ -282,37 +282,64 @@ def refuse_unsplittable(
                 out.append(jax.tree.map(jnp.subtract, gradient_params(s), p))
         return out
 
-    def run(over, specs):
+    def run(over, specs, out_leaf_specs):
         specs = jax.tree.unflatten(treedef, specs)
+        rows = [d is None and bool(over) for d in dims]  # kept whole: each device's copy
+
+        def stacked(p, *gs):
+            out = []
+            for u in updates(over, p, *gs):
+                leaves_u = jax.tree.leaves(u)
+                out.append([x[None] if r else x for x, r in zip(leaves_u, rows, strict=True)])
+            return out
+
         mapped = jax.shard_map(
-            functools.partial(updates, over),
+            stacked,
             mesh=mesh,
             in_specs=(specs,) * len(inputs),
-            out_specs=[specs] * ((len(inputs) - 1) * (2 if local_sgd else 1)),
-            check_vma=False,
+            out_specs=[list(out_leaf_specs)] * ((len(inputs) - 1) * (2 if local_sgd else 1)),
+            # Typed where the transforms allow (a statistic summed over the node counts
+            # a leaf typed the same on every device once: jaxcomm.sharded's clip);
+            # local SGD's inner state is typed per device, which its probe does not lay out.
+            check_vma=bool(over) and not local_sgd,
         )
         shardings = jax.tree.map(
             lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
         )
         with np.errstate(invalid="ignore", over="ignore"):
             out = jax.jit(mapped)(*(jax.device_put(x, shardings) for x in inputs))
-        return [[np.ravel(np.asarray(x)) for x in jax.tree.leaves(u)] for u in out]
+        result = []
+        for u in out:
+            leaves_u = []
+            for x, r in zip(u, rows, strict=True):
+                x = np.asarray(x)
+                if r:  # every device's copy of a leaf kept whole must be the same
+                    if not all(np.array_equal(x[0], c, equal_nan=True) for c in x[1:]):
+                        return None
+                    x = x[0]
+                leaves_u.append(np.ravel(x))
+            result.append(leaves_u)
+        return result
 
-    whole = run((), [P()] * len(leaves))
+    whole = run((), [P()] * len(leaves), [P()] * len(leaves))
     try:
-        split = run((inner,), [_spec(d, inner) for d in dims])
+        split = run(
+            (inner,),
+            [_spec(d, inner) for d in dims],
+            [P(inner) if d is None else _spec(d, inner) for d in dims],
+        )
     except Exception as e:  # noqa: BLE001 (the reason is reported)
         raise ValueError(
             f"{where}(shard_params=True): the transforms after jaxcomm.sync_gradients fail "
             f"on each device's block of the params ({type(e).__name__}: {e})."
         ) from e
-    if not _agree(whole, split):
+    if split is None or not _agree(whole, split):
         raise ValueError(
             f"{where}(shard_params=True): the transforms after jaxcomm.sync_gradients give "
             "another update on each device's block of the params than on the whole params: "
             "a transform reads a statistic of a leaf or of all the updates (optax."
             "clip_by_global_norm's norm of one device's blocks: use jaxcomm.sharded."
-            "clip_by_global_norm, which sums it over the node, with every param leaf split; "
+            "clip_by_global_norm, which sums it over the node; "
             "per-leaf clipping or normalisation, a Shampoo-style preconditioner), or decides "
             "from one block (optax.apply_if_finite). Use transforms that act elementwise "
             "(adam, adamw, sgd, lion, weight decay, masks by path, schedules), or "

@@ -285,8 +285,9 @@ def clip_by_global_norm(
 ) -> optax.GradientTransformationExtraArgs:
     """``optax.clip_by_global_norm`` that also clips updates split over devices: the
     squared norm of this device's updates summed over the axes they are split over (zero
-    padding adds nothing), then optax's rule: scale every update by ``max_norm / norm``
-    where the norm exceeds it.
+    padding adds nothing; a leaf typed the same on every device along them, as hybrid
+    sharding's leaves kept whole, counted once), then optax's rule: scale every update
+    by ``max_norm / norm`` where the norm exceeds it.
 
     The axes are ``axes`` if given, else those the step's request names
     (``jaxcomm.SyncRequest.sharded_over``: the data axes with ``shard_optimizer=True``,
@@ -307,14 +308,31 @@ def clip_by_global_norm(
 
     def update(updates, state, params=None, *, sync_request=None, **extra_args):
         del params, extra_args
-        over = axes if axes is not None else getattr(sync_request, "sharded_over", ())
-        squared = optax.tree.norm(updates, squared=True)
-        g_norm = jnp.sqrt(lax.psum(squared, tuple(over)) if over else squared)
+        over = tuple(axes if axes is not None else getattr(sync_request, "sharded_over", ()))
+        g_norm = jnp.sqrt(_squared_norm(updates, over))
         trigger = g_norm < max_norm
         clip = lambda t: lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)  # noqa: E731
         return jax.tree.map(clip, updates), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
+def _squared_norm(updates: Any, over: tuple[str, ...]) -> jax.Array:
+    """The squared global norm of updates split over the axes ``over``: the squares of
+    the leaves that vary over them summed over them; a leaf typed the same along them
+    (hybrid sharding's leaves kept whole on every device of a node) counted once, not
+    once per device. Without replication types (``check_vma=False``: no leaf typed
+    varying) every leaf is taken as split."""
+    leaves = jax.tree.leaves(updates)
+    if not over:
+        return optax.tree.norm(updates, squared=True)
+    split = [bool(varying_axes(x) & set(over)) for x in leaves]
+    if not any(split):
+        split = [True] * len(leaves)
+    pieces = [x for x, v in zip(leaves, split, strict=True) if v]
+    whole = [x for x, v in zip(leaves, split, strict=True) if not v]
+    squared = lax.psum(optax.tree.norm(pieces, squared=True), over)
+    return squared + optax.tree.norm(whole, squared=True) if whole else squared
 
 
 _CHAIN_FIX = (

@@ -17,7 +17,8 @@ Without arguments:
 With ``sharded``: the NNX step with sharded Adam state (``shard_optimizer=True``, f32 and
 bf16 param gathers): every process lays out the same fresh state, three steps run with
 the replicas compared after each, and the params equal the unsharded step's to f32
-rounding (bf16: to its rounding).
+rounding (bf16: to its rounding); then hybrid sharding (``shard_params=True``: each
+process a node), its params gathered whole equal to the unsharded step's.
 """
 
 import sys
@@ -33,6 +34,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.training.train_state import TrainState  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 mesh = jaxcomm.make_mesh()
 me = jax.process_index()
@@ -70,7 +72,7 @@ def trained(**kw):
         out = step(model, optimizer, make_batch(i))
     assert np.isfinite(float(out["loss"])), out
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
-    return [np.asarray(x.addressable_data(0)) for x in params]
+    return [multihost_utils.process_allgather(x, tiled=True) for x in params]
 
 
 if sys.argv[1:] == ["sharded"]:
@@ -82,6 +84,9 @@ if sys.argv[1:] == ["sharded"]:
         for a, b in zip(dense, sharded, strict=True):
             np.testing.assert_allclose(b, a, atol=tol * (1 + np.abs(a).max()))
         print(f"SHARDED_{name.upper()}_OK process={me}", flush=True)
+    for a, b in zip(dense, trained(shard_params=True), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-6 * (1 + np.abs(a).max()))
+    print(f"HYBRID_OK process={me}", flush=True)
     raise SystemExit(0)
 
 batch = make_batch(0)

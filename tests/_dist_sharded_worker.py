@@ -5,7 +5,13 @@ Each process feeds its half of every global batch to a sharded step (f32, and in
 gradients + bf16 param gathers) and to data parallelism, with clip_by_global_norm and
 AdamW; replicas are compared by their bits across processes every step
 (``check_replicas=1``); the f32 sharded losses and params must match data parallelism.
+Then hybrid sharding (``shard_params=True``: each process a node, its 2 devices the
+node's 'intra'): f32 equal to data parallelism, int8 with error feedback near it; each
+process prints a digest of its devices' blocks of the params and moments (node 0's copy
+and node 1's, which the test compares).
 """
+
+import hashlib
 
 import jaxcomm
 
@@ -21,19 +27,22 @@ me = jax.process_index()
 p0 = mlp_init(jax.random.key(0), sizes=(12, 64, 64, 3))
 
 
-def run(compression=None, param_gather=None, shard=True, steps=3):
+def run(compression=None, param_gather=None, shard=True, steps=3, layout=None):
     tx = optax.chain(
         jaxcomm.sync_gradients(compression=compression),
         jaxcomm.sharded.clip_by_global_norm(0.1),
         optax.adamw(1e-2, weight_decay=0.1),
     )
     kw = {"shard_optimizer": True, "param_gather": param_gather} if shard else {}
+    kw = {"shard_params": True} if layout == "hybrid" else kw
     dp = jaxcomm.data_parallel(mlp_loss, tx, mesh, check_replicas=1, **kw)
     state, losses = dp.init(p0), []
     for batch in mlp_batches(steps, size=32):
         local = {k: v[me * 16 : (me + 1) * 16] for k, v in batch.items()}
         state, metrics = dp(state, local)
         losses.append(float(metrics["loss"]))
+    if layout == "hybrid":
+        return losses, state
     return losses, [np.asarray(x.addressable_shards[0].data) for x in jax.tree.leaves(state.params)]
 
 
@@ -45,3 +54,21 @@ for a, b in zip(f32_params, ref_params, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 assert max(abs(a - b) for a, b in zip(q, ref, strict=True)) < 0.02, (q, ref)
 print(f"SHARDED_OK process={me}", flush=True)
+
+# Hybrid sharding across processes: 'inter' is the processes, 'intra' a process's devices.
+from jax.experimental import multihost_utils  # noqa: E402
+
+hybrid, state = run(layout="hybrid")
+np.testing.assert_allclose(hybrid, ref, rtol=1e-5)
+whole = [multihost_utils.process_allgather(x, tiled=True) for x in jax.tree.leaves(state.params)]
+for a, b in zip(whole, ref_params, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+ef, state = run(jaxcomm.compression.int8(error_feedback=True), layout="hybrid")
+assert max(abs(a - b) for a, b in zip(ef, ref, strict=True)) < 0.02, (ef, ref)
+digest = hashlib.sha256()
+for x in jax.tree.leaves(state):  # params, AdamW moments: this node's blocks
+    if "inter" in str(x.sharding.spec):
+        continue  # the residuals, per device: each node's own
+    for shard in sorted(x.addressable_shards, key=lambda s: str(s.index)):
+        digest.update(np.ascontiguousarray(np.asarray(shard.data)).tobytes())
+print(f"HYBRID_OK process={me} digest={digest.hexdigest()}", flush=True)

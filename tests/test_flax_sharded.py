@@ -259,10 +259,12 @@ def test_the_compute_only_twin_is_refused(mesh):
 
 def test_two_processes_train_sharded_nnx_state_alike():
     """Two processes of two devices each: the sharded NNX step (f32 and bf16 gathers)
-    lays out and trains the state alike on both, replicas compared every step."""
+    and the hybrid one (shard_params=True, a process a node) lay out and train the state
+    alike on both, replicas compared every step, equal to the unsharded step."""
     out = launch_two_processes(sys.executable, WORKER, "sharded", timeout=120)
     for rank in (0, 1):
         assert f"[{rank}] SHARDED_F32_OK" in out and f"[{rank}] SHARDED_BF16_OK" in out, out
+        assert f"[{rank}] HYBRID_OK" in out, out
 
 
 def _no_bias(p):

@@ -434,11 +434,14 @@ def test_model_state_equals_replicated(mesh, params, runs):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
 
-def test_clip_by_global_norm_over_the_node(mesh):
-    """jaxcomm.sharded.clip_by_global_norm sums the squared norm over 'intra' (every leaf
-    split): accepted by the probe, and equal to the replicated step with optax's clip."""
-    p0 = mlp_init(jax.random.key(1), (12, 64, 4))  # every leaf splits over 4
-    batches = [{**b, "y": b["y"] % 4} for b in _batches(1)]
+@pytest.mark.parametrize("classes", [4, 3], ids=["every_leaf_split", "a_leaf_kept_whole"])
+def test_clip_by_global_norm_over_the_node(mesh, classes):
+    """jaxcomm.sharded.clip_by_global_norm sums the squared norm of the blocks over
+    'intra', and counts a leaf kept whole on every device of the node (the (3,) bias)
+    once: accepted by the probe, and equal to the replicated step with optax's clip."""
+    p0 = mlp_init(jax.random.key(1), (12, 64, classes))
+    assert (None in param_dims(p0, 4)) == (classes == 3)
+    batches = [{**b, "y": b["y"] % classes} for b in _batches(1)]
     clip = jaxcomm.sharded.clip_by_global_norm(0.05)
     hyb = jaxcomm.data_parallel(mlp_loss, _tx(optax.chain(clip, optax.sgd(1.0))), mesh,
                                 shard_params=True)  # fmt: skip
