@@ -49,8 +49,8 @@ from experiments.presets import LM_MODES, LM_PRESETS, default_preset_name
 # The hybrid-sharded row: params, gradients and AdamW state split over a node's
 # devices ('intra'), the sync across nodes ('inter') int8-compressed with error feedback, on
 # top of the first rows' settings (flat -> hierarchical, overlap options). It does not
-# accumulate onto +compression (its adaptive compressor is driven by the profiler's
-# feedback) nor +local steps: shard_params=True refuses both (jaxcomm/hybrid.py).
+# accumulate onto +compression: its adaptive compressor is driven by the profiler's
+# feedback, which shard_params=True refuses (jaxcomm/hybrid.py).
 HYBRID_ROW_AFTER = "+overlap"
 
 
