@@ -118,22 +118,32 @@ def gather_blocks(blocks: list, dims: list[int | None], axis: str) -> list:
     """
     out = list(blocks)
     small: dict[Any, list[int]] = {}
+    split: dict[int, int] = {}  # leaf -> its split dimension, counted from 0
     for i, (x, d) in enumerate(zip(blocks, dims, strict=True)):
         if d is None:
             continue
+        ndim = jnp.ndim(x)
+        if not -ndim <= d < ndim:
+            raise ValueError(
+                f"gather_blocks: leaf {i} of shape {jnp.shape(x)} has no dimension {d} to "
+                "gather along; give a dimension of it, or None to pass it through."
+            )
+        split[i] = d % ndim
         if jnp.size(x) >= SMALL_LEAF_ELEMENTS:
-            out[i] = lax.all_gather(x, axis, axis=d, tiled=True)
+            out[i] = lax.all_gather(x, axis, axis=split[i], tiled=True)
         else:
             small.setdefault(jnp.result_type(x), []).append(i)
     if not small:
         return out
-    plan = plan_groups(blocks, small.values())
-    rows = [lax.all_gather(b, axis, axis=0) for b in plan.pack(blocks)]
-    plan.unpack_into(rows, out)
-    for i in plan.leaves():
+    idx = [i for group in small.values() for i in group]  # the plan sees the small ones only
+    local = {i: k for k, i in enumerate(idx)}
+    parts = [blocks[i] for i in idx]
+    plan = plan_groups(parts, [[local[i] for i in group] for group in small.values()])
+    rows = [lax.all_gather(b, axis, axis=0) for b in plan.pack(parts)]
+    for i, leaf in zip(idx, plan.unpack(rows), strict=True):
         shape = list(jnp.shape(blocks[i]))
-        shape[dims[i]] *= out[i].shape[0]
-        out[i] = jnp.moveaxis(out[i], 0, dims[i]).reshape(shape)
+        shape[split[i]] *= leaf.shape[0]
+        out[i] = jnp.moveaxis(leaf, 0, split[i]).reshape(shape)
     return out
 
 

@@ -17,7 +17,8 @@ One step, inside the step core's ``jax.shard_map`` over the data axes (every axi
 ``check_vma=True``: what is stored replicated over ``'inter'`` is proven so):
 
 1. **gather**: the loss sees each leaf all-gathered over ``'intra'``
-   (``lax.all_gather(..., tiled=True)``, one per leaf, which XLA schedules). The gathered
+   (``jaxcomm.gathering.gather_blocks``: a large block alone, the small ones packed into
+   one all-gather per dtype; XLA schedules them). The gathered
    params are what the backward pass keeps for the matmuls' gradients, so a device holds
    one gathered copy of the params during the step (besides its ``1/intra`` of params,
    gradients and optimizer state). With ``gather='layer'`` the loss gets the blocks and
@@ -54,8 +55,8 @@ is one more :class:`~jaxcomm.layout.OptimizerLayout` and not a second step core;
 collectives the sync issues over ``'inter'`` act on this device's block (in
 partial-manual mode every collective but ``psum`` over ``'inter'`` first gathers its
 operand inside the node: 4x the bytes across the link, ``shared/REFERENCE.md``). The
-price is that the gathers are issued by hand: one per leaf where XLA schedules them, or
-per layer where the model asks (step 1); a model axis (tensor parallelism) is not this
+price is that the gathers are issued by hand: by the layout where XLA schedules them,
+or per layer where the model asks (step 1); a model axis (tensor parallelism) is not this
 layout's.
 
 A matrix compressor (``powersgd``) compresses each device's block as a matrix of its own:
@@ -333,7 +334,16 @@ def refuse_unsplittable(
             f"{where}(shard_params=True): the transforms after jaxcomm.sync_gradients fail "
             f"on each device's block of the params ({type(e).__name__}: {e})."
         ) from e
-    if split is None or not _agree(whole, split):
+    if split is None:
+        raise ValueError(
+            f"{where}(shard_params=True): the transforms after jaxcomm.sync_gradients give "
+            "the devices of a node different updates of a leaf kept whole on each of them "
+            "(a statistic of each device's blocks, e.g. optax.clip_by_global_norm's norm: "
+            "use jaxcomm.sharded.clip_by_global_norm, which sums it over the node), so "
+            "the node's copies would drift apart. Use transforms that act elementwise, or "
+            "shard_params=False."
+        )
+    if not _agree(whole, split):
         raise ValueError(
             f"{where}(shard_params=True): the transforms after jaxcomm.sync_gradients give "
             "another update on each device's block of the params than on the whole params: "

@@ -318,21 +318,24 @@ def clip_by_global_norm(
 
 
 def _squared_norm(updates: Any, over: tuple[str, ...]) -> jax.Array:
-    """The squared global norm of updates split over the axes ``over``: the squares of
-    the leaves that vary over them summed over them; a leaf typed the same along them
-    (hybrid sharding's leaves kept whole on every device of a node) counted once, not
-    once per device. Without replication types (``check_vma=False``: no leaf typed
-    varying) every leaf is taken as split."""
-    leaves = jax.tree.leaves(updates)
+    """The squared global norm of updates split over the axes ``over``: each leaf's
+    squares summed over the axes of ``over`` it is typed varying over, so a leaf typed
+    the same along them (hybrid sharding's leaves kept whole on every device of a node)
+    counts once, not once per device. Without replication types (``check_vma=False``, a
+    ``jax.vmap`` axis) every leaf is taken as split over all of ``over``."""
     if not over:
         return optax.tree.norm(updates, squared=True)
-    split = [bool(varying_axes(x) & set(over)) for x in leaves]
-    if not any(split):
-        split = [True] * len(leaves)
-    pieces = [x for x, v in zip(leaves, split, strict=True) if v]
-    whole = [x for x, v in zip(leaves, split, strict=True) if not v]
-    squared = lax.psum(optax.tree.norm(pieces, squared=True), over)
-    return squared + optax.tree.norm(whole, squared=True) if whole else squared
+    # The device index varies over its axis exactly when shard_map types values.
+    typed = bool(varying_axes(lax.axis_index(over[0])))
+    groups: dict[tuple[str, ...], list] = {}
+    for x in jax.tree.leaves(updates):
+        split = tuple(a for a in over if a in varying_axes(x)) if typed else tuple(over)
+        groups.setdefault(split, []).append(x)
+    parts = []
+    for split, xs in groups.items():
+        squared = optax.tree.norm(xs, squared=True)
+        parts.append(lax.psum(squared, split) if split else squared)
+    return functools.reduce(jnp.add, parts) if parts else jnp.zeros((), jnp.float32)
 
 
 _CHAIN_FIX = (

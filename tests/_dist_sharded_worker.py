@@ -6,9 +6,9 @@ gradients + bf16 param gathers) and to data parallelism, with clip_by_global_nor
 AdamW; replicas are compared by their bits across processes every step
 (``check_replicas=1``); the f32 sharded losses and params must match data parallelism.
 Then hybrid sharding (``shard_params=True``: each process a node, its 2 devices the
-node's 'intra'): f32 equal to data parallelism, int8 with error feedback near it; each
-process prints a digest of its devices' blocks of the params and moments (node 0's copy
-and node 1's, which the test compares).
+node's 'intra'): equal to data parallelism; each process prints a digest of its
+devices' blocks of the params and moments (node 0's copy and node 1's, which the test
+compares).
 """
 
 import hashlib
@@ -63,12 +63,8 @@ np.testing.assert_allclose(hybrid, ref, rtol=1e-5)
 whole = [multihost_utils.process_allgather(x, tiled=True) for x in jax.tree.leaves(state.params)]
 for a, b in zip(whole, ref_params, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-ef, state = run(jaxcomm.compression.int8(error_feedback=True), layout="hybrid")
-assert max(abs(a - b) for a, b in zip(ef, ref, strict=True)) < 0.02, (ef, ref)
 digest = hashlib.sha256()
 for x in jax.tree.leaves(state):  # params, AdamW moments: this node's blocks
-    if "inter" in str(x.sharding.spec):
-        continue  # the residuals, per device: each node's own
     for shard in sorted(x.addressable_shards, key=lambda s: str(s.index)):
         digest.update(np.ascontiguousarray(np.asarray(shard.data)).tobytes())
 print(f"HYBRID_OK process={me} digest={digest.hexdigest()}", flush=True)

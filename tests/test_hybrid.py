@@ -182,7 +182,7 @@ def test_refusals_at_construction(mesh):
         (optax.adam(1e-3), ValueError, r"optax.chain\(jaxcomm.sync_gradients"),
         (_tx(optax.sgd(0.1), axes=("inter",)), ValueError, r"axes=\('inter',\)\) differs"),
         (_tx(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))), ValueError,
-         "another update on each device's block.*clip_by_global_norm"),
+         "different updates of a leaf kept whole.*jaxcomm.sharded.clip_by_global_norm"),
     ],
     ids=["no-sync", "sync-axes", "optax-clip"],
 )  # fmt: skip
@@ -434,22 +434,31 @@ def test_model_state_equals_replicated(mesh, params, runs):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("classes", [4, 3], ids=["every_leaf_split", "a_leaf_kept_whole"])
-def test_clip_by_global_norm_over_the_node(mesh, classes):
+@pytest.mark.parametrize("masked", [False, True], ids=["whole_tree", "masked_to_the_bias"])
+def test_clip_by_global_norm_over_the_node(mesh, masked):
     """jaxcomm.sharded.clip_by_global_norm sums the squared norm of the blocks over
     'intra', and counts a leaf kept whole on every device of the node (the (3,) bias)
-    once: accepted by the probe, and equal to the replicated step with optax's clip."""
-    p0 = mlp_init(jax.random.key(1), (12, 64, classes))
-    assert (None in param_dims(p0, 4)) == (classes == 3)
-    batches = [{**b, "y": b["y"] % classes} for b in _batches(1)]
-    clip = jaxcomm.sharded.clip_by_global_norm(0.05)
-    hyb = jaxcomm.data_parallel(mlp_loss, _tx(optax.chain(clip, optax.sgd(1.0))), mesh,
-                                shard_params=True)  # fmt: skip
-    ref = jaxcomm.data_parallel(
-        mlp_loss, _tx(optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(1.0))), mesh
-    )
+    once, also when it is all the clip sees (optax.masked): accepted by the probe, and
+    equal to the replicated step with optax's clip."""
+    p0 = mlp_init(jax.random.key(1), (12, 64, 3))
+    assert None in param_dims(p0, 4)  # the (3,) bias is kept whole
+    batches = _batches(1)
+    keystr = jax.tree_util.keystr
+    last_bias = jax.tree_util.tree_map_with_path(lambda k, _: keystr(k) == "[1]['b']", p0)
+
+    def tx(clip):
+        clip = optax.masked(clip, last_bias) if masked else clip
+        return _tx(optax.chain(clip, optax.sgd(1.0)))
+
+    max_norm = 1e-3 if masked else 0.05
+    clip = jaxcomm.sharded.clip_by_global_norm(max_norm)
+    hyb = jaxcomm.data_parallel(mlp_loss, tx(clip), mesh, shard_params=True)
+    ref = jaxcomm.data_parallel(mlp_loss, tx(optax.clip_by_global_norm(max_norm)), mesh)
     a, _ = _run(hyb, p0, batches)
     b, _ = _run(ref, p0, batches)
+    if masked:  # the clip bound: the bias moved by exactly max_norm
+        moved = np.linalg.norm(np.asarray(b.params[1]["b"]) - np.asarray(p0[1]["b"]))
+        np.testing.assert_allclose(moved, max_norm, rtol=1e-5)
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 
@@ -600,8 +609,9 @@ def gpt_steps(mesh):
 
 
 def test_packed_gather_equals_a_gather_per_leaf(mesh):
-    """jaxcomm.gathering.gather_blocks (small blocks packed per dtype, a large one alone)
-    equals lax.all_gather per leaf along each split dimension, by the bits; its gradient
+    """jaxcomm.gathering.gather_blocks (small blocks packed per dtype, a large one alone;
+    a middle, a negative and an empty block's dimension, leaves passed through) equals
+    lax.all_gather per leaf along each split dimension, by the bits; its gradient
     (one reduce-scatter per buffer) equals the per-leaf gradient within f32 rounding,
     bf16 leaves within bf16's; the program has one all-gather per buffer."""
     from jaxcomm import gathering
@@ -611,7 +621,8 @@ def test_packed_gather_equals_a_gather_per_leaf(mesh):
     large = (4, SMALL_LEAF_ELEMENTS // 4)
     shapes = [((3, 40), jnp.float32, 1), ((5,), jnp.float32, None), ((8, 6), jnp.bfloat16, 0),
               ((2, 3, 64), jnp.float32, 2), ((16,), jnp.float32, 0), (large, jnp.float32, 1),
-              ((2, 6), jnp.bfloat16, 1)]  # fmt: skip
+              ((2, 6), jnp.bfloat16, 1), ((2, 8, 3), jnp.float32, 1), ((0, 8), jnp.float32, 1),
+              ((4, 6), jnp.float32, -1), ((), jnp.float32, None)]  # fmt: skip
     rng = np.random.default_rng(0)
     blocks = [per_device(mesh, rng.normal(size=(n, *s)).astype(d)) for s, d, _ in shapes]
     weights = [per_device(mesh, rng.normal(size=(n, *s)).astype(np.float32)) for s, _, _ in shapes]
@@ -680,8 +691,8 @@ def _reduce_scatters(compiled, mesh):
 
 
 def test_per_layer_gathers_inside_the_node_again_in_the_backward(gpt_steps, mesh):
-    """HLO census: every all-gather is over ('intra',), one per gather call, whatever its
-    leaves (jaxcomm.gathering.gather_blocks packs them: the GPT's params are f32). Per
+    """HLO census: every all-gather is over ('intra',), one per gather call (this GPT's
+    blocks are all small and f32, so jaxcomm.gathering.gather_blocks packs them all). Per
     layer: one in the scan's forward body, one again in its backward (transposed) body,
     one for the embeddings and the final LayerNorm; gathered whole, one outside any loop.
     Their transposes likewise: one reduce-scatter per gather."""

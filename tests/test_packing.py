@@ -71,7 +71,6 @@ def test_unpack_of_rows_gives_leaves_with_those_rows():
     cut across buffers."""
     rows = [_leaves(seed) for seed in range(3)]
     plan = plan_streams(rows[0], [0, 1, 2, 4, 5], max_bytes=4000)  # leaf 0 cut in three
-    assert len({i for b in plan.buffers for i, _, _ in b.pieces if i == 0}) == 1
     assert sum(1 for b in plan.buffers for i, _, _ in b.pieces if i == 0) == 3
     stacked = [jnp.stack(bufs) for bufs in zip(*(plan.pack(r) for r in rows), strict=True)]
     got = plan.unpack(stacked)

@@ -182,7 +182,7 @@ class GPT(nnx.Module):
 
 def _gathered(*modules: nnx.Module | None) -> list[nnx.Module | None]:
     """``modules`` with their params gathered in a per-layer hybrid step, in one call of
-    ``jaxcomm.gather_params`` (one all-gather for all of them), else themselves."""
+    ``jaxcomm.gather_params`` (their small blocks in one all-gather), else themselves."""
     split = [None if m is None else nnx.split(m) for m in modules]
     params = [None if s is None else s[1] for s in split]
     gathered = gather_params(params)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import signal
 import socket
@@ -38,8 +39,26 @@ __all__ = ["free_port", "main", "quiet", "rank_env", "run_group"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket() as s:
+    """A TCP port that was free on ``host`` a moment ago, below the kernel's ephemeral
+    range: a port from that range (what binding port 0 gives) can be taken as the local
+    port of any outgoing connection before the coordinator binds it (jax.distributed's
+    "Failed to start RPC server")."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try taken: any free port
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
