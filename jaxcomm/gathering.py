@@ -117,7 +117,7 @@ def gather_blocks(blocks: list, dims: list[int | None], axis: str) -> list:
       The leaves, gathered where ``dims`` says, in order.
     """
     out = list(blocks)
-    small: dict[Any, list[int]] = {}
+    small: list[int] = []  # the leaves packed, in order
     split: dict[int, int] = {}  # leaf -> its split dimension, counted from 0
     for i, (x, d) in enumerate(zip(blocks, dims, strict=True)):
         if d is None:
@@ -132,15 +132,16 @@ def gather_blocks(blocks: list, dims: list[int | None], axis: str) -> list:
         if jnp.size(x) >= SMALL_LEAF_ELEMENTS:
             out[i] = lax.all_gather(x, axis, axis=split[i], tiled=True)
         else:
-            small.setdefault(jnp.result_type(x), []).append(i)
+            small.append(i)
     if not small:
         return out
-    idx = [i for group in small.values() for i in group]  # the plan sees the small ones only
-    local = {i: k for k, i in enumerate(idx)}
-    parts = [blocks[i] for i in idx]
-    plan = plan_groups(parts, [[local[i] for i in group] for group in small.values()])
+    parts = [blocks[i] for i in small]  # the plan sees the small ones only
+    by_dtype: dict[Any, list[int]] = {}
+    for k, x in enumerate(parts):
+        by_dtype.setdefault(jnp.result_type(x), []).append(k)
+    plan = plan_groups(parts, by_dtype.values())
     rows = [lax.all_gather(b, axis, axis=0) for b in plan.pack(parts)]
-    for i, leaf in zip(idx, plan.unpack(rows), strict=True):
+    for i, leaf in zip(small, plan.unpack(rows), strict=True):
         shape = list(jnp.shape(blocks[i]))
         shape[split[i]] *= leaf.shape[0]
         out[i] = jnp.moveaxis(leaf, 0, split[i]).reshape(shape)

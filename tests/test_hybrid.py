@@ -662,6 +662,15 @@ def test_packed_gather_equals_a_gather_per_leaf(mesh):
     assert any(np.any(np.asarray(a, np.float32)) for a in grad)
 
 
+def test_gather_blocks_refuses_a_dimension_the_leaf_lacks():
+    from jaxcomm import gathering
+
+    with pytest.raises(ValueError, match=r"leaf 1 of shape \(4, 2\) has no dimension 2"):
+        gathering.gather_blocks([jnp.ones(3), jnp.ones((4, 2))], [None, 2], "intra")
+    with pytest.raises(ValueError, match=r"leaf 0 of shape \(\) has no dimension 0"):
+        gathering.gather_blocks([jnp.ones(())], [0], "intra")
+
+
 def test_per_layer_gather_equals_whole_gather(gpt_steps):
     """Two SGD steps of the GPT: gathered per layer (a rematerialised scan over the
     blocks) as gathered whole, within f32 rounding."""
